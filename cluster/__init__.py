@@ -1,0 +1,1 @@
+"""What every psctl role shares: cluster spec parsing and validation, server bootstrap."""

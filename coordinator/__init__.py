@@ -1,0 +1,1 @@
+"""The coordinator: job API, training loop, local-cluster launcher and the `psctl` CLI."""

@@ -1,0 +1,1 @@
+"""psctl's own gRPC API: .proto sources and generated Python."""

@@ -1,0 +1,1 @@
+"""`ps-server`: a parameter-server task (thin entry point over cluster.server)."""

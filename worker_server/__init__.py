@@ -1,0 +1,1 @@
+"""`worker-server`: a worker task (thin entry point over cluster.server)."""
