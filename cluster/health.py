@@ -1,0 +1,72 @@
+"""grpc.health.v1 for psctl servers: the service side and a bounded client check."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# gRPC enables SO_REUSEPORT by default: a second server on a taken port would bind silently.
+_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class HealthService:
+    """A grpc health server whose overall status starts NOT_SERVING."""
+
+    def __init__(self, *, host: str, port: int, max_workers: int = 4) -> None:
+        self._servicer = health.HealthServicer()
+        self._servicer.set("", NOT_SERVING)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = self._server.add_insecure_port(bind)
+        self._server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        self._servicer.set("", SERVING if serving else NOT_SERVING)
+
+    def stop(self, grace: float = 0.5) -> None:
+        self._servicer.enter_graceful_shutdown()
+        self._server.stop(grace).wait(grace + 1.0)
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    address: str
+    status: str  # SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN or UNREACHABLE
+    detail: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.status == "SERVING"
+
+
+def check(address: str, *, timeout: float = 2.0) -> HealthResult:
+    """One Check RPC with a deadline; never raises for an unreachable server."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            detail = err.details() if isinstance(err, grpc.Call) else str(err)
+            return HealthResult(address, "UNREACHABLE", f"{code.name if code else ''} {detail}")
+    return HealthResult(address, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def wait_serving(address: str, *, timeout: float, poll: float = 0.2) -> HealthResult:
+    """Poll until SERVING or ``timeout`` seconds pass; returns the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check(address, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+        if result.serving or time.monotonic() >= deadline:
+            return result
+        time.sleep(poll)

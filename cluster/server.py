@@ -1,0 +1,241 @@
+"""Server bootstrap shared by `ps-server` and `worker-server`.
+
+Start order: check every port is free, health service (NOT_SERVING), /metrics, the
+TensorFlow server, then health SERVING and systemd READY=1. SIGTERM or SIGINT turns health
+NOT_SERVING, drains for a moment and exits 0: a TF server cannot be stopped in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from cluster import ports, sdnotify
+from cluster.errors import EXIT_FAILURE, ConfigError
+from cluster.logs import configure_logging, quiet_tensorflow
+from cluster.spec import TaskConfig, resolve_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    task: TaskConfig
+    bind_host: str
+    health_port: int
+    metrics_port: int  # 0: no /metrics
+    shutdown_grace: float
+    inter_op_threads: int
+
+
+def build_parser(task_type: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{task_type}-server",
+        description=f"Run one TensorFlow {task_type} task of a psctl cluster until SIGTERM.",
+        epilog=(
+            "The task comes from --cluster FILE --index I, or else from TF_CONFIG. "
+            "Side ports default to the TF port + "
+            f"{ports.HEALTH_PORT_OFFSET} (health) and + {ports.METRICS_PORT_OFFSET} (metrics); "
+            "PSCTL_HEALTH_PORT / PSCTL_METRICS_PORT / PSCTL_BIND_HOST set them from the "
+            "environment (flags win). Exit status 78 means a configuration error."
+        ),
+    )
+    parser.add_argument("--cluster", metavar="FILE", help="cluster file (TF_CONFIG's JSON)")
+    parser.add_argument("--index", type=int, help="this task's index in the cluster file")
+    parser.add_argument("--health-port", type=int, help="grpc.health.v1 port")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    parser.add_argument(
+        "--bind-host", help="address the health and metrics ports listen on (default 0.0.0.0)"
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=1.0,
+        help="seconds health reports NOT_SERVING before exit (default 1.0; at most 4)",
+    )
+    parser.add_argument(
+        "--inter-op-threads",
+        type=int,
+        help="TF inter-op threads (default: max(workers + 2, CPUs); fewer than workers + 1 "
+        "can hang the cluster)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, TF logs")
+    return parser
+
+
+def _port_setting(flag: int | None, env: Mapping[str, str], name: str, field: str) -> int | None:
+    if flag is not None:
+        value, where = flag, field
+    elif env.get(name):
+        where = name
+        try:
+            value = int(env[name])
+        except ValueError:
+            raise ConfigError(name, f"{env[name]!r} is not a port number", "set 1-65535") from None
+    else:
+        return None
+    if not 0 <= value < 65536:
+        raise ConfigError(where, f"{value} is out of range", "use 1-65535 (0 turns it off)")
+    return value
+
+
+def resolve_options(
+    task_type: str, args: argparse.Namespace, environ: Mapping[str, str]
+) -> ServerOptions:
+    task = resolve_task(
+        cluster_file=args.cluster,
+        task_type=task_type if args.cluster else None,
+        task_index=args.index,
+        environ=environ,
+        default_type=task_type,
+    )
+    if task.task_type != task_type:
+        raise ConfigError(
+            "TF_CONFIG.task.type",
+            f"is {task.task_type!r} but this is the {task_type} server",
+            f"run {task.task_type}-server for this task, or set task.type to {task_type!r}",
+        )
+    health = _port_setting(args.health_port, environ, "PSCTL_HEALTH_PORT", "--health-port")
+    if health is None or health == 0:
+        health = ports.side_port(task.port, ports.HEALTH_PORT_OFFSET, field="--health-port")
+    metrics = _port_setting(args.metrics_port, environ, "PSCTL_METRICS_PORT", "--metrics-port")
+    if metrics is None:
+        metrics = ports.side_port(task.port, ports.METRICS_PORT_OFFSET, field="--metrics-port")
+    if len({task.port, health, metrics} - {0}) != len(
+        [p for p in (task.port, health, metrics) if p]
+    ):
+        raise ConfigError(
+            "--health-port/--metrics-port",
+            f"ports collide (tf {task.port}, health {health}, metrics {metrics})",
+            "give each a different port",
+        )
+    if not 0 <= args.shutdown_grace <= 4:
+        raise ConfigError("--shutdown-grace", f"{args.shutdown_grace} s", "use 0 to 4 seconds")
+    threads = args.inter_op_threads or max(task.cluster.num_workers + 2, os.cpu_count() or 1)
+    if threads < task.cluster.num_workers + 1:
+        raise ConfigError(
+            "--inter-op-threads",
+            f"{threads} is fewer than workers + 1 = {task.cluster.num_workers + 1}",
+            "raise it (TensorFlow's PS cluster can hang with fewer)",
+        )
+    return ServerOptions(
+        task=task,
+        bind_host=args.bind_host or environ.get("PSCTL_BIND_HOST") or "0.0.0.0",
+        health_port=health,
+        metrics_port=metrics,
+        shutdown_grace=args.shutdown_grace,
+        inter_op_threads=threads,
+    )
+
+
+class _Stop:
+    """Set from a signal handler; the main thread waits on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name = ""
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+
+def _start_tf_server(opts: ServerOptions) -> object:
+    import tensorflow as tf  # deferred: seconds of import, after the ports are known free
+
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=opts.inter_op_threads)
+    return tf.distribute.Server(
+        tf.train.ClusterSpec(opts.task.cluster.as_dict()),
+        job_name=opts.task.task_type,
+        task_index=opts.task.task_index,
+        protocol="grpc",
+        config=config,
+        start=True,
+    )
+
+
+def serve(opts: ServerOptions, stop: _Stop) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from cluster.health import HealthService
+    from cluster.metrics import ProcessMetrics, serve_metrics
+
+    task = opts.task
+    name = f"{task.task_type}:{task.task_index}"
+    ports.check_port_free(task.port, field=f"cluster.{task.task_type}[{task.task_index}] port")
+    ports.check_port_free(opts.health_port, host=opts.bind_host, field="--health-port")
+    if opts.metrics_port:
+        ports.check_port_free(opts.metrics_port, host=opts.bind_host, field="--metrics-port")
+
+    health = HealthService(host=opts.bind_host, port=opts.health_port)
+    registry = CollectorRegistry()
+    metrics = ProcessMetrics(
+        registry=registry, task_type=task.task_type, task_index=task.task_index
+    )
+    if opts.metrics_port:
+        serve_metrics(registry, host=opts.bind_host, port=opts.metrics_port)
+    log.info("%s starting TF server on %s", name, task.address)
+    started = time.monotonic()
+    server = _start_tf_server(opts)
+    if stop.event.is_set():
+        return 0
+    health.set_serving(True)
+    metrics.health.state("serving")
+    log.info(
+        "%s serving: tf %s, health :%d, metrics %s (%.1fs)",
+        name,
+        getattr(server, "target", task.address),
+        opts.health_port,
+        f":{opts.metrics_port}" if opts.metrics_port else "off",
+        time.monotonic() - started,
+    )
+    sdnotify.notify(f"READY=1\nSTATUS=serving {name} on {task.address}")
+    while not stop.event.wait(1.0):
+        pass
+    log.info(
+        "%s got %s: health NOT_SERVING, exiting in %.1fs",
+        name,
+        stop.signal_name,
+        opts.shutdown_grace,
+    )
+    sdnotify.notify("STOPPING=1")
+    health.set_serving(False)
+    metrics.health.state("not_serving")
+    time.sleep(opts.shutdown_grace)
+    health.stop(grace=0.2)
+    return 0
+
+
+def main(task_type: str, argv: Sequence[str] | None = None) -> int:
+    stop = _Stop()
+    # Handlers first: a SIGTERM during TensorFlow's import still ends the process cleanly.
+    signal.signal(signal.SIGTERM, stop.handle)
+    signal.signal(signal.SIGINT, stop.handle)
+    args = build_parser(task_type).parse_args(argv)
+    configure_logging(verbose=args.verbose, name=f"{task_type}-server")
+    quiet_tensorflow(verbose=args.verbose)
+    try:
+        opts = resolve_options(task_type, args, os.environ)
+        status = serve(opts, stop)
+    except ConfigError as err:
+        print(f"{task_type}-server: error: {err}", file=sys.stderr)
+        status = err.exit_status
+    except Exception as err:  # the TF server failed to start: one line, not a traceback
+        log.debug("start-up failed", exc_info=True)
+        print(
+            f"{task_type}-server: error: {type(err).__name__}: {err}".splitlines()[0],
+            file=sys.stderr,
+        )
+        status = EXIT_FAILURE
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # TensorFlow's server threads never join: leave without waiting for them.
+    os._exit(status)

@@ -1,0 +1,634 @@
+"""Cluster configuration (TF_CONFIG or a cluster file): parsing, validation and display."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.errors import ConfigError
+
+TASK_TYPES: tuple[str, ...] = ("chief", "worker", "ps", "evaluator")
+
+# The order tasks are listed, stored and shown in.
+_ORDER: tuple[str, ...] = ("chief", "ps", "worker", "evaluator")
+# Task types that may have at most one task.
+_SINGLE: tuple[str, ...] = ("chief", "evaluator")
+# Task types every cluster needs.
+_REQUIRED: tuple[str, ...] = ("ps", "worker")
+
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*")
+
+_EXAMPLE_TF_CONFIG = (
+    '{"cluster": {"chief": ["host0:2222"], "ps": ["host1:2222"], "worker": ["host2:2222"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+_ALLOWED = ", ".join(TASK_TYPES)
+_MASTER_FIX = 'use "chief": TensorFlow 2 calls the coordinator\'s task "chief", not "master"'
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _error(field: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(_one_line(field), _one_line(problem), _one_line(fix))
+
+
+def _field(source: str, path: str) -> str:
+    """Name a field: ``TF_CONFIG.cluster.ps[1]`` for a variable, ``f.json: cluster.ps[1]`` else."""
+    if not path:
+        return source
+    if not source:
+        return path
+    if _ENV_NAME.fullmatch(source):
+        return f"{source}.{path}"
+    return f"{source}: {path}"
+
+
+def _key_path(parent: str, key: str) -> str:
+    step = key if _KEY_NAME.fullmatch(key) else f"[{json.dumps(key)}]"
+    if not parent:
+        return step
+    return f"{parent}.{step}" if not step.startswith("[") else f"{parent}{step}"
+
+
+def _kind(value: object) -> str:
+    """The JSON kind of a decoded value, with its article."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def _show(value: object) -> str:
+    """A short, one-line rendering of a user's value."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plural(count: int, task_type: str) -> str:
+    if count == 1 or task_type == "ps":
+        return f"{count} {task_type}"
+    return f"{count} {task_type}s"
+
+
+def _index_range(count: int) -> str:
+    return "0" if count == 1 else f"0..{count - 1}"
+
+
+def split_host_port(address: str, *, field: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:2222``) into host (brackets removed) and port."""
+    if not isinstance(address, str):
+        raise _error(field, f"is {_kind(address)}, not a host:port string", 'write "host:port"')
+    shown = json.dumps(address)
+    if not address:
+        raise _error(field, "is an empty address", 'write "host:port", e.g. "10.0.0.5:2222"')
+    if any(ch.isspace() for ch in address):
+        raise _error(field, f"address {shown} contains whitespace", "remove the whitespace")
+    if "://" in address:
+        raise _error(
+            field,
+            f"address {shown} has a URL scheme",
+            'give a bare "host:port" without "grpc://" or any other scheme',
+        )
+    if address.startswith("["):
+        close = address.find("]")
+        if close < 0:
+            raise _error(field, f"address {shown} has no closing ']'", 'write IPv6 as "[::1]:2222"')
+        host = address[1:close]
+        rest = address[close + 1 :]
+        if not host:
+            raise _error(field, f"address {shown} has an empty host", 'write "[::1]:2222"')
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _error(
+                field,
+                f"address {shown}: {json.dumps(host)} is not an IPv6 address",
+                "put only IPv6 addresses in brackets; write hostnames and IPv4 as host:port",
+            ) from None
+        if not rest.startswith(":"):
+            raise _error(
+                field, f"address {shown} has no port", 'write "[host]:port", e.g. "[::1]:2222"'
+            )
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep:
+            raise _error(
+                field, f"address {shown} has no port", f'write "host:port", e.g. "{address}:2222"'
+            )
+        if ":" in host:
+            raise _error(
+                field,
+                f"address {shown} looks like an unbracketed IPv6 address",
+                'put IPv6 hosts in brackets, e.g. "[::1]:2222"',
+            )
+        if not host:
+            raise _error(
+                field,
+                f"address {shown} has an empty host",
+                'write "host:port", e.g. "localhost:2222"',
+            )
+        if not _HOST_NAME.fullmatch(host):
+            raise _error(
+                field,
+                f"address {shown}: {json.dumps(host)} is not a valid host name",
+                "use a host name or an IP address (letters, digits, '.', '-', '_')",
+            )
+    if not port_text:
+        raise _error(field, f"address {shown} has an empty port", "give a port number 1..65535")
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise _error(
+            field,
+            f"address {shown}: port {json.dumps(port_text)} is not an integer",
+            "give a port number 1..65535",
+        )
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise _error(
+            field, f"address {shown}: port {port} is out of range", "give a port number 1..65535"
+        )
+    return host, port
+
+
+def _address_key(address: str, field: str) -> tuple[str, int]:
+    """What makes two addresses the same endpoint (host names are case-insensitive)."""
+    host, port = split_host_port(address, field=field)
+    return host.lower(), port
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A validated cluster: task type -> task addresses, only non-empty types, stable order."""
+
+    jobs: dict[str, tuple[str, ...]]
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.jobs if t not in _ORDER]
+        if unknown:
+            raise ValueError(f"unknown task types {unknown}; allowed: {_ALLOWED}")
+        ordered = {t: tuple(self.jobs[t]) for t in _ORDER if self.jobs.get(t)}
+        object.__setattr__(self, "jobs", ordered)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.jobs.items()))
+
+    @property
+    def ps(self) -> tuple[str, ...]:
+        return self.jobs.get("ps", ())
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self.jobs.get("worker", ())
+
+    @property
+    def chief(self) -> str | None:
+        chief = self.jobs.get("chief", ())
+        return chief[0] if chief else None
+
+    @property
+    def evaluator(self) -> str | None:
+        evaluator = self.jobs.get("evaluator", ())
+        return evaluator[0] if evaluator else None
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.ps)
+
+    def address(self, task_type: str, index: int) -> str:
+        """The address of one task; ConfigError if the cluster has no such task."""
+        field = f"cluster.{task_type}[{index}]"
+        addresses = self.jobs.get(task_type, ())
+        if not addresses:
+            raise _error(
+                field,
+                f"the cluster has no {task_type} task",
+                f"use one of the task types it has: {', '.join(self.jobs)}",
+            )
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(addresses):
+            raise _error(
+                field,
+                f"index {_show(index)} is out of range for {_plural(len(addresses), task_type)}",
+                f"use an index in {_index_range(len(addresses))}",
+            )
+        return addresses[index]
+
+    def tasks(self) -> list[tuple[str, int, str]]:
+        """Every task as (type, index, address), chief, ps, worker, evaluator in order."""
+        return [
+            (task_type, index, address)
+            for task_type, addresses in self.jobs.items()
+            for index, address in enumerate(addresses)
+        ]
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """The cluster in the dict form of ``tf.train.ClusterSpec`` and TF_CONFIG's cluster."""
+        return {task_type: list(addresses) for task_type, addresses in self.jobs.items()}
+
+    def with_chief(self, address: str) -> ClusterConfig:
+        """This cluster with its chief set (added or replaced) to ``address``."""
+        field = "cluster.chief[0]"
+        key = _address_key(address, field)
+        for task_type, index, other in self.tasks():
+            if task_type != "chief" and _address_key(other, field) == key:
+                raise _error(
+                    field,
+                    f"address {json.dumps(address)} is also used by cluster.{task_type}[{index}]",
+                    "give the chief its own host:port",
+                )
+        jobs = dict(self.jobs)
+        jobs["chief"] = (address,)
+        return ClusterConfig(jobs)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One task of a cluster: what a server or the coordinator runs as."""
+
+    cluster: ClusterConfig
+    task_type: str
+    task_index: int
+
+    def __post_init__(self) -> None:
+        self.cluster.address(self.task_type, self.task_index)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address(self.task_type, self.task_index)
+
+    @property
+    def port(self) -> int:
+        return split_host_port(self.address, field=f"cluster.{self.task_type}[{self.task_index}]")[
+            1
+        ]
+
+    def tf_config(self) -> str:
+        """This task's TF_CONFIG, as a JSON string."""
+        return json.dumps(
+            {
+                "cluster": self.cluster.as_dict(),
+                "task": {"type": self.task_type, "index": self.task_index},
+            }
+        )
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(key)
+        result[key] = value
+    return result
+
+
+def _decode(text: str, source: str) -> object:
+    if not isinstance(text, str):
+        raise _error(source, f"is {_kind(text)}, not JSON text", "give a JSON object")
+    if not text.strip():
+        raise _error(source, "is empty", f"give a JSON object like {_EXAMPLE_TF_CONFIG}")
+    try:
+        return json.loads(text, object_pairs_hook=_pairs_hook)
+    except json.JSONDecodeError as e:
+        raise _error(
+            source,
+            f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})",
+            "fix the JSON syntax",
+        ) from None
+    except _DuplicateKeyError as e:
+        raise _error(
+            source,
+            f"a JSON object has the key {json.dumps(e.key)} twice",
+            "give each key once",
+        ) from None
+
+
+def _top_object(obj: object, source: str) -> Mapping[str, object]:
+    if not isinstance(obj, Mapping):
+        raise _error(
+            source,
+            f"the top level is {_kind(obj)}, not a JSON object",
+            f"give a JSON object like {_EXAMPLE_TF_CONFIG}",
+        )
+    return obj
+
+
+def _cluster_section(top: Mapping[str, object], source: str) -> Mapping[str, object]:
+    field = _field(source, "cluster")
+    if "cluster" not in top:
+        raise _error(
+            field,
+            "is missing",
+            'add "cluster": {"ps": ["host:port", ...], "worker": ["host:port", ...]}',
+        )
+    section = top["cluster"]
+    if not isinstance(section, Mapping):
+        raise _error(
+            field,
+            f"is {_kind(section)}, not an object",
+            'make it an object like {"ps": ["host:port"], "worker": ["host:port"]}',
+        )
+    return section
+
+
+def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> ClusterConfig:
+    """Validate a mapping of task type -> address list; ``prefix`` is its path in the source."""
+    for key in section:
+        if key not in TASK_TYPES:
+            field = _field(source, _key_path(prefix, str(key)))
+            if key == "master":
+                raise _error(field, 'task type "master" is not supported', _MASTER_FIX)
+            raise _error(field, f"unknown task type {json.dumps(key)}", f"use one of {_ALLOWED}")
+
+    jobs: dict[str, tuple[str, ...]] = {}
+    seen: dict[tuple[str, int], str] = {}
+    for task_type in _ORDER:
+        if task_type not in section:
+            continue
+        value = section[task_type]
+        job_path = _key_path(prefix, task_type)
+        job_field = _field(source, job_path)
+        if isinstance(value, str):
+            raise _error(
+                job_field,
+                f"is a string ({_show(value)}), not a list of addresses",
+                f'write a list: "{task_type}": [{json.dumps(value)}]',
+            )
+        if not isinstance(value, (list, tuple)):
+            raise _error(
+                job_field,
+                f"is {_kind(value)}, not a list of addresses",
+                f'write a list of "host:port" strings: "{task_type}": ["host:2222"]',
+            )
+        if task_type in _SINGLE and len(value) > 1:
+            raise _error(
+                job_field,
+                f"has {len(value)} {task_type} tasks; a cluster has at most one",
+                f"keep a single {task_type} address",
+            )
+        addresses: list[str] = []
+        for index, address in enumerate(value):
+            task_path = f"{job_path}[{index}]"
+            task_field = _field(source, task_path)
+            if not isinstance(address, str):
+                raise _error(
+                    task_field,
+                    f"is {_kind(address)} ({_show(address)}), not a host:port string",
+                    'write the address as a string, e.g. "10.0.0.5:2222"',
+                )
+            endpoint = _address_key(address, task_field)
+            if endpoint in seen:
+                raise _error(
+                    task_field,
+                    f"address {json.dumps(address)} is also used by {seen[endpoint]}",
+                    "give every task its own host:port",
+                )
+            seen[endpoint] = task_path
+            addresses.append(address)
+        if addresses:
+            jobs[task_type] = tuple(addresses)
+
+    for task_type in _REQUIRED:
+        if task_type not in jobs:
+            field = _field(source, _key_path(prefix, task_type))
+            problem = "is empty" if task_type in section else "is missing"
+            raise _error(
+                field,
+                f"{problem}: a parameter-server cluster needs at least one {task_type} task",
+                f'add "{task_type}": ["host:port"]',
+            )
+    return ClusterConfig(jobs)
+
+
+def parse_cluster(obj: object, *, source: str) -> ClusterConfig:
+    """Validate decoded JSON: ``{"cluster": {...}, ...}`` or a bare ``{"ps": [...], ...}``."""
+    top = _top_object(obj, source)
+    if "cluster" in top:
+        return _validate_jobs(_cluster_section(top, source), source, "cluster")
+    if any(key in TASK_TYPES or key == "master" for key in top):
+        return _validate_jobs(top, source, "")
+    raise _error(
+        _field(source, "cluster"),
+        "is missing",
+        'give {"cluster": {"ps": ["host:port"], "worker": ["host:port"], ...}} '
+        f"or a bare mapping of task types ({_ALLOWED}) to address lists",
+    )
+
+
+def parse_cluster_json(text: str, *, source: str) -> ClusterConfig:
+    """Parse a whole TF_CONFIG or cluster file, wrapped in ``"cluster"`` or bare."""
+    return parse_cluster(_decode(text, source), source=source)
+
+
+def load_cluster_file(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate a cluster file (its ``"task"``, if any, is ignored)."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise _error(
+            source, "cluster file not found", "check the --cluster path (or set TF_CONFIG)"
+        ) from None
+    except IsADirectoryError:
+        raise _error(
+            source, "is a directory, not a cluster file", "pass the JSON file's path"
+        ) from None
+    except OSError as e:
+        raise _error(
+            source,
+            f"cannot read the cluster file: {e.strerror or e}",
+            "check the path and its permissions",
+        ) from None
+    except UnicodeDecodeError as e:
+        raise _error(
+            source, f"is not UTF-8 text ({e.reason} at byte {e.start})", "save it as UTF-8 JSON"
+        ) from None
+    return parse_cluster_json(text, source=source)
+
+
+def _check_task_type(task_type: object, cluster: ClusterConfig, field: str, where: str) -> str:
+    if not isinstance(task_type, str):
+        raise _error(field, f"is {_kind(task_type)}, not a task type", f"use one of {_ALLOWED}")
+    if task_type == "master":
+        raise _error(field, 'task type "master" is not supported', _MASTER_FIX)
+    if task_type not in TASK_TYPES:
+        raise _error(field, f"unknown task type {json.dumps(task_type)}", f"use one of {_ALLOWED}")
+    if task_type not in cluster.jobs:
+        raise _error(
+            field,
+            f"task type {json.dumps(task_type)} has no tasks in {where}",
+            f"add {task_type} addresses to the cluster or use one of: {', '.join(cluster.jobs)}",
+        )
+    return task_type
+
+
+def _check_task_index(
+    index: object, cluster: ClusterConfig, task_type: str, field: str, how: str
+) -> int:
+    count = len(cluster.jobs[task_type])
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _error(
+            field,
+            f"is {_kind(index)} ({_show(index)}), not a non-negative integer",
+            f"{how} an integer in {_index_range(count)}",
+        )
+    if index < 0 or index >= count:
+        raise _error(
+            field,
+            f"{index} is out of range for {_plural(count, task_type)}",
+            f"{how} an index in {_index_range(count)}",
+        )
+    return index
+
+
+def parse_tf_config(text: str, *, source: str = "TF_CONFIG") -> TaskConfig:
+    """Parse a TF_CONFIG: ``{"cluster": {...}, "task": {"type": T, "index": I}}``."""
+    top = _top_object(_decode(text, source), source)
+    cluster = _validate_jobs(_cluster_section(top, source), source, "cluster")
+    task_field = _field(source, "task")
+    if "task" not in top:
+        raise _error(task_field, "is missing", 'add "task": {"type": "worker", "index": 0}')
+    task = top["task"]
+    if not isinstance(task, Mapping):
+        raise _error(
+            task_field,
+            f"is {_kind(task)}, not an object",
+            'write "task": {"type": "worker", "index": 0}',
+        )
+    type_field = _field(source, "task.type")
+    if "type" not in task:
+        raise _error(type_field, "is missing", f'add "type": one of {_ALLOWED}')
+    task_type = _check_task_type(task["type"], cluster, type_field, "the cluster")
+    index_field = _field(source, "task.index")
+    count = len(cluster.jobs[task_type])
+    if "index" not in task:
+        raise _error(index_field, "is missing", f'add "index": an integer in {_index_range(count)}')
+    index = _check_task_index(task["index"], cluster, task_type, index_field, "use")
+    return TaskConfig(cluster, task_type, index)
+
+
+def _tf_config_text(environ: Mapping[str, str]) -> str | None:
+    text = environ.get("TF_CONFIG")
+    if text is None or not text.strip():
+        return None
+    return text
+
+
+def resolve_task(
+    *,
+    cluster_file: str | None,
+    task_type: str | None,
+    task_index: int | None,
+    environ: Mapping[str, str],
+    default_type: str | None = None,
+) -> TaskConfig:
+    """This process's task: ``--cluster FILE`` with --type/--index wins, else TF_CONFIG."""
+    if cluster_file is not None:
+        cluster = load_cluster_file(cluster_file)
+        chosen = task_type if task_type is not None else default_type
+        if chosen is None:
+            raise _error("--type", "no task type given", f"pass --type with one of {_ALLOWED}")
+        where = f"cluster file {cluster_file}"
+        chosen = _check_task_type(chosen, cluster, "--type", where)
+        count = len(cluster.jobs[chosen])
+        if task_index is None:
+            if count == 1:
+                return TaskConfig(cluster, chosen, 0)
+            raise _error(
+                "--index",
+                f"not given, and {where} has {_plural(count, chosen)}",
+                f"pass --index with an integer in {_index_range(count)}",
+            )
+        index = _check_task_index(task_index, cluster, chosen, "--index", "pass")
+        return TaskConfig(cluster, chosen, index)
+
+    for flag, value in (("--type", task_type), ("--index", task_index)):
+        if value is not None:
+            raise _error(
+                flag,
+                "is given without --cluster FILE",
+                f"pass --cluster FILE with {flag}, or drop {flag} and set TF_CONFIG's task",
+            )
+    text = _tf_config_text(environ)
+    if text is None:
+        raise _error(
+            "TF_CONFIG",
+            "is not set and no --cluster FILE was given",
+            "set TF_CONFIG (a JSON cluster and task) or pass --cluster FILE --index I",
+        )
+    return parse_tf_config(text, source="TF_CONFIG")
+
+
+def resolve_cluster(
+    *, cluster_file: str | None, environ: Mapping[str, str]
+) -> tuple[ClusterConfig, str]:
+    """The cluster alone, from ``--cluster FILE`` or TF_CONFIG; returns (cluster, source)."""
+    if cluster_file is not None:
+        return load_cluster_file(cluster_file), os.fspath(cluster_file)
+    text = _tf_config_text(environ)
+    if text is None:
+        raise _error(
+            "TF_CONFIG",
+            "is not set and no --cluster FILE was given",
+            "set TF_CONFIG or pass --cluster FILE",
+        )
+    top = _top_object(_decode(text, "TF_CONFIG"), "TF_CONFIG")
+    return _validate_jobs(_cluster_section(top, "TF_CONFIG"), "TF_CONFIG", "cluster"), "TF_CONFIG"
+
+
+def require_chief(cluster: ClusterConfig, *, source: str) -> str:
+    """The chief's address, or a ConfigError saying to add one."""
+    if cluster.chief is None:
+        raise _error(
+            _field(source, "cluster.chief"),
+            "is missing: the coordinator runs as the chief task",
+            'add "chief": ["host:port"] to the cluster',
+        )
+    return cluster.chief
+
+
+def summary(cluster: ClusterConfig, *, source: str) -> str:
+    """One line, e.g. ``cluster from FILE: 1 chief, 1 ps, 2 workers``."""
+    counts = ", ".join(_plural(len(a), t) for t, a in cluster.jobs.items())
+    return f"cluster from {source}: {counts}"
+
+
+def format_table(cluster: ClusterConfig, *, source: str) -> str:
+    """A summary line, then an aligned TYPE INDEX ADDRESS table of every task."""
+    rows = [("TYPE", "INDEX", "ADDRESS")]
+    rows += [(t, str(i), a) for t, i, a in cluster.tasks()]
+    type_width = max(len(r[0]) for r in rows)
+    index_width = max(len(r[1]) for r in rows)
+    lines = [summary(cluster, source=source)]
+    lines += [f"{t:<{type_width}}  {i:<{index_width}}  {a}" for t, i, a in rows]
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""`psctl`: the command line. TensorFlow is imported only by commands that train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cluster.errors import EXIT_FAILURE, ConfigError
+from cluster.logs import configure_logging, quiet_tensorflow
+
+log = logging.getLogger("psctl")
+
+# (flag, type, help) for every run setting; the names match coordinator.settings.TrainSettings.
+TRAIN_FLAGS: list[tuple[str, type, str]] = [
+    ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
+    ("--steps", int, "train until this global step (default 1500)"),
+    ("--batch-size", int, "examples per step per worker (default 64)"),
+    ("--steps-per-execution", int, "steps packed into one scheduled function (default 20)"),
+    ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
+    ("--checkpoint-every", int, "steps between checkpoints (default 500)"),
+    ("--keep-checkpoints", int, "checkpoints kept (default 3)"),
+    ("--eval-batch-size", int, "batch size of the final evaluation (default 1024)"),
+    ("--seed", int, "seed given to dataset functions (default 42)"),
+    ("--log-every", float, "seconds between progress lines (default 5)"),
+    ("--max-shards", int, "partition each large variable into up to N shards over the ps"),
+    ("--min-shard-bytes", int, "smallest variable shard when partitioning (default 256 KiB)"),
+    ("--max-in-flight", int, "scheduled calls not yet finished (default 4 per worker)"),
+    ("--summary-json", str, "write the final summary as JSON to this path"),
+]
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training (flags > PSCTL_* environment > --config file)")
+    group.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
+    for flag, kind, text in TRAIN_FLAGS:
+        group.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
+
+
+def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+        for flag, _, _ in TRAIN_FLAGS
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psctl",
+        description="Parameter-server training for TensorFlow 2.",
+        epilog="Exit status: 0 ok, 1 failure, 78 configuration error, 69 unreachable.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    local = sub.add_parser(
+        "local",
+        help="run a whole cluster on this machine and train a job on it",
+        description="Start ps and worker servers on loopback, train, then stop every server.",
+    )
+    local.add_argument("--ps", type=int, default=1, help="ps servers (default 1)")
+    local.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
+    local.add_argument("--workdir", help="run directory (default ./psctl-work/local-TIME)")
+    local.add_argument(
+        "--start-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for every server to be SERVING (default 120)",
+    )
+    add_train_arguments(local)
+
+    train = sub.add_parser(
+        "train",
+        help="drive a training job on an existing cluster",
+        description="Run the coordinator (task type chief) against a running cluster.",
+    )
+    train.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="cluster file (TF_CONFIG's JSON); default: $TF_CONFIG with chief",
+    )
+    train.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for every server's TF port (default 120)",
+    )
+    add_train_arguments(train)
+
+    check = sub.add_parser(
+        "check-config",
+        help="validate a cluster file (or $TF_CONFIG) and print it as a table",
+    )
+    check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
+    return parser
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from cluster.spec import format_table, resolve_cluster
+
+    cluster, source = resolve_cluster(cluster_file=args.file, environ=os.environ)
+    print(format_table(cluster, source=source))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from coordinator.run import train_main
+
+    return train_main(args, train_flag_values(args))
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from coordinator.local import local_main
+
+    return local_main(args, train_flag_values(args))
+
+
+COMMANDS = {"check-config": cmd_check_config, "train": cmd_train, "local": cmd_local}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
+    configure_logging(verbose=verbose)
+    quiet_tensorflow(verbose=verbose)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"psctl: error: {err}", file=sys.stderr)
+        return err.exit_status
+    except KeyboardInterrupt:
+        print("psctl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # one line for the operator; the traceback with -v
+        log.debug("failed", exc_info=True)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"psctl: error: {type(err).__name__}: {first}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""`psctl local`: a whole cluster on this machine, as real server processes.
+
+Starts ps and worker servers on free loopback ports, waits until each reports SERVING,
+runs `psctl train` against them as a child process, then stops every server. Every child
+gets a parent-death signal, so none outlives the launcher, even if it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from cluster import health, ports
+from cluster.errors import EXIT_FAILURE, ConfigError
+from cluster.spec import ClusterConfig, format_table
+
+log = logging.getLogger("psctl.local")
+
+_PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT = 5.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServerProcess:
+    task_type: str
+    index: int
+    address: str
+    health_port: int
+    metrics_port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type}:{self.index}"
+
+    @property
+    def health_address(self) -> str:
+        return f"127.0.0.1:{self.health_port}"
+
+    def last_log_lines(self, count: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join("    " + line for line in lines[-count:])
+
+
+def spawn(
+    argv: list[str], *, log_path: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (the terminal's Ctrl-C goes to the launcher only)."""
+    out: Any = None
+    if log_path is not None:
+        out = log_path.open("ab")
+    try:
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=env,
+        )
+    finally:
+        if out is not None:
+            out.close()
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], *, timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM, wait, then SIGKILL whatever is left. Never leaves a child behind."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
+class LocalCluster:
+    """ps and worker server processes on loopback, plus the chief's address for a coordinator."""
+
+    def __init__(self, *, num_ps: int, num_workers: int, workdir: Path, verbose: bool = False):
+        if num_ps < 1:
+            raise ConfigError("--ps", f"got {num_ps}", "run at least 1 ps server")
+        if num_workers < 1:
+            raise ConfigError("--workers", f"got {num_workers}", "run at least 1 worker server")
+        self.workdir = workdir
+        self.verbose = verbose
+        count = num_ps + num_workers
+        free = ports.free_ports(1 + 3 * count)
+        tf_ports, side = free[: 1 + count], free[1 + count :]
+        self.cluster = ClusterConfig(
+            jobs={
+                "chief": (f"127.0.0.1:{tf_ports[0]}",),
+                "ps": tuple(f"127.0.0.1:{p}" for p in tf_ports[1 : 1 + num_ps]),
+                "worker": tuple(f"127.0.0.1:{p}" for p in tf_ports[1 + num_ps :]),
+            }
+        )
+        self._side_ports = iter(side)
+        self.cluster_file = workdir / "cluster.json"
+        self.servers: list[ServerProcess] = []
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        self.cluster_file.write_text(json.dumps({"cluster": self.cluster.as_dict()}, indent=2))
+        for task_type, index, address in self.cluster.tasks():
+            if task_type in ("ps", "worker"):
+                self.servers.append(self._start_server(task_type, index, address))
+
+    def _start_server(self, task_type: str, index: int, address: str) -> ServerProcess:
+        health_port, metrics_port = next(self._side_ports), next(self._side_ports)
+        log_path = self.workdir / "logs" / f"{task_type}-{index}.log"
+        module = "ps_server.main" if task_type == "ps" else "worker_server.main"
+        argv = [
+            sys.executable,
+            "-m",
+            module,
+            "--cluster",
+            str(self.cluster_file),
+            "--index",
+            str(index),
+            "--health-port",
+            str(health_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--bind-host",
+            "127.0.0.1",
+        ] + (["--verbose"] if self.verbose else [])
+        proc = spawn(argv, log_path=log_path)
+        return ServerProcess(task_type, index, address, health_port, metrics_port, log_path, proc)
+
+    def wait_serving(self, *, timeout: float) -> None:
+        """Bounded wait for every server's health; a failed server shows its last log lines."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.servers)
+        while pending:
+            for server in list(pending):
+                code = server.proc.poll()
+                if code is not None:
+                    raise ServerFailed(
+                        f"{server.name} exited with status {code} during start-up; "
+                        f"last lines of {server.log_path}:\n{server.last_log_lines()}"
+                    )
+                if health.check(server.health_address, timeout=1.0).serving:
+                    pending.remove(server)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                server = pending[0]
+                raise ServerFailed(
+                    f"{server.name} not SERVING after {timeout:.0f}s; "
+                    f"last lines of {server.log_path}:\n{server.last_log_lines()}"
+                )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_processes([s.proc for s in self.servers])
+
+
+class ServerFailed(Exception):
+    exit_status = EXIT_FAILURE
+
+
+@contextlib.contextmanager
+def forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """SIGINT/SIGTERM to the launcher go to the coordinator child, which stops gracefully."""
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        if proc.poll() is None:
+            log.warning(
+                "%s: asking the coordinator to stop (checkpoint first)", signal.Signals(signum).name
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def default_workdir() -> Path:
+    return Path("psctl-work") / time.strftime("local-%Y%m%d-%H%M%S")
+
+
+def train_argv(cluster_file: Path, flags: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-m", "coordinator.cli", "train", "--cluster", str(cluster_file)]
+    if args.config:
+        argv += ["--config", args.config]
+    for name, value in flags.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    if args.verbose:
+        argv.append("--verbose")
+    return argv
+
+
+def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+    workdir = Path(args.workdir) if args.workdir else default_workdir()
+    flags = dict(flags)
+    if not flags.get("checkpoint_dir") and not os.environ.get("PSCTL_CHECKPOINT_DIR"):
+        flags["checkpoint_dir"] = str(workdir / "checkpoints")
+    local = LocalCluster(
+        num_ps=args.ps, num_workers=args.workers, workdir=workdir, verbose=args.verbose
+    )
+    log.info("work dir %s", workdir)
+    # A signal before the coordinator starts must still stop the servers: raise into `finally`.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
+    try:
+        local.start()
+        print(format_table(local.cluster, source=str(local.cluster_file)), flush=True)
+        started = time.monotonic()
+        local.wait_serving(timeout=args.start_timeout)
+        log.info(
+            "%d servers SERVING in %.1fs (logs in %s)",
+            len(local.servers),
+            time.monotonic() - started,
+            workdir / "logs",
+        )
+        coordinator = spawn(train_argv(local.cluster_file, flags, args))
+        try:
+            with forward_signals(coordinator):
+                return coordinator.wait()
+        finally:
+            stop_processes([coordinator], timeout=60.0)
+    except ServerFailed as err:
+        print(f"psctl: error: {err}", file=sys.stderr)
+        return err.exit_status
+    finally:
+        local.stop()
+        log.info("all servers stopped")
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,51 @@
+"""Turn a job's ``metrics`` list into fresh Keras metric objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import keras
+
+
+def _accuracy_for(label_rank: int, label_dim: int | None, pred_dim: int | None) -> Any:
+    if pred_dim == 1:
+        return keras.metrics.BinaryAccuracy(name="accuracy")
+    if label_rank == 1 or label_dim == 1:
+        return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    return keras.metrics.CategoricalAccuracy(name="accuracy")
+
+
+def metric_factories(
+    specs: Sequence[Any], *, label_shape: Sequence[int | None], pred_shape: Sequence[int | None]
+) -> list[Callable[[], Any]]:
+    """One factory per metric, so training and evaluation each get their own state.
+
+    "accuracy"/"acc" picks sparse, categorical or binary accuracy from the shapes, as
+    Keras's compile does; other strings go through keras.metrics.get; Metric instances are
+    cloned from their config; plain functions ``fn(labels, predictions)`` are averaged.
+    """
+    label_rank = len(label_shape)
+    label_dim = label_shape[-1] if label_shape else None
+    pred_dim = pred_shape[-1] if pred_shape else None
+    factories: list[Callable[[], Any]] = []
+    for spec in specs:
+        if spec in ("accuracy", "acc"):
+            factories.append(partial(_accuracy_for, label_rank, label_dim, pred_dim))
+            continue
+        found = keras.metrics.get(spec) if isinstance(spec, str) else spec
+        if isinstance(found, type) and issubclass(found, keras.metrics.Metric):
+            factories.append(found)
+        elif isinstance(found, keras.metrics.Metric):
+            factories.append(partial(_clone, found))
+        elif callable(found):
+            name = spec if isinstance(spec, str) else getattr(found, "__name__", "metric")
+            factories.append(partial(keras.metrics.MeanMetricWrapper, found, name))
+        else:
+            raise ValueError(f"metrics: cannot use {spec!r}; give a name or a keras Metric")
+    return factories
+
+
+def _clone(metric: Any) -> Any:
+    return type(metric).from_config(metric.get_config())

@@ -1,0 +1,119 @@
+"""Run settings for a training job: defaults < TOML job file < environment < flags."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from cluster.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "PSCTL_"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a training run needs besides the cluster and the job code."""
+
+    job: str = "mlp"
+    steps: int = 1500
+    batch_size: int = 64  # per worker
+    steps_per_execution: int = 20
+    checkpoint_dir: str = ""  # "" = no checkpoints
+    checkpoint_every: int = 500  # steps
+    keep_checkpoints: int = 3
+    eval_batch_size: int = 1024
+    seed: int = 42
+    log_every: float = 5.0  # seconds between progress lines
+    max_shards: int = 1  # >1 partitions large variables over the ps tasks
+    min_shard_bytes: int = 256 << 10
+    max_in_flight: int = 0  # scheduled calls not yet finished; 0 = 4 per worker
+    summary_json: str = ""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "steps",
+            "batch_size",
+            "steps_per_execution",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_batch_size",
+            "max_shards",
+            "min_shard_bytes",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')}", f"got {value!r}", "give a whole number >= 1"
+                )
+        if not self.log_every > 0:
+            raise ConfigError("--log-every", f"got {self.log_every!r}", "give seconds > 0")
+        if self.max_in_flight < 0:
+            raise ConfigError("--max-in-flight", f"got {self.max_in_flight}", "give >= 0")
+
+
+_TYPES = {f.name: f.type for f in fields(TrainSettings)}
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    kind = _TYPES[name]
+    try:
+        if kind in ("int", int):
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind in ("float", float):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(where, f"{value!r} is not a valid {kind}", f"give a {kind}") from None
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            "--config", f"no file at {path}", "give an existing TOML job file"
+        ) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}", f"invalid TOML: {err}", "fix the syntax") from None
+    table = data.get("train", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: train", "is not a table", "write [train] with key = value")
+    out = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in _TYPES:
+            raise ConfigError(
+                f"{path}: {key}", "is not a setting", f"use one of {', '.join(sorted(_TYPES))}"
+            )
+        out[name] = _coerce(name, value, f"{path}: {key}")
+    return out
+
+
+def resolve_settings(
+    *, flags: Mapping[str, Any], config_file: str | None, environ: Mapping[str, str] | None = None
+) -> TrainSettings:
+    """Merge the layers; ``flags`` holds only what was given on the command line."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    if config_file:
+        merged.update(load_toml(config_file))
+    for name in _TYPES:
+        key = ENV_PREFIX + name.upper()
+        if env.get(key):
+            merged[name] = _coerce(name, env[key], key)
+    for name, value in flags.items():
+        if value is not None and name in _TYPES:
+            merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+    return TrainSettings(**merged)
