@@ -92,7 +92,7 @@ def _plural(count: int, task_type: str) -> str:
 
 
 def _index_range(count: int) -> str:
-    return "0" if count == 1 else f"0..{count - 1}"
+    return "0..0 (only 0)" if count == 1 else f"0..{count - 1}"
 
 
 def split_host_port(address: str, *, field: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -83,7 +84,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     try:
         wait_for_tf_ports(cluster, timeout=args.connect_timeout)
     except Unreachable as err:
-        print(f"psctl: error: {err}")
+        print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status
 
     from coordinator.job import load_job

@@ -597,7 +597,8 @@ def test_task_index_not_int(index: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("task_type", "index", "valid"), [("worker", 2, "0..1"), ("ps", 1, "0"), ("worker", -1, "0..1")]
+    ("task_type", "index", "valid"),
+    [("worker", 2, "0..1"), ("ps", 1, "0..0 (only 0)"), ("worker", -1, "0..1")],
 )
 def test_task_index_out_of_range(task_type: str, index: int, valid: str) -> None:
     err = config_error(parse_tf_config, tf_config(task={"type": task_type, "index": index}))

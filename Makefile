@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` (install, then train the default job on a local
+# cluster) and `make test` (install, lint, type-check, run every test).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.psctl-installed
+
+.PHONY: demo test install lint unit integration bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/psctl local
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+unit: install
+	$(BIN)/pytest -q tests/unit
+
+integration: install
+	$(BIN)/pytest -q tests/integration
+
+bench: install
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) psctl-work .pytest_cache .mypy_cache .ruff_cache *.egg-info

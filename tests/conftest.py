@@ -1,0 +1,85 @@
+"""Shared fixtures: run psctl commands as real processes, and find what they leave behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "NOTIFY_SOCKET")}
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def psctl_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.cli", *args]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (e.g. a test's work dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """A run directory; every process that mentions it is killed at teardown."""
+    path = tmp_path / "run"
+    yield path
+    kill_all(processes_mentioning(str(path)))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def run_cli():
+    """Run a CLI as a subprocess with a hard timeout; returns CompletedProcess."""
+
+    def run(
+        argv: list[str],
+        *,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env or child_env(),
+            cwd=cwd or REPO,
+            stdin=subprocess.DEVNULL,
+        )
+
+    return run

@@ -1,0 +1,196 @@
+"""`psctl local` end to end: real ps/worker server processes and a real coordinator."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
+
+pytestmark = pytest.mark.integration
+
+
+def local_argv(workdir: Path, *args: str) -> list[str]:
+    return psctl_argv("local", "--workdir", str(workdir), "--log-every", "2", *args)
+
+
+@pytest.mark.timeout(240)
+def test_local_trains_mlp_to_accuracy_and_leaves_nothing(workdir, run_cli):
+    out = workdir / "out.json"
+    proc = run_cli(local_argv(workdir, "--steps", "1500", "--summary-json", str(out)), timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out)
+    assert summary["global_step"] == 1500
+    assert summary["eval_accuracy"] >= 0.90, summary
+    for key in ("loss", "accuracy", "examples_per_sec", "wall_seconds"):
+        assert summary[key] is not None and summary[key] > 0, key
+    assert "train | step:" in proc.stderr
+    assert (workdir / "checkpoints" / "checkpoint").is_file()
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(300)
+def test_second_run_continues_from_checkpoint(workdir, run_cli):
+    ckpt = workdir / "ckpt"
+    first = run_cli(
+        local_argv(
+            workdir / "a",
+            "--steps",
+            "200",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--summary-json",
+            str(workdir / "a.json"),
+        ),
+        timeout=140,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert read_json(workdir / "a.json")["global_step"] == 200
+    second = run_cli(
+        local_argv(
+            workdir / "b",
+            "--steps",
+            "400",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--summary-json",
+            str(workdir / "b.json"),
+        ),
+        timeout=140,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = read_json(workdir / "b.json")
+    assert summary["start_step"] == 200
+    assert summary["global_step"] == 400
+    assert "restored" in second.stderr
+
+
+@pytest.mark.timeout(180)
+def test_failed_coordinator_still_stops_every_server(workdir, run_cli):
+    # The job is missing: the coordinator fails with a configuration error after the
+    # servers are up, and the launcher must stop them all.
+    proc = run_cli(local_argv(workdir, "--job", "no_such_job_xyz", "--steps", "10"), timeout=150)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert "--job: no job named 'no_such_job_xyz'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert processes_mentioning(str(workdir)) == []
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> list[str]:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} not seen in {timeout}s; got:\n{''.join(seen[-30:])}")
+
+
+@pytest.mark.timeout(200)
+def test_sigint_checkpoints_and_stops_every_server(workdir):
+    out = workdir / "out.json"
+    proc = subprocess.Popen(
+        local_argv(workdir, "--steps", "100000", "--log-every", "1", "--summary-json", str(out)),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        _wait_for_line(proc, "train | step:", timeout=150)
+        assert processes_mentioning(str(workdir))  # the servers are running now
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest[-3000:]
+    summary = read_json(out)
+    assert summary["stopped_early"] is True
+    assert 0 < summary["global_step"] < 100000
+    assert Path(summary["checkpoint"] + ".index").is_file()
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_of_launcher_leaves_no_server(workdir):
+    proc = subprocess.Popen(
+        local_argv(workdir, "--steps", "100000", "--log-every", "1"),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        _wait_for_line(proc, "SERVING in", timeout=150)
+        assert processes_mentioning(str(workdir))
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(workdir)) == []
+
+
+USER_JOB = '''
+"""A job as a new user writes it: binary classification of points inside a circle."""
+import keras
+import tensorflow as tf
+
+metrics = ["accuracy"]
+
+
+def create_model():
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(1)])
+
+
+def create_optimizer():
+    return keras.optimizers.Adam(0.01)
+
+
+def loss_fn(labels, predictions):
+    return keras.losses.binary_crossentropy(labels, predictions, from_logits=True)
+
+
+def _points(seed, n):
+    x = tf.random.stateless_uniform([n, 2], seed=[seed, 7], minval=-1.0, maxval=1.0)
+    y = tf.cast(tf.reduce_sum(x * x, axis=1, keepdims=True) < 0.5, tf.float32)
+    return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def dataset_fn(ctx):
+    ds = _points(1, 8192).shard(ctx.num_workers, ctx.worker_index)
+    return ds.shuffle(1024, seed=ctx.seed).repeat().batch(ctx.batch_size)
+
+
+def eval_dataset_fn(ctx):
+    return _points(2, 2048).batch(ctx.batch_size)
+'''
+
+
+@pytest.mark.timeout(200)
+def test_user_job_file_trains(workdir, run_cli, tmp_path):
+    job = tmp_path / "circle_job.py"
+    job.write_text(USER_JOB)
+    out = workdir / "out.json"
+    proc = run_cli(
+        local_argv(workdir, "--job", str(job), "--steps", "600", "--summary-json", str(out)),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out)
+    assert summary["global_step"] == 600
+    assert summary["eval_accuracy"] >= 0.85, summary

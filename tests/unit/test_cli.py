@@ -1,0 +1,98 @@
+"""The psctl CLI as a process: check-config, help, and configuration errors (no TF needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env, psctl_argv
+
+CLUSTER = {
+    "cluster": {
+        "chief": ["10.0.0.1:2222"],
+        "ps": ["10.0.0.2:2222"],
+        "worker": ["10.0.0.3:2222", "10.0.0.4:2222"],
+    }
+}
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        psctl_argv(*args), capture_output=True, text=True, timeout=30, env=env or child_env()
+    )
+
+
+@pytest.mark.timeout(60)
+def test_check_config_file_prints_table(tmp_path: Path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(CLUSTER))
+    proc = run("check-config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    for address in ("10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222", "10.0.0.4:2222"):
+        assert address in proc.stdout
+    assert "2 workers" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_check_config_from_tf_config():
+    env = child_env(TF_CONFIG=json.dumps({**CLUSTER, "task": {"type": "chief", "index": 0}}))
+    proc = run("check-config", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "10.0.0.4:2222" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ("{nope", "cluster.json"),
+        (json.dumps({"cluster": {"worker": ["h:1"]}}), "ps"),
+        (json.dumps({"cluster": {"ps": ["h:1"]}}), "worker"),
+        (json.dumps({"cluster": {"ps": ["h:1"], "worker": ["h:99999"]}}), "worker[0]"),
+    ],
+)
+def test_check_config_errors_are_one_line_78(tmp_path: Path, body: str, field: str):
+    path = tmp_path / "cluster.json"
+    path.write_text(body)
+    proc = run("check-config", str(path))
+    assert proc.returncode == 78
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert field in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_train_without_chief_is_a_config_error(tmp_path: Path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}}))
+    proc = run("train", "--cluster", str(path))
+    assert proc.returncode == 78, proc.stderr
+    assert "chief" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_train_with_worker_tf_config_is_a_config_error():
+    env = child_env(TF_CONFIG=json.dumps({**CLUSTER, "task": {"type": "worker", "index": 0}}))
+    proc = run("train", env=env)
+    assert proc.returncode == 78
+    assert "TF_CONFIG.task.type" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_is_fast_and_does_not_import_tensorflow():
+    started = time.monotonic()
+    proc = subprocess.run(
+        psctl_argv("--help"), capture_output=True, text=True, timeout=30, env=child_env()
+    )
+    assert proc.returncode == 0
+    assert "local" in proc.stdout and "train" in proc.stdout
+    assert time.monotonic() - started < 5
+    code = "import coordinator.cli, sys; print('tensorflow' in sys.modules)"
+    probe = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=child_env()
+    )
+    assert probe.stdout.strip() == "False"
