@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.psctl-installed
 
-.PHONY: demo test install lint unit integration bench clean
+.PHONY: demo test install lint unit integration bench clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,13 +22,17 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+# Real Prometheus/promtool for the metrics tests (Debian package; installed when missing).
+prometheus:
+	sh tools/ensure-prometheus.sh
+
+test: lint prometheus
 	$(BIN)/pytest -q
 
 unit: install
 	$(BIN)/pytest -q tests/unit
 
-integration: install
+integration: install prometheus
 	$(BIN)/pytest -q tests/integration
 
 bench: install

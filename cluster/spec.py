@@ -95,7 +95,7 @@ def _index_range(count: int) -> str:
     return "0..0 (only 0)" if count == 1 else f"0..{count - 1}"
 
 
-def split_host_port(address: str, *, field: str) -> tuple[str, int]:
+def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[::1]:2222``) into host (brackets removed) and port."""
     if not isinstance(address, str):
         raise _error(field, f"is {_kind(address)}, not a host:port string", 'write "host:port"')
@@ -164,7 +164,7 @@ def split_host_port(address: str, *, field: str) -> tuple[str, int]:
             "give a port number 1..65535",
         )
     port = int(port_text)
-    if not 1 <= port <= 65535:
+    if not (0 if allow_port_zero else 1) <= port <= 65535:
         raise _error(
             field, f"address {shown}: port {port} is out of range", "give a port number 1..65535"
         )

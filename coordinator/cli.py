@@ -14,6 +14,9 @@ from cluster.logs import configure_logging, quiet_tensorflow
 
 log = logging.getLogger("psctl")
 
+DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
+DEFAULT_METRICS_PORT = 9400
+
 # (flag, type, help) for every run setting; the names match coordinator.settings.TrainSettings.
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
@@ -30,6 +33,7 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--min-shard-bytes", int, "smallest variable shard when partitioning (default 256 KiB)"),
     ("--max-in-flight", int, "scheduled calls not yet finished (default 4 per worker)"),
     ("--summary-json", str, "write the final summary as JSON to this path"),
+    ("--logdir", str, "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
 ]
 
 
@@ -39,6 +43,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in TRAIN_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
+
+
+def add_control_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--control-address",
+        default=DEFAULT_CONTROL_ADDRESS,
+        metavar="HOST:PORT",
+        help=f"psctl's control API (default {DEFAULT_CONTROL_ADDRESS}; port 0 picks a free one)",
+    )
 
 
 def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds to wait for every server to be SERVING (default 120)",
     )
+    add_control_address(local)
     add_train_arguments(local)
 
     train = sub.add_parser(
@@ -81,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         metavar="FILE",
         help="cluster file (TF_CONFIG's JSON); default: $TF_CONFIG with chief",
+    )
+    train.add_argument(
+        "--tasks-file",
+        metavar="FILE",
+        help=argparse.SUPPRESS,  # written by psctl local
+    )
+    add_control_address(train)
+    train.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"coordinator's Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)",
     )
     train.add_argument(
         "--connect-timeout",
@@ -95,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a cluster file (or $TF_CONFIG) and print it as a table",
     )
     check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
+    from coordinator.client import add_client_commands
+
+    CLIENT_COMMANDS.update(add_client_commands(sub, DEFAULT_CONTROL_ADDRESS))
     return parser
 
 
@@ -112,32 +141,61 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(args, train_flag_values(args))
 
 
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from coordinator.local import local_main
 
     return local_main(args, train_flag_values(args))
 
 
-COMMANDS = {"check-config": cmd_check_config, "train": cmd_train, "local": cmd_local}
+COMMANDS: dict[str, Any] = {
+    "check-config": cmd_check_config,
+    "train": cmd_train,
+    "local": cmd_local,
+}
+CLIENT_COMMANDS: dict[str, Any] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's C core logs connection details (GOAWAY on shutdown) at INFO: not for operators.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", False)
     configure_logging(verbose=verbose)
     quiet_tensorflow(verbose=verbose)
+    status = run_command(args)
+    if args.command == "train":
+        # TensorFlow's cluster threads can hold up interpreter shutdown for minutes (seen
+        # after a graceful stop): the run is over and its files are written, so leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run one command; every error a user can meet ends in one line and its status."""
+    from coordinator.client import ControlError
+
     try:
-        return COMMANDS[args.command](args)
-    except ConfigError as err:
+        return int({**COMMANDS, **CLIENT_COMMANDS}[args.command](args))
+    except (ConfigError, ControlError) as err:
         print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status
+    except BrokenPipeError:  # e.g. `psctl status --json | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("psctl: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # one line for the operator; the traceback with -v
         log.debug("failed", exc_info=True)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(f"psctl: error: {type(err).__name__}: {first}", file=sys.stderr)
+        print(f"psctl: error: {one_line(err)}", file=sys.stderr)
         return EXIT_FAILURE
 
 

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -25,7 +25,7 @@ from typing import Any
 
 from cluster import health, ports
 from cluster.errors import EXIT_FAILURE, ConfigError
-from cluster.spec import ClusterConfig, format_table
+from cluster.spec import ClusterConfig, format_table, split_host_port
 
 log = logging.getLogger("psctl.local")
 
@@ -33,9 +33,17 @@ _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT = 5.0
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(sig: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets ``sig`` when the launcher dies, even by SIGKILL."""
+    parent = os.getpid()
+
+    def arm() -> None:  # runs in the child between fork and exec
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return arm
 
 
 @dataclass
@@ -65,7 +73,11 @@ class ServerProcess:
 
 
 def spawn(
-    argv: list[str], *, log_path: Path | None = None, env: dict[str, str] | None = None
+    argv: list[str],
+    *,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    death_signal: int = signal.SIGTERM,
 ) -> subprocess.Popen[bytes]:
     """Start a child in its own session (the terminal's Ctrl-C goes to the launcher only)."""
     out: Any = None
@@ -78,7 +90,7 @@ def spawn(
             stderr=subprocess.STDOUT if out else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent(death_signal),
             env=env,
         )
     finally:
@@ -113,7 +125,8 @@ class LocalCluster:
         self.workdir = workdir
         self.verbose = verbose
         count = num_ps + num_workers
-        free = ports.free_ports(1 + 3 * count)
+        free = ports.free_ports(2 + 3 * count)
+        self.coordinator_metrics_port = free.pop()
         tf_ports, side = free[: 1 + count], free[1 + count :]
         self.cluster = ClusterConfig(
             jobs={
@@ -124,6 +137,8 @@ class LocalCluster:
         )
         self._side_ports = iter(side)
         self.cluster_file = workdir / "cluster.json"
+        self.tasks_file = workdir / "tasks.json"
+        self.targets_file = workdir / "targets.json"
         self.servers: list[ServerProcess] = []
 
     def start(self) -> None:
@@ -156,6 +171,39 @@ class LocalCluster:
         proc = spawn(argv, log_path=log_path)
         return ServerProcess(task_type, index, address, health_port, metrics_port, log_path, proc)
 
+    def write_tasks(self) -> None:
+        """tasks.json: every task with its health address, metrics URL and pid, for the
+        coordinator's status (the chief's pid is filled in by the coordinator itself); and
+        targets.json, the same processes as Prometheus file_sd targets."""
+        chief_metrics = f"127.0.0.1:{self.coordinator_metrics_port}"
+        tasks: list[dict[str, Any]] = [
+            {
+                "type": "chief",
+                "index": 0,
+                "address": self.cluster.chief or "",
+                "metrics_url": f"http://{chief_metrics}/metrics",
+            }
+        ]
+        targets = [_target(chief_metrics, "psctl-coordinator", "chief", 0)]
+        for s in self.servers:
+            metrics = f"127.0.0.1:{s.metrics_port}"
+            tasks.append(
+                {
+                    "type": s.task_type,
+                    "index": s.index,
+                    "address": s.address,
+                    "health_address": s.health_address,
+                    "metrics_url": f"http://{metrics}/metrics",
+                    "pid": s.proc.pid,
+                }
+            )
+            targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
+        self.tasks_file.write_text(json.dumps(tasks, indent=2))
+        # Written whole then renamed: Prometheus may read the file at any moment.
+        tmp = self.targets_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(targets, indent=2))
+        os.replace(tmp, self.targets_file)
+
     def wait_serving(self, *, timeout: float) -> None:
         """Bounded wait for every server's health; a failed server shows its last log lines."""
         deadline = time.monotonic() + timeout
@@ -182,6 +230,11 @@ class LocalCluster:
 
     def stop(self) -> None:
         stop_processes([s.proc for s in self.servers])
+
+
+def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any]:
+    labels = {"job": job, "task_type": task_type, "task_index": str(index)}
+    return {"targets": [address], "labels": labels}
 
 
 class ServerFailed(Exception):
@@ -212,8 +265,21 @@ def default_workdir() -> Path:
     return Path("psctl-work") / time.strftime("local-%Y%m%d-%H%M%S")
 
 
-def train_argv(cluster_file: Path, flags: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    argv = [sys.executable, "-m", "coordinator.cli", "train", "--cluster", str(cluster_file)]
+def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "train",
+        "--cluster",
+        str(local.cluster_file),
+        "--tasks-file",
+        str(local.tasks_file),
+        "--control-address",
+        args.control_address,
+        "--metrics-port",
+        str(local.coordinator_metrics_port),
+    ]
     if args.config:
         argv += ["--config", args.config]
     for name, value in flags.items():
@@ -229,6 +295,16 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     flags = dict(flags)
     if not flags.get("checkpoint_dir") and not os.environ.get("PSCTL_CHECKPOINT_DIR"):
         flags["checkpoint_dir"] = str(workdir / "checkpoints")
+    if not flags.get("logdir") and not os.environ.get("PSCTL_LOGDIR"):
+        flags["logdir"] = str(workdir / "tensorboard")
+    host, port = split_host_port(
+        args.control_address, field="--control-address", allow_port_zero=True
+    )
+    if port == 0:
+        port = ports.free_ports(1, host)[0]
+    else:  # fail before starting any server
+        ports.check_port_free(port, host=host, field="--control-address")
+    args.control_address = f"{host}:{port}"
     local = LocalCluster(
         num_ps=args.ps, num_workers=args.workers, workdir=workdir, verbose=args.verbose
     )
@@ -247,7 +323,10 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             time.monotonic() - started,
             workdir / "logs",
         )
-        coordinator = spawn(train_argv(local.cluster_file, flags, args))
+        local.write_tasks()
+        # Without the launcher the servers go too, and a coordinator waiting for them would
+        # wait forever: it gets SIGKILL, not SIGTERM (its periodic checkpoints remain).
+        coordinator = spawn(train_argv(local, flags, args), death_signal=signal.SIGKILL)
         try:
             with forward_signals(coordinator):
                 return coordinator.wait()

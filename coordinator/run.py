@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
 import sys
 import time
-from typing import Any
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cluster import ports
 from cluster.errors import EXIT_UNAVAILABLE, ConfigError
@@ -20,7 +23,12 @@ from cluster.spec import (
     require_chief,
     split_host_port,
 )
-from coordinator.settings import resolve_settings
+from coordinator.control import ControlServer, JobControl, State, TaskInfo
+from coordinator.settings import TrainSettings, resolve_settings
+
+if TYPE_CHECKING:
+    from coordinator.job import Job
+    from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
 
@@ -90,8 +98,62 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     from coordinator.job import load_job
 
     job = load_job(settings.job)
-    from coordinator.trainer import Trainer, print_summary, write_summary
+    metrics = start_metrics(args.metrics_port, settings, cluster)
+    control = JobControl(
+        job=settings.job,
+        target_steps=settings.steps,
+        steps_per_execution=settings.steps_per_execution,
+        tasks=load_tasks(args.tasks_file, cluster),
+        can_checkpoint=bool(settings.checkpoint_dir),
+        on_state=metrics.set_state if metrics else None,
+    )
+    server = ControlServer(control, args.control_address)
+    server.start()
+    try:
+        return _train(job, cluster, source, settings, control, metrics)
+    except BaseException as err:
+        control.finish(State.FAILED, f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        server.stop()
 
+
+def start_metrics(
+    port: int, settings: TrainSettings, cluster: ClusterConfig
+) -> CoordinatorMetrics | None:
+    """The coordinator's /metrics (its own registry); port 0 turns it off."""
+    if not port:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics import serve_metrics
+    from coordinator.metrics import CoordinatorMetrics
+
+    ports.check_port_free(port, field="--metrics-port")
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry,
+        job=settings.job,
+        num_workers=cluster.num_workers,
+        num_ps=cluster.num_ps,
+        batch_size=settings.batch_size,
+    )
+    serve_metrics(registry, host=os.environ.get("PSCTL_BIND_HOST", "0.0.0.0"), port=port)
+    log.info("metrics on :%d/metrics", port)
+    return metrics
+
+
+def _train(
+    job: Job,
+    cluster: ClusterConfig,
+    source: str,
+    settings: TrainSettings,
+    control: JobControl,
+    metrics: CoordinatorMetrics | None,
+) -> int:
+    from coordinator.trainer import Trainer, install_stop_signals, print_summary, write_summary
+
+    install_stop_signals(control)
     log.info(
         "job %s on %d ps + %d workers (%s), %d steps, batch %d/worker, %d steps/call",
         settings.job,
@@ -102,10 +164,41 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         settings.batch_size,
         settings.steps_per_execution,
     )
-    trainer = Trainer(job=job, cluster=cluster, settings=settings)
+    trainer = Trainer(job=job, cluster=cluster, settings=settings, control=control, metrics=metrics)
     summary = trainer.run()
     print_summary(summary)
     if settings.summary_json:
         write_summary(summary, settings.summary_json)
         log.info("summary written to %s", settings.summary_json)
+    control.finish(State.DONE)
     return 0
+
+
+def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]:
+    """The tasks GetStatus reports: from psctl local's tasks file (with pids), or else from
+    the cluster with the default side ports."""
+    if tasks_file:
+        try:
+            entries = json.loads(Path(tasks_file).read_text())
+            tasks = [TaskInfo(**entry) for entry in entries]
+        except (OSError, ValueError, TypeError) as err:
+            raise ConfigError(
+                "--tasks-file",
+                f"cannot read {tasks_file}: {err}",
+                "give the tasks.json psctl local wrote",
+            ) from None
+        return [replace(t, pid=os.getpid()) if t.type == "chief" else t for t in tasks]
+    tasks = []
+    for task_type, index, address in cluster.tasks():
+        host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
+        health_address = metrics_url = ""
+        if task_type in ("ps", "worker"):
+            health_port = port + ports.HEALTH_PORT_OFFSET
+            metrics_port = port + ports.METRICS_PORT_OFFSET
+            if health_port < 65536:
+                health_address = f"{host}:{health_port}"
+            if metrics_port < 65536:
+                metrics_url = f"http://{host}:{metrics_port}/metrics"
+        pid = os.getpid() if task_type == "chief" else 0
+        tasks.append(TaskInfo(task_type, index, address, health_address, metrics_url, pid))
+    return tasks

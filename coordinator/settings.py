@@ -37,6 +37,7 @@ class TrainSettings:
     min_shard_bytes: int = 256 << 10
     max_in_flight: int = 0  # scheduled calls not yet finished; 0 = 4 per worker
     summary_json: str = ""
+    logdir: str = ""  # TensorBoard scalar summaries; "" = none
 
     def __post_init__(self) -> None:
         positive = (

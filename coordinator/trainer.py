@@ -20,16 +20,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from cluster.spec import ClusterConfig
+from coordinator.control import JobControl, State
 from coordinator.job import DataContext, Job
 from coordinator.metric_objects import metric_factories
 from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
+
+if TYPE_CHECKING:
+    from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +65,22 @@ class Summary:
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
-class StopRequest:
-    """Set by SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0."""
+def install_stop_signals(control: JobControl) -> None:
+    """SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0. A second one
+    aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        return
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._handle)
-            signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.event.is_set():  # a second signal: the operator insists
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        if control.stop_requested.is_set():
             raise KeyboardInterrupt
         log.warning(
             "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
         )
-        self.event.set()
+        control.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
 
 
 def _resolver(cluster: ClusterConfig) -> Any:
@@ -93,11 +96,20 @@ def _scalar(value: Any) -> float:
 class Trainer:
     """Builds the strategy, the model on the ps tasks, and runs the loop."""
 
-    def __init__(self, *, job: Job, cluster: ClusterConfig, settings: TrainSettings) -> None:
+    def __init__(
+        self,
+        *,
+        job: Job,
+        cluster: ClusterConfig,
+        settings: TrainSettings,
+        control: JobControl,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
         self.job = job
         self.cluster = cluster
         self.settings = settings
-        self.stop = StopRequest()
+        self.control = control
+        self.metrics = metrics
         partitioner = None
         if settings.max_shards > 1:
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
@@ -107,6 +119,9 @@ class Trainer:
             _resolver(cluster), variable_partitioner=partitioner
         )
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        # TensorBoard scalars, written on the coordinator at the status cadence (created
+        # after the strategy connected to the cluster, which resets the eager context).
+        self.summaries = tf.summary.create_file_writer(settings.logdir) if settings.logdir else None
         self.num_workers = cluster.num_workers
         self._build_state()
 
@@ -157,8 +172,12 @@ class Trainer:
             )
             self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self._last_sums: dict[str, tuple[float, float]] = {}
+        # Workers keep training while a checkpoint is written, so the ps's global step moves
+        # during the save. The checkpoint stores the step read just before (ckpt-N holds
+        # step N); the model may include a few in-flight steps more, as async training does.
+        self.saved_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="saved_step")
         self.checkpoint = tf.train.Checkpoint(
-            model=self.model, optimizer=self.optimizer, global_step=self.global_step
+            model=self.model, optimizer=self.optimizer, global_step=self.saved_step
         )
         self.manager = None
         if s.checkpoint_dir:
@@ -166,7 +185,6 @@ class Trainer:
                 self.checkpoint,
                 s.checkpoint_dir,
                 max_to_keep=s.keep_checkpoints,
-                step_counter=self.global_step,
             )
 
     def restore(self) -> int:
@@ -176,7 +194,8 @@ class Trainer:
         path = self.manager.latest_checkpoint
         started = time.monotonic()
         self.checkpoint.restore(path).assert_existing_objects_matched()
-        step = int(self.global_step.numpy())
+        step = int(self.saved_step.numpy())
+        self.global_step.assign(step)
         log.info("restored %s (global step %d) in %.2fs", path, step, time.monotonic() - started)
         return step
 
@@ -209,10 +228,12 @@ class Trainer:
 
         @tf.function
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
+            started = tf.timestamp()
             for _ in tf.range(num_steps):
                 strategy.run(replica_step, args=(next(iterator),))
             global_step.assign_add(num_steps)
-            return num_steps
+            # Seconds this call ran on its worker: the only value copied back per call.
+            return tf.timestamp() - started
 
         return train_fn
 
@@ -254,12 +275,36 @@ class Trainer:
         return values
 
     def save(self) -> str | None:
+        """Write a checkpoint now, while the workers go on (ps variables are always
+        readable); the step recorded is the global step read just before."""
         if self.manager is None:
             return None
+        previous = self.control.state
+        self.control.set_state(State.CHECKPOINTING)
         started = time.monotonic()
-        path = self.manager.save(checkpoint_number=int(self.global_step.numpy()))
-        log.info("checkpoint %s (%.2fs)", path, time.monotonic() - started)
+        step = int(self.global_step.numpy())
+        self.saved_step.assign(step)
+        path = self.manager.save(checkpoint_number=step)
+        seconds = time.monotonic() - started
+        log.info("checkpoint %s (%.2fs)", path, seconds)
+        now = time.time()
+        self.control.update(checkpoint_path=path, checkpoint_step=step, checkpoint_time=now)
+        if self.metrics is not None:
+            self.metrics.observe_checkpoint(seconds=seconds, step=step, timestamp=now)
+        if previous != State.CHECKPOINTING:
+            self.control.set_state(previous)
         return path
+
+    def _serve_checkpoint_requests(self) -> None:
+        for request in self.control.take_checkpoint_requests():
+            try:
+                path = self.save()
+                request.future.set_result(
+                    (path or "", self.control.snapshot().last_checkpoint.step)
+                )
+            except Exception as err:
+                log.error("requested checkpoint failed: %s", err)
+                request.future.set_exception(err)
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the held-out split once, on the coordinator, reading ps variables.
@@ -309,72 +354,56 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> Summary:
-        s = self.settings
+        s, control = self.settings, self.control
         wall_started = time.monotonic()
-        self.stop.install()
         start_step = self.restore()
         target = s.steps
         if start_step >= target:
             log.info(
                 "global step %d already reaches --steps %d: nothing to train", start_step, target
             )
-        train_fn = self._make_train_fn()
-        iterator = self._per_worker_iterator() if start_step < target else None
-        k_full = tf.constant(s.steps_per_execution, tf.int64)
-        max_in_flight = s.max_in_flight or 4 * self.num_workers
-        in_flight: collections.deque[tuple[Any, int]] = collections.deque()
-        progress = Progress(total=target, start=start_step, stream=sys.stderr)
-        scheduled = completed = start_step
-        next_checkpoint = (start_step // s.checkpoint_every + 1) * s.checkpoint_every
-        last_report = train_started = time.monotonic()
-        last_report_step = start_step
-        last_values: dict[str, float] = {}
-
-        while scheduled < target and not self.stop.event.is_set():
-            k = min(s.steps_per_execution, target - scheduled)
-            num = k_full if k == s.steps_per_execution else tf.constant(k, tf.int64)
-            in_flight.append((self.coordinator.schedule(train_fn, args=(iterator, num)), k))
-            scheduled += k
-            while len(in_flight) > max_in_flight:
-                remote, done = in_flight.popleft()
-                remote.fetch()  # raises the closure's error, if any
-                completed += done
-            now = time.monotonic()
-            if now - last_report >= s.log_every and completed > last_report_step:
-                last_values = self.read_train_metrics()
-                rate = (completed - last_report_step) / (now - last_report)
-                progress.report(completed, rate * s.batch_size, last_values)
-                last_report, last_report_step = now, completed
-            if self.manager is not None and completed >= next_checkpoint:
-                self.save()
-                next_checkpoint = (completed // s.checkpoint_every + 1) * s.checkpoint_every
-
+        loop = _Loop(self, start_step)
+        control.update(global_step=start_step)
+        if self.metrics is not None:
+            self.metrics.set_global_step(start_step)
+            self.metrics.set_target_steps(target)
+            self.metrics.set_steps_per_execution(s.steps_per_execution)
+        if start_step < target and not control.stop_requested.is_set():
+            control.set_state(State.RUNNING)
+            loop.run(target)
+        control.set_state(State.STOPPING, "finishing in-flight steps, final checkpoint and eval")
         self.coordinator.join()
-        train_seconds = time.monotonic() - train_started
+        loop.drain()
+        train_seconds = loop.train_seconds()
         final_step = int(self.global_step.numpy())
         trained = final_step - start_step
-        if trained > 0:
-            last_values = self.read_train_metrics() or last_values
-        progress.finish(final_step, trained * s.batch_size / max(train_seconds, 1e-9), last_values)
-        checkpoint = (
-            self.save()
-            if trained > 0 or self.manager is None
-            else (self.manager.latest_checkpoint if self.manager else None)
-        )
+        values = self.read_train_metrics() if trained > 0 else {}
+        values = values or loop.last_values
+        rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
+        loop.progress.finish(final_step, rate * s.batch_size, values)
+        self._publish(final_step, rate, values)
+        if self.manager is not None:
+            checkpoint = self.save() if trained > 0 else self.manager.latest_checkpoint
+        else:
+            checkpoint = None
         eval_values = self.evaluate()
-        steps_per_sec = trained / train_seconds if trained > 0 else 0.0
-        extra = {k: v for k, v in last_values.items() if k not in ("loss", "accuracy")}
+        if eval_values:
+            control.update(eval_metrics=eval_values, eval_step=final_step)
+            if self.metrics is not None:
+                self.metrics.set_eval_values(eval_values, step=final_step)
+            self._summarize("eval", final_step, eval_values)
+        extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
         return Summary(
             job=self.job.name,
             global_step=final_step,
             start_step=start_step,
             target_steps=target,
-            loss=last_values.get("loss"),
-            accuracy=last_values.get("accuracy"),
+            loss=values.get("loss"),
+            accuracy=values.get("accuracy"),
             eval_accuracy=eval_values.get("accuracy"),
             eval_loss=eval_values.get("loss"),
-            examples_per_sec=steps_per_sec * s.batch_size,
-            steps_per_sec=steps_per_sec,
+            examples_per_sec=rate * s.batch_size,
+            steps_per_sec=rate,
             wall_seconds=time.monotonic() - wall_started,
             train_seconds=train_seconds,
             num_workers=self.num_workers,
@@ -386,6 +415,124 @@ class Trainer:
             metrics=extra,
             eval_metrics=eval_values,
         )
+
+    def _publish(self, step: int, steps_per_sec: float, values: dict[str, float]) -> None:
+        """Progress to the control API's status and to Prometheus."""
+        self.control.update(
+            global_step=step,
+            steps_per_second=steps_per_sec,
+            examples_per_second=steps_per_sec * self.settings.batch_size,
+            loss=values.get("loss", float("nan")),
+            metrics={k: v for k, v in values.items() if k != "loss"},
+        )
+        if self.metrics is not None:
+            self.metrics.set_global_step(step)
+            self.metrics.set_train_values(values)
+        self._summarize("train", step, {**values, "steps_per_sec": steps_per_sec})
+
+    def _summarize(self, prefix: str, step: int, values: dict[str, float]) -> None:
+        if self.summaries is None:
+            return
+        with self.summaries.as_default(step=step):
+            for name, value in values.items():
+                if not math.isnan(value):
+                    # What tf.summary.scalar writes, without needing the tensorboard package.
+                    tf.summary.write(
+                        f"{prefix}/{name}", tf.constant(value, tf.float32), metadata=_SCALAR
+                    )
+        self.summaries.flush()
+
+
+class _Loop:
+    """The scheduling loop: packs steps, bounds in-flight calls, honours control requests,
+    publishes progress and checkpoints at their cadences."""
+
+    STATUS_EVERY = 1.0  # seconds between status/metrics updates
+
+    def __init__(self, trainer: Trainer, start_step: int) -> None:
+        self.t = trainer
+        s = trainer.settings
+        self.start_step = start_step
+        self.scheduled = self.completed = start_step
+        self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
+        self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
+        self.last_values: dict[str, float] = {}
+        self.started = time.monotonic()
+        self.ended: float | None = None
+
+    def train_seconds(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def _retire_oldest(self) -> None:
+        remote, steps = self.in_flight.popleft()
+        seconds = float(remote.fetch())  # raises the closure's error, if any
+        self.completed += steps
+        if self.t.metrics is not None:
+            self.t.metrics.observe_call(steps=steps, seconds=seconds)
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._retire_oldest()
+        if self.ended is None:
+            self.ended = time.monotonic()
+
+    def run(self, target: int) -> None:
+        t, s, control = self.t, self.t.settings, self.t.control
+        train_fn = t._make_train_fn()
+        iterator = t._per_worker_iterator()
+        full = tf.constant(s.steps_per_execution, tf.int64)
+        next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
+        last_status = last_log = time.monotonic()
+        status_step = self.start_step
+        state = State.RUNNING
+        while self.scheduled < target and not control.stop_requested.is_set():
+            if control.pause_requested:
+                self.drain()  # in-flight steps finish; nothing new is scheduled
+                if state != State.PAUSED:
+                    state = State.PAUSED
+                    control.set_state(state, "paused by request")
+                    t._publish(int(t.global_step.numpy()), 0.0, self.last_values)
+                    log.info("paused at global step %d", int(t.global_step.numpy()))
+                t._serve_checkpoint_requests()
+                control.stop_requested.wait(0.1)
+                last_status, status_step = time.monotonic(), self.completed
+                continue
+            if state != State.RUNNING:
+                state = State.RUNNING
+                control.set_state(state)
+                log.info("resumed at global step %d", self.completed)
+                self.ended = None
+            t._serve_checkpoint_requests()
+            k = min(s.steps_per_execution, target - self.scheduled)
+            num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
+            self.in_flight.append((t.coordinator.schedule(train_fn, args=(iterator, num)), k))
+            self.scheduled += k
+            while len(self.in_flight) > self.max_in_flight:
+                self._retire_oldest()
+            if t.metrics is not None:
+                t.metrics.set_closures(in_flight=len(self.in_flight), queued=0)
+            now = time.monotonic()
+            if now - last_status >= min(self.STATUS_EVERY, s.log_every) and (
+                self.completed > status_step
+            ):
+                rate = (self.completed - status_step) / (now - last_status)
+                self.last_values = t.read_train_metrics()
+                t._publish(self.completed, rate, self.last_values)
+                last_status, status_step = now, self.completed
+                if now - last_log >= s.log_every:
+                    self.progress.report(self.completed, rate * s.batch_size, self.last_values)
+                    last_log = now
+            if t.manager is not None and self.completed >= next_checkpoint:
+                t.save()
+                next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
+        if self.scheduled >= target or control.stop_requested.is_set():
+            self.drain()
+
+
+_SCALAR = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+)
 
 
 def _fmt(values: dict[str, float]) -> str:

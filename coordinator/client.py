@@ -1,0 +1,267 @@
+"""Client side of psctl's control API: `psctl status / watch / checkpoint / pause / resume /
+stop` and `psctl health`. No TensorFlow here: these answer in well under a second."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import json_format
+from psctl.control.v1 import control_pb2, control_pb2_grpc
+
+from cluster import health
+from cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
+from cluster.ports import HEALTH_PORT_OFFSET
+from cluster.spec import resolve_cluster, split_host_port
+
+RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
+
+
+class ControlError(Exception):
+    """One line for the operator, and the exit status that goes with it."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _describe(err: grpc.RpcError, address: str) -> ControlError:
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = err.details() if isinstance(err, grpc.Call) else str(err)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        reason = "connection refused" if "refused" in (details or "").lower() else details
+        return ControlError(f"no coordinator at {address}: {reason}", EXIT_UNAVAILABLE)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ControlError(f"coordinator at {address} did not answer in time", EXIT_UNAVAILABLE)
+    name = code.name if code else "ERROR"
+    return ControlError(f"{name}: {details}", EXIT_FAILURE)
+
+
+def call(address: str, method: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
+    with grpc.insecure_channel(address) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        try:
+            return getattr(stub, method)(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise _describe(err, address) from None
+
+
+def state_name(value: int) -> str:
+    return control_pb2.JobState.Name(value).removeprefix("JOB_STATE_")
+
+
+def health_name(value: int) -> str:
+    return control_pb2.TaskHealth.Name(value).removeprefix("TASK_HEALTH_")
+
+
+def status_dict(status: control_pb2.Status) -> dict[str, Any]:
+    return json_format.MessageToDict(
+        status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def _num(value: float, fmt: str = ".4f") -> str:
+    return "-" if value != value else format(value, fmt)  # NaN -> "-"
+
+
+def format_status(status: control_pb2.Status) -> str:
+    pct = 100.0 * status.global_step / status.target_steps if status.target_steps else 0.0
+    lines = [
+        f"job {status.job} | {state_name(status.state)} | step {status.global_step}/"
+        f"{status.target_steps} ({pct:.1f}%) | {status.steps_per_second:.1f} steps/s | "
+        f"{status.examples_per_second:.0f} ex/s | up {status.uptime_seconds:.0f}s"
+    ]
+    train = [f"loss {_num(status.loss)}"] + [
+        f"{k} {_num(v)}" for k, v in sorted(status.metrics.items())
+    ]
+    lines.append("train: " + ", ".join(train))
+    if status.eval_metrics:
+        evals = ", ".join(f"{k} {_num(v)}" for k, v in sorted(status.eval_metrics.items()))
+        lines.append(f"eval (step {status.eval_step}): {evals}")
+    if status.HasField("last_checkpoint"):
+        ckpt = status.last_checkpoint
+        age = time.time() - ckpt.time_unix_seconds
+        lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
+    if status.message:
+        lines.append(f"note: {status.message}")
+    rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH", "FAILURES", "PID", "METRICS")]
+    for t in status.tasks:
+        rows.append(
+            (
+                t.type,
+                str(t.index),
+                t.address,
+                health_name(t.health),
+                str(t.failures),
+                str(t.pid or "-"),
+                t.metrics_url or "-",
+            )
+        )
+    lines.append(_table(rows))
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = call(args.address, "GetStatus", control_pb2.GetStatusRequest())
+    if args.json:
+        print(json.dumps(status_dict(status), indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Redraw on a terminal; one line per update when piped."""
+    request = control_pb2.WatchStatusRequest(interval_seconds=args.interval)
+    tty = out.isatty()
+    with grpc.insecure_channel(args.address) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        # The stream lives as long as the job: its deadline is --duration (or a day).
+        deadline = args.duration or 86400.0
+        try:
+            for count, status in enumerate(stub.WatchStatus(request, timeout=deadline), 1):
+                if tty:
+                    out.write("\x1b[H\x1b[2J" + format_status(status) + "\n")
+                else:
+                    out.write(
+                        f"{time.strftime('%H:%M:%S')} {state_name(status.state)} "
+                        f"step {status.global_step}/{status.target_steps} "
+                        f"loss {_num(status.loss)} {status.steps_per_second:.1f} steps/s\n"
+                    )
+                out.flush()
+                if args.count and count >= args.count:
+                    break
+        except grpc.RpcError as err:
+            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return 0  # --duration elapsed
+            raise _describe(err, args.address) from None
+    return 0
+
+
+def _simple(method: str, request: Any, verb: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        response = call(args.address, method, request)
+        print(f"{verb}: job was {state_name(response.state)}")
+        return 0
+
+    return run
+
+
+cmd_pause = _simple("Pause", control_pb2.PauseRequest(), "pause requested")
+cmd_resume = _simple("Resume", control_pb2.ResumeRequest(), "resume requested")
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    response = call(
+        args.address, "Checkpoint", control_pb2.CheckpointRequest(), timeout=args.timeout
+    )
+    print(f"checkpoint {response.checkpoint.path} at step {response.checkpoint.step}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Ask for a graceful stop, then wait (bounded) until the coordinator is gone."""
+    response = call(args.address, "Stop", control_pb2.StopRequest())
+    print(
+        f"stop requested (job was {state_name(response.state)}); waiting up to {args.timeout:.0f}s",
+        flush=True,
+    )
+    deadline = time.monotonic() + args.timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = call(args.address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2.0)
+        except ControlError:
+            print("coordinator stopped" + (f" at step {last.global_step}" if last else ""))
+            return 0
+        time.sleep(0.5)
+    raise ControlError(
+        f"coordinator at {args.address} still running after {args.timeout:.0f}s "
+        f"(state {state_name(last.state) if last else '?'})",
+        EXIT_FAILURE,
+    )
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Like grpc_health_probe over every server of the cluster; non-zero if any is not
+    SERVING."""
+    cluster, source = resolve_cluster(cluster_file=args.cluster, environ=_environ())
+    rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
+    bad = 0
+    for task_type, index, address in cluster.tasks():
+        if task_type not in ("ps", "worker"):
+            continue
+        host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
+        target = f"{host}:{port + args.health_port_offset}"
+        result = health.check(target, timeout=args.timeout)
+        bad += not result.serving
+        rows.append((task_type, str(index), address, target, result.status))
+    print(f"cluster from {source}")
+    print(_table(rows))
+    return 0 if bad == 0 else EXIT_UNAVAILABLE
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def add_client_commands(sub: Any, default_address: str) -> dict[str, Callable[..., int]]:
+    def with_address(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument(
+            "--address",
+            default=default_address,
+            metavar="HOST:PORT",
+            help=f"coordinator's control address (default {default_address})",
+        )
+        return parser
+
+    status = with_address(sub.add_parser("status", help="show the running job's status"))
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    watch = with_address(sub.add_parser("watch", help="live view of the job's status"))
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds (0.1-60; 1)")
+    watch.add_argument("--count", type=int, default=0, help="stop after N updates")
+    watch.add_argument("--duration", type=float, default=0.0, help="stop after S seconds")
+    ckpt = with_address(sub.add_parser("checkpoint", help="save a checkpoint now"))
+    ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    with_address(sub.add_parser("pause", help="stop scheduling new steps"))
+    with_address(sub.add_parser("resume", help="go on after pause"))
+    stop = with_address(sub.add_parser("stop", help="graceful stop: checkpoint, eval, exit"))
+    stop.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the coordinator to exit (default 120)",
+    )
+    probe = sub.add_parser("health", help="check every server's grpc health service")
+    probe.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
+    probe.add_argument(
+        "--health-port-offset",
+        type=int,
+        default=HEALTH_PORT_OFFSET,
+        help=f"health port = TF port + this (default {HEALTH_PORT_OFFSET})",
+    )
+    probe.add_argument("--timeout", type=float, default=2.0, help="seconds per check")
+    return {
+        "status": cmd_status,
+        "watch": cmd_watch,
+        "checkpoint": cmd_checkpoint,
+        "pause": cmd_pause,
+        "resume": cmd_resume,
+        "stop": cmd_stop,
+        "health": cmd_health,
+    }

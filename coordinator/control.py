@@ -1,0 +1,381 @@
+"""The coordinator's Control service: shared job state and the requests operators send.
+
+``JobControl`` is the one place the training loop and the gRPC threads meet: the loop
+publishes progress into it and polls it for pause, resume, checkpoint and stop requests;
+the servicer only reads snapshots and files requests, never touches TensorFlow.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from psctl.control.v1 import control_pb2, control_pb2_grpc
+
+from cluster import health as health_check
+from cluster.errors import ConfigError
+from cluster.spec import split_host_port
+
+log = logging.getLogger(__name__)
+
+WATCH_MIN_INTERVAL, WATCH_MAX_INTERVAL = 0.1, 60.0
+HEALTH_POLL_SECONDS = 2.0
+
+
+class State(enum.Enum):
+    STARTING = control_pb2.JOB_STATE_STARTING
+    RUNNING = control_pb2.JOB_STATE_RUNNING
+    PAUSED = control_pb2.JOB_STATE_PAUSED
+    CHECKPOINTING = control_pb2.JOB_STATE_CHECKPOINTING
+    RECOVERING = control_pb2.JOB_STATE_RECOVERING
+    STOPPING = control_pb2.JOB_STATE_STOPPING
+    DONE = control_pb2.JOB_STATE_DONE
+    FAILED = control_pb2.JOB_STATE_FAILED
+
+
+FINAL_STATES = (State.DONE, State.FAILED)
+
+
+class Rejected(Exception):
+    """A request that does not fit the job's state (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    type: str
+    index: int
+    address: str
+    health_address: str = ""
+    metrics_url: str = ""
+    pid: int = 0
+
+
+@dataclass
+class Board:
+    """What GetStatus reports; written by the training loop under JobControl's lock."""
+
+    global_step: int = 0
+    steps_per_second: float = 0.0
+    examples_per_second: float = 0.0
+    loss: float = float("nan")
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_step: int = 0
+    checkpoint_path: str = ""
+    checkpoint_step: int = 0
+    checkpoint_time: float = 0.0
+    message: str = ""
+
+
+class CheckpointRequest:
+    """Filed by an RPC thread, fulfilled by the training loop."""
+
+    def __init__(self) -> None:
+        self.future: futures.Future[tuple[str, int]] = futures.Future()
+
+
+class JobControl:
+    def __init__(
+        self,
+        *,
+        job: str,
+        target_steps: int,
+        steps_per_execution: int,
+        tasks: list[TaskInfo],
+        can_checkpoint: bool,
+        on_state: Callable[[str], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.target_steps = target_steps
+        self.steps_per_execution = steps_per_execution
+        self.can_checkpoint = can_checkpoint
+        self.tasks = tasks
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._state = State.STARTING
+        self._board = Board()
+        self._health: dict[tuple[str, int], int] = {}
+        self._failures: dict[tuple[str, int], int] = {}
+        self._pause_requested = False
+        self._checkpoints: list[CheckpointRequest] = []
+        self.stop_requested = threading.Event()
+        self.changed = threading.Condition(self._lock)
+        self._on_state = on_state  # e.g. the coordinator_state metric
+
+    # -- the training loop's side --------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        with self._lock:
+            return self._state
+
+    def set_state(self, state: State, message: str = "") -> None:
+        with self._lock:
+            if self._state != state:
+                log.debug("state %s -> %s", self._state.name, state.name)
+            self._state = state
+            self._board.message = message
+            self.changed.notify_all()
+        if self._on_state is not None:
+            self._on_state(state.name.lower())
+
+    @property
+    def pause_requested(self) -> bool:
+        with self._lock:
+            return self._pause_requested
+
+    def update(self, **values: Any) -> None:
+        with self._lock:
+            self._board = replace(self._board, **values)
+
+    def task_failed(self, task_type: str, index: int) -> None:
+        with self._lock:
+            key = (task_type, index)
+            self._failures[key] = self._failures.get(key, 0) + 1
+
+    def take_checkpoint_requests(self) -> list[CheckpointRequest]:
+        with self._lock:
+            taken, self._checkpoints = self._checkpoints, []
+            return taken
+
+    def finish(self, state: State, message: str = "") -> None:
+        """DONE or FAILED; pending checkpoint requests are answered with an error."""
+        for request in self.take_checkpoint_requests():
+            request.future.set_exception(Rejected(f"the job ended ({state.name})"))
+        self.set_state(state, message)
+
+    # -- the operators' side (RPC threads) -----------------------------------------------
+
+    def request_pause(self) -> State:
+        with self._lock:
+            if self._state not in (
+                State.STARTING,
+                State.RUNNING,
+                State.PAUSED,
+                State.CHECKPOINTING,
+            ):
+                raise Rejected(f"cannot pause while {self._state.name}")
+            self._pause_requested = True
+            return self._state
+
+    def request_resume(self) -> State:
+        with self._lock:
+            if self._state not in (
+                State.STARTING,
+                State.RUNNING,
+                State.PAUSED,
+                State.CHECKPOINTING,
+            ):
+                raise Rejected(f"cannot resume while {self._state.name}")
+            self._pause_requested = False
+            return self._state
+
+    def request_stop(self) -> State:
+        with self._lock:
+            if self._state in FINAL_STATES:
+                raise Rejected(f"the job is already {self._state.name}")
+            self.stop_requested.set()
+            return self._state
+
+    def request_checkpoint(self) -> CheckpointRequest:
+        with self._lock:
+            if not self.can_checkpoint:
+                raise Rejected(
+                    "the job has no checkpoint directory; restart it with --checkpoint-dir"
+                )
+            if self._state not in (State.RUNNING, State.PAUSED, State.CHECKPOINTING):
+                raise Rejected(
+                    f"cannot checkpoint while {self._state.name}; try again when "
+                    "the job is RUNNING or PAUSED"
+                )
+            request = CheckpointRequest()
+            self._checkpoints.append(request)
+            return request
+
+    def snapshot(self) -> control_pb2.Status:
+        with self._lock:
+            board, state = replace(self._board), self._state
+            healths, failures = dict(self._health), dict(self._failures)
+        status = control_pb2.Status(
+            job=self.job,
+            state=state.value,
+            global_step=board.global_step,
+            target_steps=self.target_steps,
+            steps_per_second=board.steps_per_second,
+            examples_per_second=board.examples_per_second,
+            loss=board.loss,
+            eval_step=board.eval_step,
+            uptime_seconds=time.monotonic() - self.started,
+            steps_per_execution=self.steps_per_execution,
+            message=board.message,
+        )
+        status.metrics.update(board.metrics)
+        status.eval_metrics.update(board.eval_metrics)
+        if board.checkpoint_path:
+            status.last_checkpoint.CopyFrom(
+                control_pb2.Checkpoint(
+                    path=board.checkpoint_path,
+                    step=board.checkpoint_step,
+                    time_unix_seconds=board.checkpoint_time,
+                )
+            )
+        for task in self.tasks:
+            key = (task.type, task.index)
+            status.tasks.append(
+                control_pb2.Task(
+                    type=task.type,
+                    index=task.index,
+                    address=task.address,
+                    health=healths.get(key, control_pb2.TASK_HEALTH_UNKNOWN),
+                    health_address=task.health_address,
+                    failures=failures.get(key, 0),
+                    metrics_url=task.metrics_url,
+                    pid=task.pid,
+                )
+            )
+        return status
+
+    # -- health of the cluster's tasks -----------------------------------------------------
+
+    def poll_health_forever(self, stop: threading.Event) -> None:
+        """Check every task's health service in the background (status must answer fast)."""
+        to_enum = {
+            "SERVING": control_pb2.TASK_HEALTH_SERVING,
+            "NOT_SERVING": control_pb2.TASK_HEALTH_NOT_SERVING,
+            "UNREACHABLE": control_pb2.TASK_HEALTH_UNREACHABLE,
+        }
+        while not stop.is_set():
+            for task in self.tasks:
+                if task.type == "chief":
+                    result = control_pb2.TASK_HEALTH_SERVING
+                elif task.health_address:
+                    status = health_check.check(task.health_address, timeout=1.0).status
+                    result = to_enum.get(status, control_pb2.TASK_HEALTH_UNKNOWN)
+                else:
+                    continue
+                with self._lock:
+                    self._health[(task.type, task.index)] = result
+            stop.wait(HEALTH_POLL_SECONDS)
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, control: JobControl, *, checkpoint_timeout: float = 300.0) -> None:
+        self.control = control
+        self.checkpoint_timeout = checkpoint_timeout
+
+    def GetStatus(self, request: Any, context: grpc.ServicerContext) -> control_pb2.Status:
+        return self.control.snapshot()
+
+    def WatchStatus(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[control_pb2.Status]:
+        interval = request.interval_seconds or 1.0
+        if not WATCH_MIN_INTERVAL <= interval <= WATCH_MAX_INTERVAL:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"interval_seconds {interval} is out of range; use "
+                f"{WATCH_MIN_INTERVAL} to {WATCH_MAX_INTERVAL} (0 means 1 s)",
+            )
+        while context.is_active():
+            status = self.control.snapshot()
+            yield status
+            if status.state in (s.value for s in FINAL_STATES):
+                return
+            time.sleep(interval)
+
+    def Checkpoint(
+        self, request: Any, context: grpc.ServicerContext
+    ) -> control_pb2.CheckpointResponse:
+        try:
+            pending = self.control.request_checkpoint()
+            remaining = context.time_remaining()
+            timeout = self.checkpoint_timeout if remaining is None else remaining
+            path, step = pending.future.result(timeout=timeout)
+        except Rejected as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the checkpoint is still running")
+        except Exception as err:  # the save itself failed
+            context.abort(grpc.StatusCode.INTERNAL, f"checkpoint failed: {err}")
+        return control_pb2.CheckpointResponse(
+            checkpoint=control_pb2.Checkpoint(path=path, step=step, time_unix_seconds=time.time())
+        )
+
+    def Pause(self, request: Any, context: grpc.ServicerContext) -> control_pb2.PauseResponse:
+        return control_pb2.PauseResponse(state=self._do(self.control.request_pause, context))
+
+    def Resume(self, request: Any, context: grpc.ServicerContext) -> control_pb2.ResumeResponse:
+        return control_pb2.ResumeResponse(state=self._do(self.control.request_resume, context))
+
+    def Stop(self, request: Any, context: grpc.ServicerContext) -> control_pb2.StopResponse:
+        state = self._do(self.control.request_stop, context)
+        log.warning("stop requested over the control API")
+        return control_pb2.StopResponse(state=state)
+
+    @staticmethod
+    def _do(action: Any, context: grpc.ServicerContext) -> int:
+        try:
+            return int(action().value)
+        except Rejected as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            raise  # unreachable: abort raises
+
+
+class ControlServer:
+    """Control + grpc.health.v1 + reflection on one address."""
+
+    def __init__(self, control: JobControl, address: str) -> None:
+        host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)]
+        )
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(control), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = self.server.add_insecure_port(bind)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise ConfigError(
+                "--control-address",
+                f"cannot listen on {address} (in use?)",
+                "stop what holds it or pass another --control-address",
+            )
+        self.address = f"{host}:{bound}"
+        self._stop_polling = threading.Event()
+        self._control = control
+
+    def start(self) -> None:
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("psctl.control.v1.Control", health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(
+            target=self._control.poll_health_forever,
+            args=(self._stop_polling,),
+            name="task-health",
+            daemon=True,
+        ).start()
+        log.info("control API on %s (pid %d)", self.address, os.getpid())
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop_polling.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait(grace + 1.0)

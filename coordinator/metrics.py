@@ -1,0 +1,332 @@
+"""The coordinator's Prometheus metrics: training progress, values, failures, checkpoints.
+
+Built on an injected ``CollectorRegistry`` (never the global one), so every test owns its
+registry. The series every psctl process has (``psctl_task_info``, ``psctl_build_info``,
+uptime, ``process_*``) come from ``cluster.metrics.ProcessMetrics`` with task ``chief:0``:
+task identity lives there only, not as labels on the series below.
+
+Naming follows Prometheus practice: base units (seconds), ``_total`` counters, histograms
+(not summaries, so quantiles aggregate across runs), and no unbounded labels: the only
+labels are the coordinator state (a fixed set) and the job's metric names (fixed by the
+job's ``metrics`` list).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from cluster.metrics import ProcessMetrics
+
+STATES = [
+    "starting",
+    "running",
+    "paused",
+    "checkpointing",
+    "recovering",
+    "stopping",
+    "done",
+    "failed",
+]
+
+# psctl_health_state (shared with the servers) mirrors the coordinator state coarsely.
+_HEALTH_OF_STATE = {
+    "starting": "starting",
+    "stopping": "not_serving",
+    "done": "not_serving",
+    "failed": "not_serving",
+}
+
+# Per step: 1 step per call costs ~2-10 ms, packed steps ~5-15 ms each (2 cores, seed MLP);
+# the tail reaches seconds for big models or a slow ps.
+STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# One scheduled function of 20 steps: ~0.1-0.3 s here; 1 step: a few ms; stalls: minutes.
+CALL_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+# Checkpoints: 0.1-0.7 s for the seed model, minutes for big ones.
+CHECKPOINT_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
+
+
+class _LatestValues:
+    """Loss and job metrics as last reported: one gauge plus one labelled gauge.
+
+    A custom collector rather than ``Gauge``: nothing is exported until the first report
+    (a default 0 would read as a perfect loss), and a metric name the job no longer
+    reports disappears instead of going stale.
+    """
+
+    def __init__(self, *, loss_name: str, loss_help: str, metric_name: str, metric_help: str):
+        self._loss_name, self._loss_help = loss_name, loss_help
+        self._metric_name, self._metric_help = metric_name, metric_help
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {}
+
+    def set(self, values: dict[str, float]) -> None:
+        with self._lock:
+            self._values = {str(k): float(v) for k, v in values.items()}
+
+    def describe(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self._loss_name, self._loss_help)
+        yield GaugeMetricFamily(self._metric_name, self._metric_help, labels=["name"])
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            values = dict(self._values)
+        if "loss" in values:
+            yield GaugeMetricFamily(self._loss_name, self._loss_help, value=values.pop("loss"))
+        if values:
+            family = GaugeMetricFamily(self._metric_name, self._metric_help, labels=["name"])
+            for name in sorted(values):
+                family.add_metric([name], values[name])
+            yield family
+
+
+class CoordinatorMetrics:
+    """Every series the coordinator exports; the trainer calls the methods below."""
+
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry,
+        job: str,
+        num_workers: int,
+        num_ps: int,
+        batch_size: int,
+    ) -> None:
+        self.registry = registry
+        self.job = job
+        self.batch_size = batch_size
+        self.process = ProcessMetrics(registry=registry, task_type="chief", task_index=0)
+        r = registry
+
+        self._state = Enum(
+            "psctl_coordinator_state",
+            "Coordinator life-cycle state (1 for the current state).",
+            states=STATES,
+            registry=r,
+        )
+        self._state.state("starting")
+        # "name", not "job": Prometheus owns the job label (it names the scrape job).
+        Info("psctl_job", "The training job this coordinator runs.", registry=r).info({"name": job})
+        Gauge("psctl_workers", "Worker tasks in the cluster.", registry=r).set(num_workers)
+        Gauge("psctl_ps", "Parameter server (ps) tasks in the cluster.", registry=r).set(num_ps)
+        Gauge(
+            "psctl_batch_size",
+            "Examples per step per worker.",
+            registry=r,
+        ).set(batch_size)
+        self._steps_per_execution = Gauge(
+            "psctl_steps_per_execution",
+            "Train steps packed into one scheduled function.",
+            registry=r,
+        )
+
+        # -- progress ------------------------------------------------------------------
+        self._steps = Counter(
+            "psctl_train_steps_total",
+            "Train steps finished on workers, counted when their scheduled function "
+            "returns. A closure retried after a worker failure counts once.",
+            registry=r,
+        )
+        self._examples = Counter(
+            "psctl_train_examples_total",
+            "Training examples consumed (finished steps x per-worker batch size).",
+            registry=r,
+        )
+        self._step_seconds = Histogram(
+            "psctl_step_duration_seconds",
+            "Seconds per train step on a worker: each scheduled function's duration "
+            "(tf.timestamp on the worker) divided by its step count, observed once per step.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._call_seconds = Histogram(
+            "psctl_scheduled_function_duration_seconds",
+            "Seconds one scheduled function (steps_per_execution steps) ran on a worker, "
+            "measured with tf.timestamp on the worker.",
+            buckets=CALL_BUCKETS,
+            registry=r,
+        )
+        self._global_step = Gauge(
+            "psctl_global_step", "Global step (the step variable on the ps).", registry=r
+        )
+        self._target_steps = Gauge(
+            "psctl_target_steps", "Global step the run trains to (--steps).", registry=r
+        )
+        self._in_flight = Gauge(
+            "psctl_closures_in_flight",
+            "Scheduled functions handed to ClusterCoordinator and not yet finished.",
+            registry=r,
+        )
+        self._queued = Gauge(
+            "psctl_closures_queued",
+            "Scheduled functions waiting in ClusterCoordinator's queue for a worker.",
+            registry=r,
+        )
+
+        # -- values ----------------------------------------------------------------------
+        self._train_values = _LatestValues(
+            loss_name="psctl_train_loss",
+            loss_help="Mean training loss over the steps since the previous report.",
+            metric_name="psctl_train_metric",
+            metric_help="Training metric of the job (label name), as last reported.",
+        )
+        self._eval_values = _LatestValues(
+            loss_name="psctl_eval_loss",
+            loss_help="Loss of the latest evaluation on the held-out split.",
+            metric_name="psctl_eval_metric",
+            metric_help="Metric of the job (label name) in the latest evaluation.",
+        )
+        r.register(self._train_values)
+        r.register(self._eval_values)
+        self._last_eval_step = Gauge(
+            "psctl_last_eval_step", "Global step of the latest evaluation.", registry=r
+        )
+        self._evaluations = Counter("psctl_evaluations_total", "Evaluations finished.", registry=r)
+
+        # -- failures --------------------------------------------------------------------
+        self._worker_failures = Counter(
+            "psctl_worker_failures_total",
+            "Worker failures the coordinator saw (closures rescheduled elsewhere).",
+            registry=r,
+        )
+        self._ps_failures = Counter(
+            "psctl_ps_failures_total",
+            "Parameter server failures (training must restore from a checkpoint).",
+            registry=r,
+        )
+        self._recoveries = Counter(
+            "psctl_recoveries_total",
+            "Recoveries finished: a new coordinator restored the latest checkpoint.",
+            registry=r,
+        )
+
+        # -- checkpoints -----------------------------------------------------------------
+        self._checkpoint_seconds = Histogram(
+            "psctl_checkpoint_duration_seconds",
+            "Seconds to write one checkpoint.",
+            buckets=CHECKPOINT_BUCKETS,
+            registry=r,
+        )
+        self._last_checkpoint_time = Gauge(
+            "psctl_last_checkpoint_timestamp_seconds",
+            "Unix time the latest checkpoint was written by this process (0: none yet).",
+            registry=r,
+        )
+        self._last_checkpoint_step = Gauge(
+            "psctl_last_checkpoint_step",
+            "Global step of the latest checkpoint written by this process.",
+            registry=r,
+        )
+        self._checkpoints = Counter(
+            "psctl_checkpoints_total", "Checkpoints written by this process.", registry=r
+        )
+
+    # -- the trainer's calls -------------------------------------------------------------
+
+    def set_state(self, state: str) -> None:
+        if state not in STATES:
+            raise ValueError(f"unknown coordinator state {state!r}; one of {STATES}")
+        self._state.state(state)
+        self.process.health.state(_HEALTH_OF_STATE.get(state, "serving"))
+
+    def observe_call(self, *, steps: int, seconds: float) -> None:
+        """One scheduled function ran ``steps`` steps in ``seconds`` (timed on the worker)."""
+        if steps <= 0:
+            return
+        self._steps.inc(steps)
+        self._examples.inc(steps * self.batch_size)
+        self._call_seconds.observe(seconds)
+        per_step = seconds / steps
+        for _ in range(steps):
+            self._step_seconds.observe(per_step)
+
+    def set_global_step(self, step: int) -> None:
+        self._global_step.set(step)
+
+    def set_target_steps(self, steps: int) -> None:
+        self._target_steps.set(steps)
+
+    def set_steps_per_execution(self, k: int) -> None:
+        self._steps_per_execution.set(k)
+
+    def set_train_values(self, values: dict[str, float]) -> None:
+        """``loss`` goes to psctl_train_loss, every other key to psctl_train_metric{name}."""
+        self._train_values.set(values)
+
+    def set_eval_values(self, values: dict[str, float], *, step: int) -> None:
+        self._eval_values.set(values)
+        self._last_eval_step.set(step)
+        self._evaluations.inc()
+
+    def set_closures(self, *, in_flight: int, queued: int) -> None:
+        self._in_flight.set(in_flight)
+        self._queued.set(queued)
+
+    def worker_failure(self, n: int = 1) -> None:
+        self._worker_failures.inc(n)
+
+    def ps_failure(self, n: int = 1) -> None:
+        self._ps_failures.inc(n)
+
+    def recovery(self) -> None:
+        self._recoveries.inc()
+
+    def observe_checkpoint(self, *, seconds: float, step: int, timestamp: float) -> None:
+        self._checkpoint_seconds.observe(seconds)
+        self._last_checkpoint_time.set(timestamp)
+        self._last_checkpoint_step.set(step)
+        self._checkpoints.inc()

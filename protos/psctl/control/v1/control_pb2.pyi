@@ -1,0 +1,170 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_STARTING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_PAUSED: _ClassVar[JobState]
+    JOB_STATE_CHECKPOINTING: _ClassVar[JobState]
+    JOB_STATE_RECOVERING: _ClassVar[JobState]
+    JOB_STATE_STOPPING: _ClassVar[JobState]
+    JOB_STATE_DONE: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+
+class TaskHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_HEALTH_UNSPECIFIED: _ClassVar[TaskHealth]
+    TASK_HEALTH_SERVING: _ClassVar[TaskHealth]
+    TASK_HEALTH_NOT_SERVING: _ClassVar[TaskHealth]
+    TASK_HEALTH_UNREACHABLE: _ClassVar[TaskHealth]
+    TASK_HEALTH_UNKNOWN: _ClassVar[TaskHealth]
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_STARTING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_PAUSED: JobState
+JOB_STATE_CHECKPOINTING: JobState
+JOB_STATE_RECOVERING: JobState
+JOB_STATE_STOPPING: JobState
+JOB_STATE_DONE: JobState
+JOB_STATE_FAILED: JobState
+TASK_HEALTH_UNSPECIFIED: TaskHealth
+TASK_HEALTH_SERVING: TaskHealth
+TASK_HEALTH_NOT_SERVING: TaskHealth
+TASK_HEALTH_UNREACHABLE: TaskHealth
+TASK_HEALTH_UNKNOWN: TaskHealth
+
+class Task(_message.Message):
+    __slots__ = ("type", "index", "address", "health", "health_address", "failures", "metrics_url", "pid")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    index: int
+    address: str
+    health: TaskHealth
+    health_address: str
+    failures: int
+    metrics_url: str
+    pid: int
+    def __init__(self, type: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., health: _Optional[_Union[TaskHealth, str]] = ..., health_address: _Optional[str] = ..., failures: _Optional[int] = ..., metrics_url: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("path", "step", "time_unix_seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    step: int
+    time_unix_seconds: float
+    def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., time_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    state: JobState
+    global_step: int
+    target_steps: int
+    steps_per_second: float
+    examples_per_second: float
+    loss: float
+    metrics: _containers.ScalarMap[str, float]
+    eval_metrics: _containers.ScalarMap[str, float]
+    eval_step: int
+    last_checkpoint: Checkpoint
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    uptime_seconds: float
+    steps_per_execution: int
+    message: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("interval_seconds",)
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    interval_seconds: float
+    def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: Checkpoint
+    def __init__(self, checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class StopRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...

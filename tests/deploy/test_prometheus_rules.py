@@ -1,0 +1,119 @@
+"""deploy/prometheus checked by promtool: scrape config, alert rules, and the rules' tests.
+
+Needs `promtool` on PATH (tools/ensure-prometheus.sh installs it); fails, never skips,
+when it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from coordinator.metrics import CoordinatorMetrics
+from tests.conftest import REPO
+
+PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
+DASHBOARD = REPO / "deploy" / "grafana" / "psctl.json"
+ALERTS = {
+    "PsctlCoordinatorDown",
+    "PsctlTrainingStalled",
+    "PsctlWorkerDown",
+    "PsctlPsDown",
+    "PsctlCheckpointTooOld",
+    "PsctlLossNaN",
+}
+
+
+def promtool(*args: str) -> str:
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.fail(
+            "promtool is not on PATH: run tools/ensure-prometheus.sh "
+            "(installs the Debian package prometheus)",
+            pytrace=False,
+        )
+    proc = subprocess.run(
+        [binary, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"promtool {' '.join(args)} failed:\n{output}"
+    return output
+
+
+@pytest.mark.timeout(90)
+def test_scrape_config_is_valid_and_its_target_files_exist():
+    output = promtool("check", "config", "deploy/prometheus/prometheus.yml")
+    # A missing file_sd file is only a warning to promtool; here it is an error.
+    assert "WARNING" not in output, output
+    assert "SUCCESS: 1 rule files found" in output, output
+
+
+@pytest.mark.timeout(90)
+def test_alert_rules_are_valid():
+    output = promtool("check", "rules", "deploy/prometheus/alerts.yml")
+    assert f"SUCCESS: {len(ALERTS)} rules found" in output, output
+    text = (PROMETHEUS_DIR / "alerts.yml").read_text()
+    for name in ALERTS:
+        assert f"alert: {name}\n" in text, name
+
+
+@pytest.mark.timeout(90)
+def test_alert_rule_unit_tests_pass():
+    # Among them: PsctlTrainingStalled fires when steps stop while running, and does not
+    # while steps increase, while paused, or while either step series still moves.
+    output = promtool("test", "rules", "deploy/prometheus/alerts_test.yml")
+    assert "SUCCESS" in output, output
+    tests = (PROMETHEUS_DIR / "alerts_test.yml").read_text()
+    assert "alertname: PsctlTrainingStalled" in tests
+
+
+def exported_series() -> set[str]:
+    """Every psctl_* series name the coordinator (and so every process) exports."""
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=2, num_ps=1, batch_size=64
+    )
+    # Series that appear only once reported.
+    metrics.set_train_values({"loss": 1.0, "accuracy": 0.5})
+    metrics.set_eval_values({"loss": 1.0, "accuracy": 0.5}, step=1)
+    return {s.name for family in registry.collect() for s in family.samples}
+
+
+@pytest.mark.timeout(30)
+def test_rules_and_dashboard_name_only_series_that_exist():
+    # A misspelt series is no query error, just an empty panel or an alert that never fires.
+    exported = exported_series()
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    texts = {
+        "alerts.yml": (PROMETHEUS_DIR / "alerts.yml").read_text(),
+        "psctl.json": "\n".join(exprs),
+    }
+    for source, text in texts.items():
+        named = set(re.findall(r"\bpsctl_[a-z_]+", text))
+        assert named, source
+        missing = sorted(named - exported)
+        assert not missing, f"{source} names series nobody exports: {missing}"
+
+
+@pytest.mark.timeout(30)
+def test_dashboard_uses_a_datasource_variable():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel

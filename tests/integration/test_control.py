@@ -1,0 +1,165 @@
+"""psctl's control plane against a real `psctl local` job: status, watch, checkpoint,
+pause/resume and stop through the CLI, as an operator uses them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.ports import free_ports
+from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
+
+pytestmark = pytest.mark.integration
+
+
+def cli(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        psctl_argv(*args, "--address", address),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
+
+
+def status(address: str) -> dict:
+    proc = cli(address, "status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def load_step(path: str) -> int:
+    """Read global_step from a checkpoint in a fresh process: proves it is restorable."""
+    code = (
+        "import sys, tensorflow as tf; r = tf.train.load_checkpoint(sys.argv[1]); "
+        "print(int(r.get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.strip())
+
+
+@pytest.mark.timeout(300)
+def test_operator_drives_a_running_job(workdir):
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    out = workdir / "out.json"
+    job = subprocess.Popen(
+        psctl_argv(
+            "local",
+            "--workdir",
+            str(workdir),
+            "--steps",
+            "100000",
+            "--control-address",
+            address,
+            "--summary-json",
+            str(out),
+            "--checkpoint-every",  # no periodic checkpoint rotates the requested one away
+            "1000000",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=child_env(),
+    )
+    try:
+        # status: every task with health and pid, and a rising global step
+        first = wait_until(
+            lambda: (
+                (s := status_or_none(address))
+                and s["state"] == "JOB_STATE_RUNNING"
+                and int(s["global_step"]) > 0
+                and s
+            ),
+            timeout=150,
+            what="RUNNING with steps",
+        )
+        tasks = {(t["type"], t["index"]): t for t in first["tasks"]}
+        assert set(tasks) == {("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)}
+        for task in tasks.values():
+            assert int(task["pid"]) > 0
+        wait_until(
+            lambda: all(t["health"] == "TASK_HEALTH_SERVING" for t in status(address)["tasks"]),
+            20,
+            "all SERVING",
+        )
+        later = wait_until(
+            lambda: (
+                (s := status(address)) and int(s["global_step"]) > int(first["global_step"]) and s
+            ),
+            30,
+            "a rising step",
+        )
+        assert int(later["global_step"]) > int(first["global_step"])
+
+        # watch: at least three updates, one line each when piped
+        watch = cli(address, "watch", "--interval", "0.3", "--count", "3")
+        assert watch.returncode == 0, watch.stderr
+        assert len(watch.stdout.strip().splitlines()) == 3
+
+        # checkpoint: restorable, at the reported step
+        ckpt = cli(address, "checkpoint", timeout=120)
+        assert ckpt.returncode == 0, ckpt.stderr
+        words = ckpt.stdout.split()
+        path, step = words[1], int(words[-1])
+        assert load_step(path) == step
+
+        # pause holds the step still; resume moves it again
+        assert cli(address, "pause").returncode == 0
+        wait_until(lambda: status(address)["state"] == "JOB_STATE_PAUSED", 30, "PAUSED")
+        held = int(status(address)["global_step"])
+        time.sleep(4)
+        assert int(status(address)["global_step"]) == held
+        assert cli(address, "resume").returncode == 0
+        wait_until(lambda: int(status(address)["global_step"]) > held, 30, "steps after resume")
+
+        # stop: exit 0 with a final checkpoint at the final step
+        stop = cli(address, "stop", "--timeout", "120", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=60) == 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    summary = read_json(out)
+    assert summary["stopped_early"] is True
+    assert summary["checkpoint"].endswith(f"ckpt-{summary['global_step']}")
+    assert load_step(summary["checkpoint"]) == summary["global_step"]
+    assert processes_mentioning(str(workdir)) == []
+
+
+def status_or_none(address: str) -> dict | None:
+    proc = cli(address, "status", "--json")
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+@pytest.mark.timeout(60)
+def test_status_without_coordinator_is_one_clear_line():
+    (port,) = free_ports(1)
+    started = time.monotonic()
+    proc = cli(f"127.0.0.1:{port}", "status")
+    assert time.monotonic() - started < 10
+    assert proc.returncode == 69
+    assert proc.stderr.strip() == (
+        f"psctl: error: no coordinator at 127.0.0.1:{port}: connection refused"
+    )

@@ -1,0 +1,510 @@
+"""A real Prometheus server scrapes psctl: targets up, series sane, rules and dashboard valid.
+
+Needs `prometheus` and `promtool` on PATH (tools/ensure-prometheus.sh installs them). The
+tests never skip when they are missing: they fail and say how to install them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from prometheus_client import CollectorRegistry, start_http_server
+
+from cluster.ports import free_ports
+from coordinator.metrics import CoordinatorMetrics
+from tests.conftest import REPO, child_env, psctl_argv
+
+pytestmark = pytest.mark.integration
+
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = REPO / "deploy" / "grafana" / "psctl.json"
+ALERT_NAMES = {
+    "PsctlCoordinatorDown",
+    "PsctlTrainingStalled",
+    "PsctlWorkerDown",
+    "PsctlPsDown",
+    "PsctlCheckpointTooOld",
+    "PsctlLossNaN",
+}
+# Grafana's variables, as the dashboard's queries use them.
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "5s",
+    "$__interval": "1s",
+    "$__range": "1m",
+}
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"{name} is not on PATH: run tools/ensure-prometheus.sh (installs the Debian "
+            "package prometheus, which ships prometheus and promtool)",
+            pytrace=False,
+        )
+    return path
+
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T | None], *, timeout: float, every: float = 0.5) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            result = check()
+        except (OSError, ValueError) as err:  # not up yet, half-written file, ...
+            last = err
+        else:
+            if result:
+                return result
+            last = result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last}")
+        time.sleep(every)
+
+
+def http_get(url: str, *, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+class Prometheus:
+    """A Prometheus server on a free loopback port with its own config and storage."""
+
+    def __init__(self, tmp: Path, scrape_configs: list[dict[str, Any]]) -> None:
+        self.binary = tool("prometheus")
+        self.dir = tmp
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = self.dir / "prometheus.yml"
+        # JSON is YAML: no YAML library needed to write the config.
+        config = {
+            "global": {
+                "scrape_interval": "1s",
+                "scrape_timeout": "1s",
+                "evaluation_interval": "1s",
+            },
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": scrape_configs,
+        }
+        self.config.write_text(json.dumps(config, indent=2))
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = self.dir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    f"--config.file={self.config}",
+                    f"--storage.tsdb.path={self.dir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        wait_for("Prometheus to be ready", self._ready, timeout=60)
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"prometheus exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+            )
+        try:
+            http_get(f"{self.url}/-/ready", timeout=2)
+        except urllib.error.URLError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"{self.url}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        try:
+            body = http_get(url)
+        except urllib.error.HTTPError as err:  # 400/422: a bad query, with Prometheus' reason
+            body = err.read().decode()
+        reply = json.loads(body)
+        if reply.get("status") != "success":
+            raise AssertionError(f"{path} {params}: {reply.get('errorType')}: {reply.get('error')}")
+        return reply["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.api("query", query=expr)
+        result = data["result"]
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": result}]
+        return list(result)
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def active_targets(self) -> list[dict[str, Any]]:
+        return list(self.api("targets", state="active")["activeTargets"])
+
+    def wait_targets_up(self, count: int, *, timeout: float) -> list[dict[str, Any]]:
+        def all_up() -> list[dict[str, Any]] | None:
+            targets = self.active_targets()
+            if len(targets) == count and all(t["health"] == "up" for t in targets):
+                return targets
+            return None
+
+        try:
+            return wait_for(f"{count} targets up", all_up, timeout=timeout)
+        except AssertionError as err:
+            shown = [(t["labels"], t["health"], t["lastError"]) for t in self.active_targets()]
+            raise AssertionError(f"{err}\ntargets: {shown}") from None
+
+    def wait_rules_evaluated(self, *, timeout: float) -> list[dict[str, Any]]:
+        """Every alert rule loaded and evaluated at least once; returns them."""
+
+        def evaluated() -> list[dict[str, Any]] | None:
+            rules = [r for g in self.api("rules")["groups"] for r in g["rules"]]
+            if rules and all(r.get("health") not in (None, "unknown") for r in rules):
+                return rules
+            return None
+
+        return wait_for("alert rules evaluated", evaluated, timeout=timeout)
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[list[dict[str, Any]]], Prometheus]]:
+    started: list[Prometheus] = []
+
+    def make(scrape_configs: list[dict[str, Any]]) -> Prometheus:
+        server = Prometheus(tmp_path / f"prometheus-{len(started)}", scrape_configs)
+        started.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def check_metrics(text: str, source: str) -> None:
+    """`promtool check metrics` (naming, HELP, units lint) finds no problem."""
+    proc = subprocess.run(
+        [tool("promtool"), "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    report = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 0 and not report, f"promtool check metrics {source}:\n{report}"
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query in the Grafana dashboard, variables filled in."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(name, value)
+            assert "$" not in expr, f"unknown Grafana variable in {panel['title']!r}: {expr}"
+            queries.append((panel["title"], expr))
+    assert queries
+    return queries
+
+
+def check_dashboard_queries(prom: Prometheus) -> list[str]:
+    """Run every dashboard query; returns the titles of panels with data."""
+    errors, with_data = [], []
+    for title, expr in dashboard_queries():
+        try:
+            if prom.query(expr):
+                with_data.append(title)
+        except AssertionError as err:
+            errors.append(f"{title}: {expr}\n  {err}")
+    assert not errors, "dashboard queries failed:\n" + "\n".join(errors)
+    return with_data
+
+
+def check_rules_healthy(prom: Prometheus) -> None:
+    rules = prom.wait_rules_evaluated(timeout=30)
+    assert {r["name"] for r in rules} >= ALERT_NAMES
+    bad = [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+    assert not bad, bad
+
+
+# -- CoordinatorMetrics alone, served by prometheus_client: fast ------------------------------
+
+
+@contextlib.contextmanager
+def serve(registry: CollectorRegistry) -> Iterator[int]:
+    port = free_ports(1)[0]
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def training_simulation(metrics: CoordinatorMetrics) -> Iterator[None]:
+    """A thread that drives the metrics as a training loop would, until the block ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        step = 0
+        while not stop.wait(0.05):
+            metrics.observe_call(steps=20, seconds=0.2)
+            step += 20
+            metrics.set_global_step(step)
+            metrics.set_closures(in_flight=8, queued=2)
+            if step % 400 == 0:
+                metrics.observe_checkpoint(seconds=0.3, step=step, timestamp=time.time())
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+@pytest.mark.timeout(120)
+def test_prometheus_scrapes_coordinator_metrics(prometheus_factory):
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=2, num_ps=1, batch_size=64
+    )
+    metrics.set_state("running")
+    metrics.set_target_steps(1_000_000)
+    metrics.set_steps_per_execution(20)
+    metrics.set_train_values({"loss": math.nan, "accuracy": 0.5})  # fires PsctlLossNaN
+    metrics.set_eval_values({"loss": 0.1, "accuracy": 0.97}, step=20)
+    with serve(registry) as port, training_simulation(metrics):
+        check_metrics(http_get(f"http://127.0.0.1:{port}/metrics"), "CoordinatorMetrics")
+        prom = prometheus_factory(
+            [
+                {
+                    "job_name": "psctl-coordinator",
+                    "static_configs": [
+                        {
+                            "targets": [f"127.0.0.1:{port}"],
+                            "labels": {"task_type": "chief", "task_index": "0"},
+                        }
+                    ],
+                }
+            ]
+        )
+        prom.wait_targets_up(1, timeout=30)
+        check_rules_healthy(prom)
+
+        first = wait_for(
+            "psctl_global_step", lambda: prom.value("psctl_global_step"), timeout=20, every=0.5
+        )
+        wait_for(
+            "psctl_global_step to rise",
+            lambda: (prom.value("psctl_global_step") or 0) > first,
+            timeout=20,
+        )
+        # Enough samples for 5s rates and quantiles.
+        rate = wait_for(
+            "a steps/s rate",
+            lambda: prom.value('sum(rate(psctl_train_steps_total{job="psctl-coordinator"}[5s]))'),
+            timeout=20,
+        )
+        assert rate > 0
+        p50 = prom.value(
+            "histogram_quantile(0.5, sum by (le) (rate(psctl_step_duration_seconds_bucket[5s])))"
+        )
+        assert p50 is not None and 0.005 < p50 <= 0.01  # 0.2 s / 20 steps = 10 ms
+        assert prom.value('psctl_coordinator_state{psctl_coordinator_state="running"}') == 1
+        assert prom.value('psctl_task_info{task_type="chief"}') == 1
+        assert prom.value('psctl_eval_metric{name="accuracy"}') == 0.97
+
+        with_data = check_dashboard_queries(prom)
+        for title in ("Steps / s", "Examples / s", "Step time", "Loss", "Metrics", "Tasks up"):
+            assert title in with_data, (title, with_data)
+
+        def nan_alert() -> list[dict[str, Any]]:
+            return [
+                a
+                for a in prom.api("alerts")["alerts"]
+                if a["labels"]["alertname"] == "PsctlLossNaN"
+            ]
+
+        alerts = wait_for("PsctlLossNaN to be pending", nan_alert, timeout=20)
+        assert alerts[0]["state"] in ("pending", "firing")
+        assert alerts[0]["labels"]["job"] == "psctl-coordinator"
+
+
+# -- a whole psctl local cluster -----------------------------------------------------------
+
+
+class LineWatcher:
+    """Reads a child's stderr in a thread (so the pipe never fills) and watches for a line."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        self.stream = proc.stderr
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.stream:
+            with self.lock:
+                self.lines.append(line)
+
+    def seen(self, needle: str) -> bool:
+        with self.lock:
+            return any(needle in line for line in self.lines)
+
+    def tail(self, count: int = 40) -> str:
+        with self.lock:
+            return "".join(self.lines[-count:])
+
+
+def read_targets(path: Path) -> list[dict[str, Any]] | None:
+    if not path.is_file():
+        return None
+    groups = json.loads(path.read_text())  # ValueError while half written: polled again
+    jobs = {g["labels"]["job"] for g in groups}
+    return groups if "psctl-coordinator" in jobs else None
+
+
+@pytest.mark.timeout(240)
+def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
+    tool("prometheus")
+    tool("promtool")
+    proc = subprocess.Popen(
+        psctl_argv("local", "--workdir", str(workdir), "--steps", "100000", "--log-every", "1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+    )
+    watcher = LineWatcher(proc)
+    try:
+
+        def running(check: Callable[[], Any]) -> Callable[[], Any]:
+            def guarded() -> Any:
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"psctl local exited with {proc.returncode}:\n{watcher.tail()}"
+                    )
+                return check()
+
+            return guarded
+
+        targets_file = workdir / "targets.json"
+        try:
+            groups = wait_for(
+                f"{targets_file} (psctl local writes it once its servers are up)",
+                running(lambda: read_targets(targets_file)),
+                timeout=150,
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}\npsctl local stderr:\n{watcher.tail()}") from None
+        assert len(groups) == 4, groups  # coordinator + 1 ps + 2 workers
+        by_job: dict[str, int] = {}
+        for group in groups:
+            assert set(group["labels"]) >= {"job", "task_type", "task_index"}, group
+            assert len(group["targets"]) == 1 and re.fullmatch(
+                r"127\.0\.0\.1:\d+", group["targets"][0]
+            ), group
+            by_job[group["labels"]["job"]] = by_job.get(group["labels"]["job"], 0) + 1
+        assert by_job == {"psctl-coordinator": 1, "psctl-ps": 1, "psctl-worker": 2}, by_job
+
+        wait_for(
+            "the first 'train | step:' line",
+            running(lambda: watcher.seen("train | step:")),
+            timeout=120,
+        )
+
+        prom = prometheus_factory(
+            [{"job_name": "psctl", "file_sd_configs": [{"files": [str(targets_file)]}]}]
+        )
+        targets = prom.wait_targets_up(4, timeout=60)
+        assert sorted(t["labels"]["job"] for t in targets) == [
+            "psctl-coordinator",
+            "psctl-ps",
+            "psctl-worker",
+            "psctl-worker",
+        ]
+        up = prom.query('up{job=~"psctl-.*"}')
+        assert len(up) == 4 and all(float(s["value"][1]) == 1 for s in up), up
+
+        for group in groups:
+            address = group["targets"][0]
+            text = http_get(f"http://{address}/metrics")
+            check_metrics(text, f"{group['labels']['job']} {address}")
+
+        first = wait_for(
+            "psctl_global_step from the coordinator",
+            running(lambda: prom.value('psctl_global_step{job="psctl-coordinator"}')),
+            timeout=30,
+        )
+        wait_for(
+            "psctl_global_step to rise",
+            running(
+                lambda: (prom.value('psctl_global_step{job="psctl-coordinator"}') or 0) > first
+            ),
+            timeout=30,
+            every=1.0,
+        )
+        assert prom.value('psctl_task_info{job="psctl-ps"}') == 1
+        assert prom.value('count(psctl_task_info{job="psctl-worker"})') == 2
+        assert prom.value('psctl_coordinator_state{psctl_coordinator_state="running"}') == 1
+
+        check_rules_healthy(prom)
+        wait_for(
+            "a steps/s rate",
+            lambda: prom.value('sum(rate(psctl_train_steps_total{job="psctl-coordinator"}[5s]))'),
+            timeout=20,
+        )
+        with_data = check_dashboard_queries(prom)
+        for title in ("Steps / s", "Examples / s", "Step time", "Tasks up", "Coordinator state"):
+            assert title in with_data, (title, with_data)
+
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+        watcher.thread.join(timeout=10)
+        assert proc.returncode == 0, watcher.tail()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
