@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import grpc
-from google.protobuf import json_format
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 
 from cluster import health
@@ -60,6 +59,8 @@ def health_name(value: int) -> str:
 
 
 def status_dict(status: control_pb2.Status) -> dict[str, Any]:
+    from google.protobuf import json_format  # only --json needs it
+
     return json_format.MessageToDict(
         status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -199,19 +200,35 @@ def cmd_health(args: argparse.Namespace) -> int:
     """Like grpc_health_probe over every server of the cluster; non-zero if any is not
     SERVING."""
     cluster, source = resolve_cluster(cluster_file=args.cluster, environ=_environ())
+    explicit = _explicit_health_addresses(args.cluster)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
     bad = 0
     for task_type, index, address in cluster.tasks():
         if task_type not in ("ps", "worker"):
             continue
         host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
-        target = f"{host}:{port + args.health_port_offset}"
+        target = explicit.get((task_type, index), f"{host}:{port + args.health_port_offset}")
         result = health.check(target, timeout=args.timeout)
         bad += not result.serving
         rows.append((task_type, str(index), address, target, result.status))
     print(f"cluster from {source}")
     print(_table(rows))
     return 0 if bad == 0 else EXIT_UNAVAILABLE
+
+
+def _explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], str]:
+    """A cluster file may name health addresses in an optional "health" section shaped like
+    "cluster" (psctl local writes one); other tasks use TF port + offset."""
+    if not cluster_file:
+        return {}
+    with open(cluster_file) as f:
+        section = json.load(f).get("health", {})
+    found = {}
+    for task_type, addresses in section.items() if isinstance(section, dict) else ():
+        for index, address in enumerate(addresses if isinstance(addresses, list) else []):
+            split_host_port(address, field=f"{cluster_file}: health.{task_type}[{index}]")
+            found[(task_type, index)] = address
+    return found
 
 
 def _environ() -> dict[str, str]:

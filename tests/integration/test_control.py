@@ -133,6 +133,17 @@ def test_operator_drives_a_running_job(workdir):
         assert cli(address, "resume").returncode == 0
         wait_until(lambda: int(status(address)["global_step"]) > held, 30, "steps after resume")
 
+        # health: every server's grpc health service, like grpc_health_probe
+        probe = subprocess.run(
+            psctl_argv("health", "--cluster", str(workdir / "cluster.json")),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=child_env(),
+        )
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+        assert probe.stdout.count("SERVING") == 3
+
         # stop: exit 0 with a final checkpoint at the final step
         stop = cli(address, "stop", "--timeout", "120", timeout=150)
         assert stop.returncode == 0, stop.stderr
@@ -146,6 +157,15 @@ def test_operator_drives_a_running_job(workdir):
     assert summary["checkpoint"].endswith(f"ckpt-{summary['global_step']}")
     assert load_step(summary["checkpoint"]) == summary["global_step"]
     assert processes_mentioning(str(workdir)) == []
+    probe = subprocess.run(
+        psctl_argv("health", "--cluster", str(workdir / "cluster.json")),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+    )
+    assert probe.returncode == 69
+    assert probe.stdout.count("UNREACHABLE") == 3
 
 
 def status_or_none(address: str) -> dict | None:
