@@ -34,6 +34,9 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--max-in-flight", int, "scheduled calls not yet finished (default 4 per worker)"),
     ("--summary-json", str, "write the final summary as JSON to this path"),
     ("--logdir", str, "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
+    ("--train-data", str, "training files (glob) for the job, e.g. 'data/train-*.csv'"),
+    ("--eval-data", str, "evaluation files (glob) for the job"),
+    ("--label-column", str, "CSV label column (default label)"),
 ]
 
 

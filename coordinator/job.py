@@ -42,6 +42,11 @@ class DataContext:
     num_workers: int
     batch_size: int
     seed: int
+    # File inputs given on the command line (--train-data / --eval-data GLOB); "" = none,
+    # and the job uses its own data.
+    train_data: str = ""
+    eval_data: str = ""
+    label_column: str = "label"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class TrainSettings:
     max_in_flight: int = 0  # scheduled calls not yet finished; 0 = 4 per worker
     summary_json: str = ""
     logdir: str = ""  # TensorBoard scalar summaries; "" = none
+    train_data: str = ""  # file glob handed to the job's dataset_fn (DataContext.train_data)
+    eval_data: str = ""
+    label_column: str = "label"
 
     def __post_init__(self) -> None:
         positive = (

@@ -128,11 +128,18 @@ class Trainer:
     # -- construction -------------------------------------------------------------------
 
     def _data_context(self, worker_index: Any, batch_size: int) -> DataContext:
+        return self._context(worker_index, self.num_workers, batch_size)
+
+    def _context(self, worker_index: Any, num_workers: int, batch_size: int) -> DataContext:
+        s = self.settings
         return DataContext(
             worker_index=worker_index,
-            num_workers=self.num_workers,
+            num_workers=num_workers,
             batch_size=batch_size,
-            seed=self.settings.seed,
+            seed=s.seed,
+            train_data=s.train_data,
+            eval_data=s.eval_data,
+            label_column=s.label_column,
         )
 
     def _build_state(self) -> None:
@@ -314,12 +321,7 @@ class Trainer:
         if self.job.eval_dataset_fn is None:
             return {}
         # One reader sees the whole split: the context says worker 0 of 1.
-        ctx = DataContext(
-            worker_index=0,
-            num_workers=1,
-            batch_size=self.settings.eval_batch_size,
-            seed=self.settings.seed,
-        )
+        ctx = self._context(0, 1, self.settings.eval_batch_size)
         dataset = self.job.eval_dataset_fn(ctx)
         loss = keras.metrics.Mean(name="loss")
         metrics = [make() for make in self.metric_factories]
