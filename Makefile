@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.psctl-installed
 
-.PHONY: demo test install lint unit integration bench clean prometheus
+.PHONY: demo test install lint unit integration chaos bench clean prometheus systemd-tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,14 +26,22 @@ lint: install
 prometheus:
 	sh tools/ensure-prometheus.sh
 
-test: lint prometheus
+# systemd-analyze (unit verification) and ip (network-namespace hosts) for the deploy tests.
+systemd-tools:
+	sh tools/ensure-systemd-tools.sh
+
+test: lint prometheus systemd-tools
 	$(BIN)/pytest -q
 
-unit: install
+unit: install systemd-tools
 	$(BIN)/pytest -q tests/unit
 
-integration: install prometheus
+integration: install prometheus systemd-tools
 	$(BIN)/pytest -q tests/integration
+
+# Kill and freeze real processes of running jobs; prints the measured table.
+chaos: install
+	$(BIN)/pytest -q -s tests/chaos
 
 bench: install
 	$(BIN)/python bench/throughput.py

@@ -33,6 +33,9 @@ def check_port_free(port: int, *, host: str = "", field: str) -> None:
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Connections of a just-killed predecessor linger in TIME_WAIT; they do not make
+        # the port taken. A listener does, SO_REUSEADDR or not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as err:

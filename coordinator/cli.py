@@ -32,6 +32,12 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--max-shards", int, "partition each large variable into up to N shards over the ps"),
     ("--min-shard-bytes", int, "smallest variable shard when partitioning (default 256 KiB)"),
     ("--max-in-flight", int, "scheduled calls not yet finished (default 4 per worker)"),
+    (
+        "--stall-timeout",
+        float,
+        "seconds without a finished step before the stall watchdog "
+        "reports and reschedules stuck calls (default 60)",
+    ),
     ("--summary-json", str, "write the final summary as JSON to this path"),
     ("--logdir", str, "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
     ("--train-data", str, "training files (glob) for the job, e.g. 'data/train-*.csv'"),
@@ -46,6 +52,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in TRAIN_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
+
+
+def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10,
+        help="restarts of the training process within 10 minutes before the job FAILS (default 10)",
+    )
+    parser.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for failed ps tasks before restarting anyway (default 300)",
+    )
 
 
 def add_control_address(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for every server to be SERVING (default 120)",
     )
     add_control_address(local)
+    add_recovery_arguments(local)
     add_train_arguments(local)
 
     train = sub.add_parser(
@@ -104,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help=argparse.SUPPRESS,  # written by psctl local
     )
+    # The supervisor runs the training process as `train ... --once`, telling it what it saw.
+    train.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
+    train.add_argument("--supervisor-counters", help=argparse.SUPPRESS)
+    add_recovery_arguments(train)
     add_control_address(train)
     train.add_argument(
         "--metrics-port",
@@ -127,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     from coordinator.client import add_client_commands
 
     CLIENT_COMMANDS.update(add_client_commands(sub, DEFAULT_CONTROL_ADDRESS))
+    from coordinator.deploy import add_deploy_commands
+
+    CLIENT_COMMANDS.update(add_deploy_commands(sub))
+    from coordinator.evaluate import add_evaluate_command  # TF only when it runs
+
+    COMMANDS.update(add_evaluate_command(sub))
     return parser
 
 
@@ -167,11 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gRPC's C core logs connection details (GOAWAY on shutdown) at INFO: not for operators.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     verbose = getattr(args, "verbose", False)
     configure_logging(verbose=verbose)
     quiet_tensorflow(verbose=verbose)
     status = run_command(args)
-    if args.command == "train":
+    if args.command == "train" and args.once:
         # TensorFlow's cluster threads can hold up interpreter shutdown for minutes (seen
         # after a graceful stop): the run is over and its files are written, so leave now.
         logging.shutdown()

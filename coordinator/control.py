@@ -111,6 +111,9 @@ class JobControl:
         self.stop_requested = threading.Event()
         self.changed = threading.Condition(self._lock)
         self._on_state = on_state  # e.g. the coordinator_state metric
+        self.on_task_failure: Callable[[str], None] | None = None
+        self.on_recovery: Callable[[], None] | None = None
+        self.recoveries = 0
 
     # -- the training loop's side --------------------------------------------------------
 
@@ -129,6 +132,10 @@ class JobControl:
         if self._on_state is not None:
             self._on_state(state.name.lower())
 
+    def set_message(self, message: str) -> None:
+        with self._lock:
+            self._board.message = message
+
     @property
     def pause_requested(self) -> bool:
         with self._lock:
@@ -142,6 +149,15 @@ class JobControl:
         with self._lock:
             key = (task_type, index)
             self._failures[key] = self._failures.get(key, 0) + 1
+
+    def unhealthy_tasks(self) -> list[str]:
+        """Tasks whose last health check was not SERVING, as "type:index"."""
+        with self._lock:
+            return [
+                f"{t}:{i}"
+                for (t, i), h in sorted(self._health.items())
+                if h != control_pb2.TASK_HEALTH_SERVING
+            ]
 
     def take_checkpoint_requests(self) -> list[CheckpointRequest]:
         with self._lock:
@@ -248,24 +264,59 @@ class JobControl:
     # -- health of the cluster's tasks -----------------------------------------------------
 
     def poll_health_forever(self, stop: threading.Event) -> None:
-        """Check every task's health service in the background (status must answer fast)."""
+        """Check every task's health service in the background (status must answer fast).
+
+        A task going from SERVING to anything else counts as a failure of that task; its
+        return to SERVING counts as a recovery.
+        """
         to_enum = {
             "SERVING": control_pb2.TASK_HEALTH_SERVING,
             "NOT_SERVING": control_pb2.TASK_HEALTH_NOT_SERVING,
             "UNREACHABLE": control_pb2.TASK_HEALTH_UNREACHABLE,
         }
+        serving = control_pb2.TASK_HEALTH_SERVING
         while not stop.is_set():
             for task in self.tasks:
                 if task.type == "chief":
-                    result = control_pb2.TASK_HEALTH_SERVING
+                    result = serving
                 elif task.health_address:
                     status = health_check.check(task.health_address, timeout=1.0).status
                     result = to_enum.get(status, control_pb2.TASK_HEALTH_UNKNOWN)
                 else:
                     continue
+                key = (task.type, task.index)
                 with self._lock:
-                    self._health[(task.type, task.index)] = result
+                    before = self._health.get(key)
+                    self._health[key] = result
+                if before == serving and result != serving:
+                    log.warning(
+                        "%s:%d is %s", task.type, task.index, control_pb2.TaskHealth.Name(result)
+                    )
+                    self.task_failed(task.type, task.index)
+                    if self.on_task_failure is not None:
+                        self.on_task_failure(task.type)
+                elif before is not None and before != serving and result == serving:
+                    log.info("%s:%d is SERVING again", task.type, task.index)
+                    with self._lock:
+                        self.recoveries += 1
+                    if self.on_recovery is not None:
+                        self.on_recovery()
             stop.wait(HEALTH_POLL_SECONDS)
+
+    def failure_counts(self) -> dict[str, int]:
+        with self._lock:
+            counts = {"worker": 0, "ps": 0}
+            for (task_type, _), n in self._failures.items():
+                counts[task_type] = counts.get(task_type, 0) + n
+            return counts
+
+    def all_ps_serving(self) -> bool:
+        with self._lock:
+            return all(
+                self._health.get((t.type, t.index)) == control_pb2.TASK_HEALTH_SERVING
+                for t in self.tasks
+                if t.type == "ps" and t.health_address
+            )
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):

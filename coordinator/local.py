@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -26,6 +27,14 @@ from typing import Any
 from cluster import health, ports
 from cluster.errors import EXIT_FAILURE, ConfigError
 from cluster.spec import ClusterConfig, format_table, split_host_port
+from coordinator.supervisor import (
+    Counters,
+    RestartBudget,
+    RestartPolicy,
+    TrainingSupervisor,
+    describe_exit,
+    forward_stop_signals,
+)
 
 log = logging.getLogger("psctl.local")
 
@@ -146,6 +155,10 @@ class LocalCluster:
         self.tasks_file = workdir / "tasks.json"
         self.targets_file = workdir / "targets.json"
         self.servers: list[ServerProcess] = []
+        self.policy = RestartPolicy(backoff_initial=0.5, backoff_max=10.0)
+        self._budgets: dict[str, RestartBudget] = {}
+        self._restart_due: dict[str, float] = {}
+        self.counters = Counters()  # shared with the training supervisor
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +259,39 @@ class LocalCluster:
                 )
             time.sleep(0.2)
 
+    def restart_failed_servers(self) -> None:
+        """psctl local's restart policy (systemd's Restart=on-failure in production): a
+        server that died is started again on the same ports, with backoff, in budget."""
+        now = time.monotonic()
+        for i, server in enumerate(self.servers):
+            code = server.proc.poll()
+            if code is None:
+                continue
+            due = self._restart_due.get(server.name)
+            if due is None:
+                budget = self._budgets.setdefault(server.name, RestartBudget(self.policy))
+                if not budget.allow(now):
+                    continue  # out of budget: stays down; the coordinator reports it
+                delay = self.policy.delay(len(budget.times))
+                self._restart_due[server.name] = now + delay
+                log.warning(
+                    "%s %s; restarting it in %.1fs", server.name, describe_exit(code), delay
+                )
+                if server.task_type == "ps":
+                    self.counters.ps_failures += 1
+                else:
+                    self.counters.worker_failures += 1
+            elif now >= due:
+                del self._restart_due[server.name]
+                self.servers[i] = self._start_server(
+                    server.task_type,
+                    server.index,
+                    server.address,
+                    server.health_port,
+                    server.metrics_port,
+                )
+                log.info("%s restarted (pid %d)", server.name, self.servers[i].proc.pid)
+
     def stop(self) -> None:
         stop_processes([s.proc for s in self.servers])
 
@@ -257,26 +303,6 @@ def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any
 
 class ServerFailed(Exception):
     exit_status = EXIT_FAILURE
-
-
-@contextlib.contextmanager
-def forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
-    """SIGINT/SIGTERM to the launcher go to the coordinator child, which stops gracefully."""
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        if proc.poll() is None:
-            log.warning(
-                "%s: asking the coordinator to stop (checkpoint first)", signal.Signals(signum).name
-            )
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
-
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def default_workdir() -> Path:
@@ -297,6 +323,9 @@ def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namesp
         args.control_address,
         "--metrics-port",
         str(local.coordinator_metrics_port),
+        "--recovery-timeout",
+        str(args.recovery_timeout),
+        "--once",
     ]
     if args.config:
         argv += ["--config", args.config]
@@ -342,14 +371,33 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             workdir / "logs",
         )
         local.write_tasks()
-        # Without the launcher the servers go too, and a coordinator waiting for them would
-        # wait forever: it gets SIGKILL, not SIGTERM (its periodic checkpoints remain).
-        coordinator = spawn(train_argv(local, flags, args), death_signal=signal.SIGKILL)
+        log.info(
+            "control API on %s (psctl status --address %s)",
+            args.control_address,
+            args.control_address,
+        )
+        argv = train_argv(local, flags, args)
+
+        def start(counters: Counters) -> subprocess.Popen[bytes]:
+            # Without the launcher the servers go too, and a coordinator waiting for them
+            # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
+            counters_json = json.dumps(dataclasses.asdict(counters))
+            return spawn(
+                [*argv, "--supervisor-counters", counters_json], death_signal=signal.SIGKILL
+            )
+
+        supervisor = TrainingSupervisor(
+            start,
+            policy=RestartPolicy(max_restarts=args.max_restarts),
+            tick=local.restart_failed_servers,
+            counters=local.counters,
+        )
         try:
-            with forward_signals(coordinator):
-                return coordinator.wait()
+            with forward_stop_signals(supervisor):
+                return supervisor.run()
         finally:
-            stop_processes([coordinator], timeout=60.0)
+            if supervisor.child is not None:
+                stop_processes([supervisor.child], timeout=60.0)
     except ServerFailed as err:
         print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status

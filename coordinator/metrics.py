@@ -217,6 +217,17 @@ class CoordinatorMetrics:
             registry=r,
         )
 
+        self._stalled = Gauge(
+            "psctl_stalled",
+            "1 while the stall watchdog sees no step finish for --stall-timeout, else 0.",
+            registry=r,
+        )
+        self._stalls = Counter(
+            "psctl_stalls",
+            "Stalls the watchdog reported (no step finished for --stall-timeout).",
+            registry=r,
+        )
+
         # -- values ----------------------------------------------------------------------
         self._train_values = _LatestValues(
             loss_name="psctl_train_loss",
@@ -315,6 +326,18 @@ class CoordinatorMetrics:
     def set_closures(self, *, in_flight: int, queued: int) -> None:
         self._in_flight.set(in_flight)
         self._queued.set(queued)
+
+    def set_stalled(self, stalled: bool) -> None:
+        if stalled:
+            self._stalls.inc()
+        self._stalled.set(1 if stalled else 0)
+
+    def task_failure(self, task_type: str) -> None:
+        """A task seen going from SERVING to down (worker or ps)."""
+        if task_type == "ps":
+            self.ps_failure()
+        elif task_type == "worker":
+            self.worker_failure()
 
     def worker_failure(self, n: int = 1) -> None:
         self._worker_failures.inc(n)

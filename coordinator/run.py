@@ -6,10 +6,12 @@ import argparse
 import json
 import logging
 import os
+import random
 import socket
+import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +27,20 @@ from cluster.spec import (
 )
 from coordinator.control import ControlServer, JobControl, State, TaskInfo
 from coordinator.settings import TrainSettings, resolve_settings
+from coordinator.supervisor import (
+    EXIT_RESTART,
+    Counters,
+    RestartPolicy,
+    TrainingSupervisor,
+    forward_stop_signals,
+)
 
 if TYPE_CHECKING:
     from coordinator.job import Job
     from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
+_KEEP_ALIVE: list[object] = []
 
 
 def resolve_chief_cluster(cluster_file: str | None) -> tuple[ClusterConfig, str]:
@@ -85,6 +95,8 @@ class Unreachable(Exception):
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     cluster, source = resolve_chief_cluster(args.cluster)
     settings = resolve_settings(flags=flags, config_file=args.config)
+    if not args.once:
+        return supervise_train(args)
     chief = require_chief(cluster, source=source)
     _, chief_port = split_host_port(chief, field="cluster.chief[0]")
     # TensorFlow binds the chief's port when it connects to the cluster.
@@ -93,11 +105,12 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         wait_for_tf_ports(cluster, timeout=args.connect_timeout)
     except Unreachable as err:
         print(f"psctl: error: {err}", file=sys.stderr)
-        return err.exit_status
+        return EXIT_RESTART  # the supervisor retries within its budget
 
     from coordinator.job import load_job
 
     job = load_job(settings.job)
+    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     metrics = start_metrics(args.metrics_port, settings, cluster)
     control = JobControl(
         job=settings.job,
@@ -107,15 +120,87 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         can_checkpoint=bool(settings.checkpoint_dir),
         on_state=metrics.set_state if metrics else None,
     )
+    control.recoveries = counters.restarts
+    if metrics is not None:
+        control.on_task_failure = metrics.task_failure
+        control.on_recovery = metrics.recovery
+        metrics.ps_failure(counters.ps_failures)
+        for _ in range(counters.restarts):
+            metrics.recovery()
     server = ControlServer(control, args.control_address)
     server.start()
     try:
-        return _train(job, cluster, source, settings, control, metrics)
+        return _train(job, cluster, source, settings, control, metrics, counters)
+    except Exception as err:
+        if not is_cluster_failure(err):
+            control.finish(State.FAILED, one_line(err))
+            raise
+        return recover(control, err, timeout=args.recovery_timeout)
     except BaseException as err:
-        control.finish(State.FAILED, f"{type(err).__name__}: {err}")
+        control.finish(State.FAILED, one_line(err))
         raise
     finally:
         server.stop()
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def is_cluster_failure(err: BaseException) -> bool:
+    """A task became unreachable (a ps, or the links to it): recoverable by a new
+    coordinator. Worker failures never get here: TensorFlow retries their closures."""
+    import tensorflow as tf
+
+    if isinstance(
+        err,
+        tf.errors.UnavailableError
+        | tf.errors.AbortedError
+        | tf.errors.CancelledError
+        | tf.errors.DeadlineExceededError,
+    ):
+        return True
+    original = getattr(err, "original_exception", None)  # ClosureInputError/AbortedError
+    if original is not None and original is not err:
+        return is_cluster_failure(original)
+    return isinstance(err, tf.errors.InvalidArgumentError) and (
+        "unknown device" in str(err).lower()
+    )
+
+
+def recover(control: JobControl, err: BaseException, *, timeout: float) -> int:
+    """RECOVERING: wait with backoff until every ps is SERVING again, then ask the
+    supervisor for a fresh training process (the only recovery TensorFlow supports)."""
+    log.error("cluster failure: %s", one_line(err))
+    control.set_state(State.RECOVERING, f"waiting for the ps tasks: {one_line(err)}")
+    failed = [t for t in control.unhealthy_tasks() if t.startswith("ps:")]
+    deadline = time.monotonic() + timeout
+    delay = 0.5
+    while time.monotonic() < deadline:
+        time.sleep(delay + random.uniform(0, delay / 2))
+        if control.all_ps_serving():
+            break
+        delay = min(delay * 2, 5.0)
+    else:
+        log.error("ps tasks not back after %.0fs; restarting anyway", timeout)
+    log.warning(
+        "restarting the training process from the latest checkpoint (ps down: %s)",
+        ", ".join(failed) or "unknown",
+    )
+    return EXIT_RESTART
+
+
+def supervise_train(args: argparse.Namespace) -> int:
+    """`psctl train` without --once: run the training process under the restart policy."""
+    argv = [sys.executable, "-m", "coordinator.cli", *args.raw_argv, "--once"]
+
+    def start(counters: Counters) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*argv, "--supervisor-counters", json.dumps(asdict(counters))])
+
+    supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
+    with forward_stop_signals(supervisor):
+        return supervisor.run()
 
 
 def start_metrics(
@@ -150,6 +235,7 @@ def _train(
     settings: TrainSettings,
     control: JobControl,
     metrics: CoordinatorMetrics | None,
+    counters: Counters,
 ) -> int:
     from coordinator.trainer import Trainer, install_stop_signals, print_summary, write_summary
 
@@ -165,7 +251,18 @@ def _train(
         settings.steps_per_execution,
     )
     trainer = Trainer(job=job, cluster=cluster, settings=settings, control=control, metrics=metrics)
+    # Never collected before the process exits: destroying its per-worker resources sends
+    # ops to every worker and waits on a frozen one (seen). The process ends by os._exit.
+    _KEEP_ALIVE.append(trainer)
     summary = trainer.run()
+    failures = control.failure_counts()
+    summary.restarts = counters.restarts
+    # psctl local counts the servers it restarted; this process counts what its health
+    # checks saw since it started. Both may see one failure: take the larger.
+    summary.ps_failures = max(counters.ps_failures, failures.get("ps", 0))
+    summary.worker_failures = max(counters.worker_failures, failures.get("worker", 0))
+    summary.coordinator_failures = counters.coordinator_failures
+    summary.recoveries = control.recoveries
     print_summary(summary)
     if settings.summary_json:
         write_summary(summary, settings.summary_json)

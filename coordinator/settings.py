@@ -37,6 +37,7 @@ class TrainSettings:
     min_shard_bytes: int = 256 << 10
     max_in_flight: int = 0  # scheduled calls not yet finished; 0 = 4 per worker
     summary_json: str = ""
+    stall_timeout: float = 60.0  # seconds without a finished step before the watchdog acts
     logdir: str = ""  # TensorBoard scalar summaries; "" = none
     train_data: str = ""  # file glob handed to the job's dataset_fn (DataContext.train_data)
     eval_data: str = ""
@@ -59,6 +60,8 @@ class TrainSettings:
                 raise ConfigError(
                     f"--{name.replace('_', '-')}", f"got {value!r}", "give a whole number >= 1"
                 )
+        if not self.stall_timeout > 0:
+            raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}", "give seconds > 0")
         if not self.log_every > 0:
             raise ConfigError("--log-every", f"got {self.log_every!r}", "give seconds > 0")
         if self.max_in_flight < 0:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +62,12 @@ class Summary:
     steps_per_execution: int
     checkpoint: str | None
     stopped_early: bool
+    stalls: int = 0
+    restarts: int = 0  # training processes started again by the supervisor
+    ps_failures: int = 0
+    worker_failures: int = 0
+    coordinator_failures: int = 0
+    recoveries: int = 0  # restarts + tasks seen back to SERVING after a failure
     metrics: dict[str, float] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
@@ -110,6 +117,7 @@ class Trainer:
         self.settings = settings
         self.control = control
         self.metrics = metrics
+        self.iterator: Any = None
         partitioner = None
         if settings.max_shards > 1:
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
@@ -188,16 +196,35 @@ class Trainer:
         )
         self.manager = None
         if s.checkpoint_dir:
+            # Saving variables spread over several tasks traces a new tf.function per save,
+            # and registering it waits on EVERY worker: one frozen worker blocks the save
+            # (seen). So the save goes through a mirror of the same objects on the
+            # coordinator, filled by plain reads of the ps variables: same checkpoint
+            # layout, no function, and faster.
+            mirror_model = self.job.create_model()
+            if not mirror_model.built:
+                mirror_model.build(x_spec.shape)
+            mirror_optimizer = self.job.create_optimizer()
+            mirror_optimizer.build(mirror_model.trainable_variables)
+            self._mirror_pairs = list(
+                zip(
+                    self.model.variables + self.optimizer.variables,
+                    mirror_model.variables + mirror_optimizer.variables,
+                    strict=True,
+                )
+            )
+            mirror = tf.train.Checkpoint(
+                model=mirror_model, optimizer=mirror_optimizer, global_step=self.saved_step
+            )
             self.manager = tf.train.CheckpointManager(
-                self.checkpoint,
-                s.checkpoint_dir,
-                max_to_keep=s.keep_checkpoints,
+                mirror, s.checkpoint_dir, max_to_keep=s.keep_checkpoints
             )
 
     def restore(self) -> int:
         """Restore the newest checkpoint, if any; returns the global step to start from."""
         if self.manager is None or self.manager.latest_checkpoint is None:
             return 0
+        # Restored straight into the ps variables (every task is up at start).
         path = self.manager.latest_checkpoint
         started = time.monotonic()
         self.checkpoint.restore(path).assert_existing_objects_matched()
@@ -291,6 +318,8 @@ class Trainer:
         started = time.monotonic()
         step = int(self.global_step.numpy())
         self.saved_step.assign(step)
+        for source, copy in self._mirror_pairs:
+            copy.assign(source.numpy())
         path = self.manager.save(checkpoint_number=step)
         seconds = time.monotonic() - started
         log.info("checkpoint %s (%.2fs)", path, seconds)
@@ -327,7 +356,8 @@ class Trainer:
         metrics = [make() for make in self.metric_factories]
         model, loss_fn = self.model, self.job.loss_fn
 
-        @tf.function
+        # Eager on purpose: a new tf.function is registered on every worker, and a frozen
+        # worker would block that registration (seen); the eval set is read once anyway.
         def eval_step(x: Any, y: Any) -> None:
             predictions = model(x, training=False)
             loss.update_state(
@@ -374,8 +404,12 @@ class Trainer:
             control.set_state(State.RUNNING)
             loop.run(target)
         control.set_state(State.STOPPING, "finishing in-flight steps, final checkpoint and eval")
-        self.coordinator.join()
         loop.drain()
+        if loop.abandoned:
+            # join() would wait for the calls given up on a frozen worker: not worth a hang.
+            log.warning("finishing without %d call(s) stuck on a frozen task", loop.abandoned)
+        else:
+            self.coordinator.join()
         train_seconds = loop.train_seconds()
         final_step = int(self.global_step.numpy())
         trained = final_step - start_step
@@ -388,7 +422,10 @@ class Trainer:
             checkpoint = self.save() if trained > 0 else self.manager.latest_checkpoint
         else:
             checkpoint = None
-        eval_values = self.evaluate()
+        if loop.abandoned and checkpoint:
+            eval_values = self.evaluate_elsewhere(checkpoint)
+        else:
+            eval_values = self.evaluate()
         if eval_values:
             control.update(eval_metrics=eval_values, eval_step=final_step)
             if self.metrics is not None:
@@ -414,9 +451,49 @@ class Trainer:
             steps_per_execution=s.steps_per_execution,
             checkpoint=checkpoint,
             stopped_early=final_step < target,
+            stalls=loop.stalls,
             metrics=extra,
             eval_metrics=eval_values,
         )
+
+    def evaluate_elsewhere(self, checkpoint: str) -> dict[str, float]:
+        """Evaluate the final checkpoint in a fresh process (`psctl evaluate`).
+
+        With a task frozen, this process can't create new functions or datasets: TensorFlow
+        registers each on every worker and waits for the frozen one (seen)."""
+        s = self.settings
+        out = Path(checkpoint).parent / "final-eval.json"
+        argv = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "evaluate",
+            "--checkpoint-dir",
+            str(Path(checkpoint).parent),
+            "--max-evaluations",
+            "1",
+            "--job",
+            s.job,
+            "--eval-batch-size",
+            str(s.eval_batch_size),
+            "--seed",
+            str(s.seed),
+            "--label-column",
+            s.label_column,
+            "--summary-json",
+            str(out),
+        ]
+        if s.eval_data:
+            argv += ["--eval-data", s.eval_data]
+        log.info("a task is frozen: evaluating %s in a separate process", checkpoint)
+        try:
+            subprocess.run(argv, check=True, timeout=600, stdin=subprocess.DEVNULL)
+            result = json.loads(out.read_text())
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            log.error("final evaluation failed: %s", err)
+            return {}
+        values = {"loss": result["eval_loss"], **result.get("eval_metrics", {})}
+        return {k: float(v) for k, v in values.items() if v is not None}
 
     def _publish(self, step: int, steps_per_sec: float, values: dict[str, float]) -> None:
         """Progress to the control API's status and to Prometheus."""
@@ -445,6 +522,37 @@ class Trainer:
         self.summaries.flush()
 
 
+@dataclass
+class _InFlight:
+    remote: Any  # the RemoteValue of one scheduled call
+    steps: int
+    scheduled_at: float
+    # When a call scheduled after this one finished: ClusterCoordinator's queue is FIFO, so
+    # from then on this one is surely running on a worker, not waiting in the queue.
+    overtaken_at: float | None = None
+
+
+def _only_workers_failed(err: BaseException) -> bool:
+    text = str(err)
+    return "/job:worker" in text and "/job:ps" not in text
+
+
+def _is_done(remote: Any) -> bool:
+    """Whether a scheduled call has finished (value or error), without blocking.
+
+    RemoteValue has no public non-blocking check; its status event is what fetch() waits
+    on (TF 2.21). Without it, report done so that fetch() decides (blocking).
+    """
+    event = getattr(remote, "_status_available_event", None)
+    return bool(event.is_set()) if event is not None else True
+
+
+def _wait_any(in_flight: collections.deque[_InFlight], timeout: float) -> None:
+    event = getattr(in_flight[0].remote, "_status_available_event", None)
+    if event is not None:
+        event.wait(timeout)
+
+
 class _Loop:
     """The scheduling loop: packs steps, bounds in-flight calls, honours control requests,
     publishes progress and checkpoints at their cadences."""
@@ -456,7 +564,11 @@ class _Loop:
         s = trainer.settings
         self.start_step = start_step
         self.scheduled = self.completed = start_step
-        self.in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        self.in_flight: collections.deque[_InFlight] = collections.deque()
+        self.last_progress = time.monotonic()
+        self.stalled = False
+        self.stalls = 0
+        self.abandoned = 0  # calls given up by the stall watchdog
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
         self.last_values: dict[str, float] = {}
@@ -466,23 +578,112 @@ class _Loop:
     def train_seconds(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
-    def _retire_oldest(self) -> None:
-        remote, steps = self.in_flight.popleft()
-        seconds = float(remote.fetch())  # raises the closure's error, if any
-        self.completed += steps
+    def _retire(self, entry: _InFlight) -> None:
+        try:
+            seconds = float(entry.remote.fetch())  # done: returns at once, or raises
+        except (tf.errors.UnavailableError, tf.errors.AbortedError) as err:
+            if not _only_workers_failed(err):
+                raise  # a ps: recovery needs a new coordinator
+            # TensorFlow usually reruns a dead worker's call elsewhere; when it gives the
+            # error back instead, schedule its steps again ourselves.
+            log.warning(
+                "a call failed with its worker (%s); its steps are scheduled again",
+                type(err).__name__,
+            )
+            self.scheduled -= entry.steps
+            return
+        self.completed += entry.steps
+        self.last_progress = time.monotonic()
+        if self.stalled:
+            self.stalled = False
+            log.warning("steps finish again: the stall is over")
+            self.t.control.set_message("")
+            if self.t.metrics is not None:
+                self.t.metrics.set_stalled(False)
         if self.t.metrics is not None:
-            self.t.metrics.observe_call(steps=steps, seconds=seconds)
+            self.t.metrics.observe_call(steps=entry.steps, seconds=seconds)
+
+    def _retire_done(self) -> int:
+        done = [entry for entry in self.in_flight if _is_done(entry.remote)]
+        if done:
+            newest = max(entry.scheduled_at for entry in done)
+            now = time.monotonic()
+            for entry in self.in_flight:
+                if entry.overtaken_at is None and entry.scheduled_at < newest:
+                    entry.overtaken_at = now
+        for entry in done:
+            self.in_flight.remove(entry)
+            self._retire(entry)
+        return len(done)
+
+    def _wait(self, *, room_for: int) -> None:
+        """Retire finished calls until at most ``room_for`` are in flight. Never blocks on
+        one call: a frozen worker's call must not hold up the rest (stall watchdog)."""
+        while len(self.in_flight) > room_for:
+            if self._retire_done():
+                continue
+            self._watch_for_stall()
+            if len(self.in_flight) > room_for:
+                _wait_any(self.in_flight, 0.05)
+
+    def _watch_for_stall(self) -> None:
+        """The stall watchdog (--stall-timeout). A call still running that long after later
+        calls finished sits on a frozen or cut-off worker: report it and give it up; its
+        steps are scheduled again, so the job finishes without a worker that stays frozen
+        (if it thaws, its call still lands). If no call at all finished that long, the whole
+        job is stalled: say so, with the tasks that are not SERVING, until steps finish
+        again."""
+        timeout = self.t.settings.stall_timeout
+        now = time.monotonic()
+        stuck = [
+            e
+            for e in self.in_flight
+            if e.overtaken_at is not None
+            and now - e.overtaken_at >= timeout
+            and not _is_done(e.remote)
+        ]
+        idle = bool(self.in_flight) and now - self.last_progress >= timeout
+        if not stuck and not idle:
+            return
+        suspects = ", ".join(self.t.control.unhealthy_tasks()) or "none (a task is frozen?)"
+        if idle and not self.stalled:
+            self.stalled = True
+            self.stalls += 1
+            message = (
+                f"stalled: no step finished for {now - self.last_progress:.0f}s; "
+                f"tasks not SERVING: {suspects}"
+            )
+            log.warning("%s", message)
+            self.t.control.set_message(message)
+            if self.t.metrics is not None:
+                self.t.metrics.set_stalled(True)
+        if stuck:
+            log.warning(
+                "%d call(s) unfinished after %.0fs (tasks not SERVING: %s): given up, their "
+                "steps scheduled again",
+                len(stuck),
+                timeout,
+                suspects,
+            )
+        for entry in stuck:
+            self.in_flight.remove(entry)
+            self.scheduled -= entry.steps
+            self.abandoned += 1
+        if idle:
+            self.last_progress = now  # the next report comes after another full timeout
 
     def drain(self) -> None:
-        while self.in_flight:
-            self._retire_oldest()
+        self._wait(room_for=0)
         if self.ended is None:
             self.ended = time.monotonic()
 
     def run(self, target: int) -> None:
         t, s, control = self.t, self.t.settings, self.t.control
         train_fn = t._make_train_fn()
-        iterator = t._per_worker_iterator()
+        # Kept on the trainer, never collected: destroying per-worker iterators sends ops
+        # to every worker, and one to a restarted worker can hold up all later eager work
+        # (seen: the final evaluation hung after a worker and a ps restarted).
+        t.iterator = iterator = t._per_worker_iterator()
         full = tf.constant(s.steps_per_execution, tf.int64)
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
@@ -508,10 +709,11 @@ class _Loop:
             t._serve_checkpoint_requests()
             k = min(s.steps_per_execution, target - self.scheduled)
             num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
-            self.in_flight.append((t.coordinator.schedule(train_fn, args=(iterator, num)), k))
+            remote = t.coordinator.schedule(train_fn, args=(iterator, num))
+            self.in_flight.append(_InFlight(remote, k, time.monotonic()))
             self.scheduled += k
-            while len(self.in_flight) > self.max_in_flight:
-                self._retire_oldest()
+            self._wait(room_for=self.max_in_flight)
+            self._watch_for_stall()
             if t.metrics is not None:
                 t.metrics.set_closures(in_flight=len(self.in_flight), queued=0)
             now = time.monotonic()

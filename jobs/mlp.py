@@ -4,6 +4,10 @@ Its default data is a deterministic, learnable 10-class set: features are standa
 labels are the argmax of a fixed random linear teacher, and the quarter of examples nearest
 a class boundary is dropped so that the classes are separable with a margin. Chance is
 about 0.10 (the largest class is under 0.16); eval accuracy >= 0.90 means training worked.
+
+With ``--train-data`` / ``--eval-data`` it reads CSV or TFRecord files instead (see
+coordinator/data.py): 32 float features and an integer label 0-9 per example. Both globs are
+checked before training starts, in the first call of ``dataset_fn``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from coordinator import data
 from coordinator.job import DataContext
 
 NUM_FEATURES = 32
@@ -65,7 +70,25 @@ def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
     return _loss(labels, predictions)
 
 
+def check_files(ctx: DataContext, *, train: bool = True, evaluation: bool = True) -> None:
+    """Fail before training on bad --train-data / --eval-data files (checked once, cached)."""
+    wanted = [(ctx.train_data, "--train-data", train), (ctx.eval_data, "--eval-data", evaluation)]
+    for pattern, field, wanted_here in wanted:
+        if pattern and wanted_here:
+            data.check_files(
+                pattern,
+                label_column=ctx.label_column,
+                field=field,
+                num_features=NUM_FEATURES,
+                num_classes=NUM_CLASSES,
+                job="the mlp job",
+            )
+
+
 def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
+    check_files(ctx)
+    if ctx.train_data:
+        return data.train_dataset(ctx, label_dtype=tf.int64)
     x, y, _, _ = make_data()
     return (
         tf.data.Dataset.from_tensor_slices((x, y))
@@ -78,6 +101,9 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
 
 
 def eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset:
+    if ctx.eval_data:
+        check_files(ctx, train=False)
+        return data.eval_dataset(ctx, label_dtype=tf.int64)
     _, _, x, y = make_data()
     return (
         tf.data.Dataset.from_tensor_slices((x, y))

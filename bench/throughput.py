@@ -1,0 +1,673 @@
+"""Training throughput: psctl against the raw TensorFlow tutorial loop and one local process.
+
+All modes train the built-in ``mlp`` job (same model, optimizer, loss and data) with the same
+batch per worker, and report training steps per second (one step = one batch of
+``--batch-size`` examples on one worker, so steps/s x batch = examples/s in every mode):
+
+``psctl``
+    ``coordinator.trainer.Trainer(...).run()`` on the cluster at K steps per scheduled call;
+    the rate is the ``Summary``'s ``steps_per_sec``.
+``raw``
+    The TensorFlow parameter-server tutorial loop
+    (https://www.tensorflow.org/tutorials/distribute/parameter_server_training):
+    ParameterServerStrategy + ClusterCoordinator, a per-worker dataset,
+    ``coordinator.schedule(train_fn, args=(iterator,))`` for every call, then
+    ``coordinator.join()``; at 1 step per call and at K (``for _ in tf.range(K)`` around
+    ``strategy.run``). Like the tutorial it updates an accuracy metric on the ps and returns
+    the loss. No psctl code runs in this loop (``load_job`` only imports the job module).
+``local``
+    One process, no cluster: the same model and data in a plain ``tf.function`` custom loop,
+    at 1 and K steps per call.
+
+What is timed is the same in every mode, and matches the window of psctl's ``Summary``: the
+clock starts after the strategy, the model, the optimizer (and its slots) exist, just before
+the per-worker dataset and its iterator are created, and stops when every scheduled call has
+finished (raw: ``join()`` returns; psctl: its last ``fetch()`` returns; local: the last call
+returns). So it INCLUDES creating the per-worker datasets, tracing the train function and
+every worker's first call (function registration, shuffle-buffer fill), and EXCLUDES process
+start, ``import tensorflow``, connecting to the cluster, building the variables, and what
+comes after training (psctl: tearing down its loop's iterator, the final evaluation). Each run
+also reports ``setup_s`` (dataset creation plus the first ``schedule()``, which traces;
+locally, the first call, which also runs K steps) and the rate after it,
+``steps_per_sec_excl_setup``, for reference. In the psctl child these come from time stamps
+around the Trainer's calls into its ``ClusterCoordinator`` and the results' ``fetch()``
+(wrapped, not changed); the parent warns when the Summary's window differs from that one.
+
+Each TF coordinator can connect to a cluster only once per process, so every measured run is a
+fresh subprocess (``--run-mode``) that prints one JSON line; the parent starts one local
+cluster (``coordinator.local.LocalCluster``) that serves all runs, runs the modes interleaved
+(``--repeats`` rounds, the order rotated each round), and prints the medians. The last line of
+output is ``psctl/raw_tf = R.RR``: psctl over raw TF steps/s at the same steps per call.
+
+    .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
+    .venv/bin/python bench/throughput.py --repeats 1 --steps 800 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+JOB = "mlp"
+SEED = 42
+REPO = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One benchmark configuration: which loop, and how many steps per call."""
+
+    kind: str  # "psctl" | "raw" | "local"
+    k: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.k}"
+
+
+# --------------------------------------------------------------------------------------------
+# Children: one measured run each, one JSON line on stdout.
+# --------------------------------------------------------------------------------------------
+
+
+def _timing(
+    steps: int, t_data: float, t_first: float, t_traced: float, t_end: float, *, ran: int = 0
+) -> dict[str, Any]:
+    """One definition of the window for every mode (see the module docstring).
+
+    ``ran``: steps already finished when the first call returned (local calls are synchronous).
+    """
+    seconds = t_end - t_data
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "steps_per_sec": steps / seconds,
+        "data_s": t_first - t_data,
+        "trace_s": t_traced - t_first,
+        "setup_s": t_traced - t_data,
+        "steps_per_sec_excl_setup": (steps - ran) / (t_end - t_traced) if steps > ran else None,
+    }
+
+
+def _new_trainer(job: Any, cluster: Any, settings: Any) -> Any:
+    """``Trainer(job=, cluster=, settings=)``, plus a ``JobControl`` where the Trainer takes one."""
+    import inspect
+
+    from coordinator.trainer import Trainer
+
+    kwargs: dict[str, Any] = {}
+    if "control" in inspect.signature(Trainer).parameters:
+        from coordinator.control import JobControl
+
+        kwargs["control"] = JobControl(
+            job=JOB,
+            target_steps=settings.steps,
+            steps_per_execution=settings.steps_per_execution,
+            tasks=[],
+            can_checkpoint=False,
+        )
+    return Trainer(job=job, cluster=cluster, settings=settings, **kwargs)
+
+
+class _StampedRemote:
+    """A RemoteValue whose ``fetch()`` is time-stamped; everything else passes through."""
+
+    def __init__(self, remote: Any, stamped: Any) -> None:
+        self._remote = remote
+        self.fetch = stamped(remote.fetch, "fetch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._remote, name)
+
+
+def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
+    """psctl's own loop as `psctl train` runs it (no checkpoints); its Summary's rate."""
+    from cluster.spec import load_cluster_file
+    from coordinator.job import load_job
+    from coordinator.settings import TrainSettings
+
+    settings = TrainSettings(
+        job=JOB,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        steps_per_execution=args.steps_per_execution,
+        checkpoint_dir="",
+        seed=SEED,
+    )
+    trainer = _new_trainer(load_job(JOB), load_cluster_file(args.cluster), settings)
+    # Instrumentation only, to check the Summary's window against the bench's and to split
+    # out set-up: time stamps around the Trainer's calls into its ClusterCoordinator.
+    coordinator = trainer.coordinator
+    calls: dict[str, list[tuple[float, float]]] = {
+        "data": [],
+        "schedule": [],
+        "fetch": [],
+        "join": [],
+    }
+
+    def stamped(fn: Any, name: str) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            started = time.monotonic()
+            try:
+                result = fn(*a, **kw)
+            finally:
+                calls[name].append((started, time.monotonic()))
+            return _StampedRemote(result, stamped) if name == "schedule" else result
+
+        return wrapper
+
+    coordinator.create_per_worker_dataset = stamped(coordinator.create_per_worker_dataset, "data")
+    coordinator.schedule = stamped(coordinator.schedule, "schedule")
+    coordinator.join = stamped(coordinator.join, "join")
+    summary = trainer.run()
+    trained = summary.global_step - summary.start_step
+    first, join = calls["schedule"][0], calls["join"][-1]
+    # The Trainer fetches every call's result, then joins once the loop has returned; what
+    # ends with the loop (its iterator, remote resources) is torn down in between, and the
+    # raw loop does not pay that before its join() either. So: the last fetch, else join.
+    fetched = len(calls["fetch"]) >= len(calls["schedule"])
+    t_end = max(end for _, end in calls["fetch"]) if fetched else join[1]
+    result = _timing(trained, calls["data"][0][0], first[0], first[1], t_end)
+    result["after_loop_s"] = join[1] - t_end
+    # The headline number is psctl's own report; the bench's window is kept for the check.
+    result.update(
+        bench_seconds=result["seconds"],
+        bench_steps_per_sec=result["steps_per_sec"],
+        seconds=summary.train_seconds,
+        steps_per_sec=summary.steps_per_sec,
+        loss=summary.loss,
+        accuracy=summary.accuracy,
+    )
+    return result
+
+
+def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+    """The TF tutorial's custom loop, with the job's Keras 3 model, optimizer, loss and data."""
+    import keras
+    import tensorflow as tf
+
+    from coordinator.job import DataContext, load_job
+
+    job = load_job(JOB)
+    cluster = json.loads(Path(args.cluster).read_text())["cluster"]
+    num_workers = len(cluster["worker"])
+    batch_size, k = args.batch_size, args.steps_per_execution
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": cluster, "task": {"type": "chief", "index": 0}}
+    )
+    cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster_resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    with strategy.scope():
+        model = job.create_model()
+        optimizer = job.create_optimizer()
+        # Keras 3 creates optimizer slots lazily; create them on the ps now, not in a closure.
+        optimizer.build(model.trainable_variables)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+    def dataset_fn(_input_context: Any) -> Any:
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        ctx = DataContext(
+            worker_index=tf.cast(index, tf.int64),
+            num_workers=num_workers,
+            batch_size=batch_size,
+            seed=SEED,
+        )
+        return job.dataset_fn(ctx)
+
+    @tf.function
+    def per_worker_dataset_fn() -> Any:
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    def replica_fn(batch_data: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            pred = model(batch_data, training=True)
+            per_example_loss = job.loss_fn(labels, pred)
+            loss = tf.nn.compute_average_loss(per_example_loss)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        accuracy.update_state(labels, pred)
+        return loss
+
+    @tf.function
+    def step_fn(iterator: Any) -> Any:
+        batch_data, labels = next(iterator)
+        losses = strategy.run(replica_fn, args=(batch_data, labels))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    @tf.function
+    def packed_step_fn(iterator: Any) -> Any:
+        losses = tf.constant(0.0)
+        for _ in tf.range(k):
+            batch_data, labels = next(iterator)
+            losses = strategy.run(replica_fn, args=(batch_data, labels))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    train_fn = step_fn if k == 1 else packed_step_fn
+    num_calls = math.ceil(args.steps / k)
+    # psctl builds the job's dataset once before its clock starts (for the element spec), so
+    # the job's arrays are ready there; do the same.
+    job.dataset_fn(DataContext(0, num_workers, batch_size, SEED))
+    t_data = time.monotonic()
+    per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+    per_worker_iterator = iter(per_worker_dataset)
+    t_first = time.monotonic()
+    last = coordinator.schedule(train_fn, args=(per_worker_iterator,))
+    t_traced = time.monotonic()  # schedule() traces the function before it returns
+    for _ in range(num_calls - 1):
+        last = coordinator.schedule(train_fn, args=(per_worker_iterator,))
+    coordinator.join()
+    t_end = time.monotonic()
+    result = _timing(num_calls * k, t_data, t_first, t_traced, t_end)
+    result.update(loss=float(last.fetch()), accuracy=float(accuracy.result()))
+    return result
+
+
+def run_local(args: argparse.Namespace) -> dict[str, Any]:
+    """The same model and data in one process: a plain tf.function loop, K steps per call."""
+    import keras
+    import tensorflow as tf
+
+    from coordinator.job import DataContext, load_job
+
+    job = load_job(JOB)
+    k = args.steps_per_execution
+    model = job.create_model()
+    optimizer = job.create_optimizer()
+    optimizer.build(model.trainable_variables)
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+    ctx = DataContext(worker_index=0, num_workers=1, batch_size=args.batch_size, seed=SEED)
+
+    def step(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            pred = model(x, training=True)
+            loss = tf.reduce_mean(job.loss_fn(y, pred))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        accuracy.update_state(y, pred)
+        return loss
+
+    @tf.function
+    def train_fn(iterator: Any) -> Any:
+        loss = tf.constant(0.0)
+        for _ in tf.range(k):
+            x, y = next(iterator)
+            loss = step(x, y)
+        return loss
+
+    @tf.function
+    def train_fn_1(iterator: Any) -> Any:
+        x, y = next(iterator)
+        return step(x, y)
+
+    fn = train_fn_1 if k == 1 else train_fn
+    num_calls = math.ceil(args.steps / k)
+    job.dataset_fn(ctx)  # as in the other modes: the job's arrays exist before the clock starts
+    t_data = time.monotonic()
+    iterator = iter(job.dataset_fn(ctx))
+    t_first = time.monotonic()
+    loss = fn(iterator)
+    t_traced = time.monotonic()  # tracing AND the first call's k steps: local calls block
+    for _ in range(num_calls - 1):
+        loss = fn(iterator)
+    final_loss = float(loss.numpy())  # waits for the last call
+    t_end = time.monotonic()
+    result = _timing(num_calls * k, t_data, t_first, t_traced, t_end, ran=k)
+    result.update(loss=final_loss, accuracy=float(accuracy.result()))
+    return result
+
+
+CHILDREN = {"psctl": run_psctl, "raw": run_raw, "local": run_local}
+
+
+def child_main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    if args.run_mode != "local" and not args.cluster:
+        print("throughput: --cluster FILE is required with --run-mode psctl/raw", file=sys.stderr)
+        return 2
+    logging.basicConfig(  # goes to the run's .log file, with times, for a look afterwards
+        level=logging.WARNING, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s", datefmt="%X"
+    )
+    for name in ("bench", "coordinator"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    log = logging.getLogger("bench")
+    log.info("%s@%d: starting", args.run_mode, args.steps_per_execution)
+    result = CHILDREN[args.run_mode](args)
+    log.info("%s@%d: done: %s", args.run_mode, args.steps_per_execution, result)
+    result.update(mode=args.run_mode, steps_per_execution=args.steps_per_execution)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: one cluster, every mode in its own subprocess, a table at the end.
+# --------------------------------------------------------------------------------------------
+
+
+class ChildFailed(Exception):
+    pass
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def wait_port_released(port: int, *, timeout: float) -> None:
+    """The previous coordinator's chief port must be free before the next one binds it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # Like gRPC, ignore TIME_WAIT leftovers; only a live listener counts as taken.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+                return
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE:
+                    raise ChildFailed(f"cannot bind the chief port {port}: {err}") from err
+                if time.monotonic() >= deadline:
+                    raise ChildFailed(
+                        f"chief port {port} still in use after {timeout:.0f}s"
+                    ) from err
+        time.sleep(0.2)
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def check_window(result: dict[str, Any]) -> None:
+    """Warn when psctl's Summary timed another window than the bench times the other modes."""
+    if "bench_seconds" not in result:
+        return
+    ours, theirs = result["bench_seconds"], result["seconds"]
+    if abs(ours - theirs) > max(0.25, 0.05 * ours):
+        print(
+            f"  warning: psctl's Summary timed {theirs:.2f}s, the bench's window (dataset "
+            f"creation to join) {ours:.2f}s: the modes are not timed alike; "
+            f"from the bench's window psctl ran {result['bench_steps_per_sec']:.1f} steps/s "
+            f"(after its loop: {result['after_loop_s']:.2f}s)",
+            flush=True,
+        )
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{os.cpu_count()} CPUs, load average {one:.2f} (1 min) {five:.2f} (5 min)"
+
+
+def _tail(path: Path, count: int = 20) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "    (no log)"
+    return "\n".join("    " + line for line in lines[-count:])
+
+
+def run_child(
+    mode: Mode, args: argparse.Namespace, cluster_file: Path, logs: Path, run_id: int, repeat: int
+) -> dict[str, Any]:
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-mode",
+        mode.kind,
+        "--steps",
+        str(args.steps),
+        "--steps-per-execution",
+        str(mode.k),
+        "--batch-size",
+        str(args.batch_size),
+    ]
+    if mode.kind != "local":
+        argv += ["--cluster", str(cluster_file)]
+    out_path = logs / f"run{run_id:02d}-{mode.kind}-{mode.k}.out"
+    err_path = out_path.with_suffix(".log")
+    started = time.monotonic()
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            start_new_session=True,  # Ctrl-C reaches the parent only; it kills the child
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise ChildFailed(
+                f"{mode.label} did not finish in {args.timeout:.0f}s; "
+                f"last lines of {err_path}:\n{_tail(err_path)}"
+            ) from None
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+    wall = time.monotonic() - started
+    if code != 0:
+        raise ChildFailed(
+            f"{mode.label} exited with status {code}; last lines of {err_path}:\n{_tail(err_path)}"
+        )
+    for line in reversed(out_path.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            result.update(label=mode.label, wall_s=wall, repeat=repeat)
+            return result
+    raise ChildFailed(f"{mode.label} printed no result; see {out_path} and {err_path}")
+
+
+def summarize(modes: list[Mode], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median, min and max steps/s per mode, and each median over raw TF's at the same K."""
+    medians: dict[str, float] = {}
+    rows = []
+    for mode in modes:
+        mine = [r for r in runs if r["label"] == mode.label]
+        rates = [r["steps_per_sec"] for r in mine]
+        steady = [r["steps_per_sec_excl_setup"] for r in mine if r["steps_per_sec_excl_setup"]]
+        medians[mode.label] = statistics.median(rates)
+        rows.append(
+            {
+                "mode": mode.kind,
+                "steps_per_execution": mode.k,
+                "median": medians[mode.label],
+                "min": min(rates),
+                "max": max(rates),
+                "runs": len(rates),
+                "median_setup_s": statistics.median(r["setup_s"] for r in mine),
+                "median_excl_setup": statistics.median(steady) if steady else None,
+            }
+        )
+    for row in rows:
+        raw = medians.get(f"raw@{row['steps_per_execution']}")
+        row["vs_raw"] = row["median"] / raw if raw else None
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print()
+    print(
+        f"{JOB} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
+        f"{args.steps} steps/run, {args.repeats} repeat(s)"
+    )
+    header = (
+        f"{'mode':<6} {'steps/call':>10} {'steps/s':>9} {'range':>15} {'vs raw':>7} "
+        f"{'setup s':>8} {'excl. setup':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        span = f"{row['min']:.1f}-{row['max']:.1f}"
+        rel = f"{row['vs_raw']:.2f}x" if row["vs_raw"] is not None else "-"
+        steady = f"{row['median_excl_setup']:.1f}" if row["median_excl_setup"] else "-"
+        print(
+            f"{row['mode']:<6} {row['steps_per_execution']:>10} {row['median']:>9.1f} "
+            f"{span:>15} {rel:>7} {row['median_setup_s']:>8.2f} {steady:>12}"
+        )
+    print(
+        "steps/s: median over repeats (psctl: its Summary.steps_per_sec), timed from creating "
+        "the\n  per-worker dataset until every call has finished: data set-up, tracing and "
+        "warm-up\n  included in every mode; range = min-max; vs raw = over raw TF at the same "
+        "steps/call;\n  setup s = dataset + tracing (local: + the first call); "
+        "excl. setup = steps/s after it"
+    )
+    print()
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    from cluster.logs import quiet_tensorflow
+    from cluster.spec import split_host_port
+    from coordinator.local import LocalCluster, ServerFailed
+
+    quiet_tensorflow()  # inherited by the servers and every child
+    k = args.steps_per_execution
+    modes = [Mode("psctl", k), Mode("raw", k), Mode("raw", 1), Mode("local", k), Mode("local", 1)]
+    modes = list(dict.fromkeys(modes))  # K = 1: no duplicates
+    if args.skip_local:
+        modes = [m for m in modes if m.kind != "local"]
+    workdir = Path(args.workdir or REPO / "psctl-work" / time.strftime("bench-%Y%m%d-%H%M%S"))
+    logs = workdir / "bench-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
+    _, chief_port = split_host_port(local.cluster.chief or "", field="cluster.chief[0]")
+    print(
+        f"work dir {workdir}; {len(modes)} modes x {args.repeats} repeat(s): "
+        + ", ".join(m.label for m in modes),
+        flush=True,
+    )
+    print(f"{_load()} (other work on this machine skews every mode)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
+    runs: list[dict[str, Any]] = []
+    try:
+        local.start()
+        started = time.monotonic()
+        local.wait_serving(timeout=args.start_timeout)
+        print(
+            f"{len(local.servers)} servers SERVING in {time.monotonic() - started:.1f}s",
+            flush=True,
+        )
+        for repeat in range(args.repeats):
+            shift = repeat % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                wait_port_released(chief_port, timeout=30.0)
+                result = run_child(mode, args, local.cluster_file, logs, len(runs) + 1, repeat)
+                runs.append(result)
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {mode.label:<9} "
+                    f"{result['steps_per_sec']:8.1f} steps/s  ({result['steps']} steps in "
+                    f"{result['seconds']:.1f}s, setup {result['setup_s']:.2f}s; process "
+                    f"{result['wall_s']:.1f}s; loss {_num(result['loss'])})",
+                    flush=True,
+                )
+                check_window(result)
+    except (ChildFailed, ServerFailed) as err:
+        print(f"throughput: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("throughput: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # let nothing cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        local.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+
+    print(_load(), flush=True)
+    rows = summarize(modes, runs)
+    print_table(rows, args)
+    psctl = next(r for r in rows if r["mode"] == "psctl")
+    ratio = psctl["vs_raw"]
+    if args.json:
+        report = {
+            "job": JOB,
+            "config": {
+                "ps": args.ps,
+                "workers": args.workers,
+                "steps": args.steps,
+                "steps_per_execution": k,
+                "batch_size": args.batch_size,
+                "repeats": args.repeats,
+                "timing": "creating the per-worker dataset to the last call's end; incl. tracing",
+            },
+            "runs": runs,
+            "summary": rows,
+            "psctl_over_raw_tf": ratio,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    print(f"psctl/raw_tf = {ratio:.2f}", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Steps/s of psctl vs the raw TF parameter-server tutorial loop vs local.",
+    )
+    parser.add_argument("--ps", type=int, default=1, help="ps servers (default 1)")
+    parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
+    parser.add_argument(
+        "--steps", type=int, default=1500, help="steps per measured run (default 1500)"
+    )
+    parser.add_argument(
+        "--steps-per-execution", type=int, default=20, help="K steps per call (default 20)"
+    )
+    parser.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all modes")
+    parser.add_argument(
+        "--skip-local", action="store_true", help="leave out the one-process modes (faster)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
+    parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per measured run (default 300)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=60.0, help="seconds for servers to start"
+    )
+    # Internal: one measured run in this process.
+    parser.add_argument("--run-mode", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("ps", "workers", "steps", "steps_per_execution", "batch_size", "repeats"):
+        if getattr(args, name) < 1:
+            build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.run_mode:
+        return child_main(args)
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

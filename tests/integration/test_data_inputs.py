@@ -1,0 +1,104 @@
+"""`--train-data` / `--eval-data` on a real local cluster: the mlp job trains on files, and a
+bad file stops the run before training with one line naming the file and the line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator import data
+from jobs import mlp
+from tests.conftest import processes_mentioning, psctl_argv, read_json
+
+pytestmark = pytest.mark.integration
+
+
+def local_argv(workdir: Path, *args: str) -> list[str]:
+    return psctl_argv(
+        "local", "--workdir", str(workdir), "--log-every", "2", "--control-address", "127.0.0.1:0",
+        *args,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_mlp_trains_on_csv_files(workdir, run_cli, tmp_path):
+    # What a user does: one CSV of 32 float columns plus `label` to train, one to evaluate.
+    x, y, ex, ey = mlp.make_data()
+    train, evaluation = tmp_path / "train.csv", tmp_path / "eval.csv"
+    data.write_csv(train, x, y)
+    data.write_csv(evaluation, ex, ey)
+    out = workdir / "out.json"
+    proc = run_cli(
+        local_argv(
+            workdir,
+            "--job", "mlp",
+            "--train-data", str(train),
+            "--eval-data", str(evaluation),
+            "--steps", "1500",
+            "--summary-json", str(out),
+        ),
+        timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out)
+    assert summary["global_step"] == 1500
+    assert summary["eval_accuracy"] >= 0.90, summary
+    # The whole eval file, once.
+    assert f"{len(ey)} examples in" in proc.stderr
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(300)
+def test_tfrecord_shards_across_workers(workdir, run_cli, tmp_path):
+    # More files than workers: each worker reads its own files.
+    x, y, ex, ey = mlp.make_data()
+    for i, part in enumerate(np.array_split(np.arange(len(y)), 3)):
+        data.write_tfrecord(tmp_path / f"train-{i}.tfrecord", x[part], y[part])
+    data.write_tfrecord(tmp_path / "eval.tfrecord", ex[:3000], ey[:3000])
+    out = workdir / "out.json"
+    proc = run_cli(
+        local_argv(
+            workdir,
+            "--train-data", str(tmp_path / "train-*.tfrecord"),
+            "--eval-data", str(tmp_path / "eval.tfrecord"),
+            "--steps", "800",
+            "--summary-json", str(out),
+        ),
+        timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out)
+    assert summary["global_step"] == 800
+    assert summary["eval_accuracy"] >= 0.90, summary
+    assert "3000 examples in" in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_bad_eval_file_fails_before_training(workdir, run_cli, tmp_path):
+    x, y, ex, ey = mlp.make_data()
+    train, evaluation = tmp_path / "train.csv", tmp_path / "eval.csv"
+    data.write_csv(train, x[:2000], y[:2000])
+    data.write_csv(evaluation, ex[:50], ey[:50])
+    lines = evaluation.read_text().splitlines()
+    cells = lines[7].split(",")
+    cells[3] = "n/a"
+    lines[7] = ",".join(cells)
+    evaluation.write_text("\n".join(lines) + "\n")
+    proc = run_cli(
+        local_argv(
+            workdir, "--train-data", str(train), "--eval-data", str(evaluation), "--steps", "300"
+        ),
+        timeout=180,
+    )
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    expected = (
+        f"psctl: error: --eval-data: {evaluation} line 8, column 'f03': 'n/a' is not a number"
+    )
+    assert expected in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("psctl: error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "train | step:" not in proc.stderr
+    assert processes_mentioning(str(workdir)) == []

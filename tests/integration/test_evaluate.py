@@ -1,0 +1,141 @@
+"""`psctl evaluate`: the sidecar evaluator follows a real training run's checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env, psctl_argv, read_json
+from tests.integration.test_local import tensorboard_tags
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(360)
+def test_sidecar_evaluates_checkpoints_as_they_appear(workdir, run_cli, tmp_path):
+    ckpt = workdir / "ckpt"
+    summary_path = tmp_path / "evaluate.json"
+    logdir = tmp_path / "tb"
+    # Started first: it waits for the checkpoint directory to appear.
+    sidecar = subprocess.Popen(
+        psctl_argv(
+            "evaluate",
+            "--checkpoint-dir", str(ckpt),
+            "--steps", "1500",
+            "--poll-interval", "0.25",
+            "--timeout", "240",
+            "--summary-json", str(summary_path),
+            "--logdir", str(logdir),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )  # fmt: skip
+    try:
+        train = run_cli(
+            psctl_argv(
+                "local",
+                "--workdir", str(workdir / "run"),
+                "--control-address", "127.0.0.1:0",
+                "--steps", "1500",
+                "--checkpoint-every", "300",
+                "--checkpoint-dir", str(ckpt),
+            ),
+            timeout=280,
+        )  # fmt: skip
+        assert train.returncode == 0, train.stderr[-3000:]
+        out, err = sidecar.communicate(timeout=60)
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait()
+    assert sidecar.returncode == 0, err[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("eval | step:")]
+    steps = [int(line.split("|")[1].split(":")[1]) for line in lines]
+    # Each checkpoint once, in order, and the final one last; it exited on its own.
+    assert steps == sorted(set(steps)), out
+    assert len(steps) >= 3 and steps[-1] == 1500, out
+    assert all("accuracy:" in line and "10000 examples" in line for line in lines)
+    summary = read_json(summary_path)
+    assert summary["done"] and summary["reason"] == "final-step"
+    assert [e["step"] for e in summary["evaluations"]] == steps
+    assert summary["global_step"] == 1500 and summary["eval_accuracy"] >= 0.90
+    assert {"eval/loss", "eval/accuracy"} <= tensorboard_tags(logdir)
+
+    # Later: the newest checkpoint once (--max-evaluations), then exit.
+    again = run_cli(
+        psctl_argv("evaluate", "--checkpoint-dir", str(ckpt), "--max-evaluations", "1"),
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("eval | step:   1500 |") == 1, again.stdout
+
+    # A job whose model does not match the checkpoints: one line, exit 78.
+    job = tmp_path / "other_job.py"
+    job.write_text(OTHER_JOB)
+    wrong = run_cli(
+        psctl_argv("evaluate", "--checkpoint-dir", str(ckpt), "--job", str(job), "--timeout", "5"),
+        timeout=120,
+    )
+    assert wrong.returncode == 78, wrong.stderr[-3000:]
+    assert "does not match checkpoint" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+OTHER_JOB = """
+import keras
+import tensorflow as tf
+
+
+def create_model():
+    return keras.Sequential([keras.Input((32,)), keras.layers.Dense(3)])
+
+
+def create_optimizer():
+    return keras.optimizers.SGD(0.1)
+
+
+def loss_fn(labels, predictions):
+    return keras.losses.sparse_categorical_crossentropy(labels, predictions, from_logits=True)
+
+
+def dataset_fn(ctx):
+    return eval_dataset_fn(ctx).repeat()
+
+
+def eval_dataset_fn(ctx):
+    x = tf.zeros([8, 32])
+    return tf.data.Dataset.from_tensor_slices((x, tf.zeros([8], tf.int64))).batch(4)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_checkpoint_within_timeout_is_unavailable(run_cli, tmp_path: Path):
+    proc = run_cli(
+        psctl_argv(
+            "evaluate", "--checkpoint-dir", str(tmp_path / "none"), "--timeout", "1",
+            "--poll-interval", "0.2",
+        ),
+        timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 69, proc.stderr[-3000:]
+    assert "psctl: error: no checkpoint appeared in" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], "--checkpoint-dir: is required"),
+        (["--checkpoint-dir", "d", "--max-evaluations", "0"], "--max-evaluations: got 0"),
+        (["--checkpoint-dir", "d", "--poll-interval", "0"], "--poll-interval: got 0"),
+        (["--checkpoint-dir", "d", "--steps", "0"], "--steps: got 0"),
+    ],
+)
+def test_evaluate_config_errors(run_cli, args: list[str], expected: str):
+    proc = run_cli(psctl_argv("evaluate", *args), timeout=50)
+    assert proc.returncode == 78, proc.stderr
+    assert proc.stderr.startswith(f"psctl: error: {expected}"), proc.stderr
+    assert proc.stderr.count("\n") == 1

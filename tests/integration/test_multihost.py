@@ -1,0 +1,285 @@
+"""psctl across hosts: four network-namespace hosts run what `psctl deploy render` wrote.
+
+One ps host, two worker hosts and a coordinator host, each its own network namespace with
+its own 10.x address. Every server starts from the exact ExecStart= line and environment of
+its rendered unit (instance substituted, as systemd would), with a NOTIFY_SOCKET that must
+receive READY=1. `psctl deploy check` on the coordinator host sees every server SERVING;
+the coordinator unit's `psctl train` trains the mlp job across the hosts; a worker host's
+server is SIGKILLed mid-training and started again by the test's Restart=on-failure loop
+(READY=1 again, at the same address). `psctl pause` holds the job until it is back, so it
+has steps left: it takes its share of them, and the job completes with eval accuracy >= 0.90.
+
+Needs root (network namespaces) and `ip` (tools/ensure-systemd-tools.sh installs it). The
+/etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each host's
+files over it. Every namespace, link and process is removed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.netns_hosts import (
+    NetnsLab,
+    NotifySocket,
+    RestartPolicy,
+    Service,
+    die_with_parent,
+    exec_argv,
+    parse_unit,
+    remove_stale_labs,
+    service_env,
+    value,
+)
+
+pytestmark = pytest.mark.integration
+
+HOSTS = {"coord": "10.77.0.1", "ps0": "10.77.0.2", "w0": "10.77.0.3", "w1": "10.77.0.4"}
+SERVERS = [("ps", 0, "ps0"), ("worker", 0, "w0"), ("worker", 1, "w1")]
+TF_PORT = 2222
+BIN_DIR = Path(sys.executable).parent
+CONFIG_DIR = "/etc/psctl"  # the rendered default; each host sees its own through netns
+STEPS = 1500
+KILL_AT_STEP = 100
+# What systemd gives a service before the unit's own environment.
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+}
+
+
+@pytest.fixture
+def lab() -> Iterator[NetnsLab]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.fail(
+            "ip is not on PATH: run tools/ensure-systemd-tools.sh (iproute2)", pytrace=False
+        )
+    for script in ("psctl", "ps-server", "worker-server"):
+        if not (BIN_DIR / script).exists():
+            pytest.fail(f"{BIN_DIR / script} is missing: run make install", pytrace=False)
+    remove_stale_labs()
+    # `ip netns exec` bind-mounts /etc/netns/NS/psctl over /etc/psctl: it must exist.
+    Path(CONFIG_DIR).mkdir(mode=0o755, exist_ok=True)
+    hosts = NetnsLab(HOSTS)
+    try:
+        hosts.create()
+        yield hosts
+    finally:
+        hosts.destroy()
+
+
+def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**BASE_ENV, "HOME": os.environ.get("HOME", "/root")},
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def host_path(lab: NetnsLab, host: str) -> Callable[[str], Path]:
+    """Map a path a unit names to where this process sees it for ``host``."""
+
+    def path_map(path: str) -> Path:
+        if path.startswith(CONFIG_DIR + "/"):
+            return lab.etc(host) / "psctl" / path[len(CONFIG_DIR) + 1 :]
+        return Path(path)
+
+    return path_map
+
+
+def global_step(lab: NetnsLab) -> int | None:
+    proc = run(lab.exec("coord", [str(BIN_DIR / "psctl"), "status", "--json"]), timeout=20)
+    if proc.returncode != 0:
+        return None
+    return int(json.loads(proc.stdout).get("global_step", 0))
+
+
+def psctl(lab: NetnsLab, *args: str) -> str:
+    """A psctl client command on the coordinator host; its output, or the test fails."""
+    proc = run(lab.exec("coord", [str(BIN_DIR / "psctl"), *args]), timeout=30)
+    assert proc.returncode == 0, f"psctl {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(300)
+def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tmp_path: Path):
+    started = time.monotonic()
+    marks: list[str] = []
+
+    def mark(what: str) -> None:
+        marks.append(f"{time.monotonic() - started:6.1f}s {what}")
+        print(marks[-1], flush=True)
+
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(
+        json.dumps(
+            {
+                "cluster": {
+                    "chief": [f"{HOSTS['coord']}:{TF_PORT}"],
+                    "ps": [f"{HOSTS['ps0']}:{TF_PORT}"],
+                    "worker": [f"{HOSTS['w0']}:{TF_PORT}", f"{HOSTS['w1']}:{TF_PORT}"],
+                }
+            }
+        )
+    )
+    out = tmp_path / "rendered"
+    render = run(
+        [
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "render",
+            "--cluster",
+            str(cluster_file),
+            "--out",
+            str(out),
+            "--bin-dir",
+            str(BIN_DIR),
+        ],
+        timeout=60,
+    )
+    assert render.returncode == 0, render.stderr
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(HOSTS.values())
+    for host, address in HOSTS.items():  # "install": the host's files at its /etc/psctl
+        shutil.copytree(out / address, lab.etc(host) / "psctl")
+
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/tmp"))  # short socket paths
+    services: dict[str, Service] = {}
+    sockets: dict[str, NotifySocket] = {}
+    coordinator: subprocess.Popen[bytes] | None = None
+    try:
+        for task_type, index, host in SERVERS:
+            name = f"{task_type}:{index}"
+            unit = parse_unit((out / HOSTS[host] / f"psctl-{task_type}@.service").read_text())
+            assert value(unit, "Service", "Type") == "notify"
+            instance = str(index)
+            env = {**BASE_ENV, **service_env(unit, instance, host_path(lab, host))}
+            sockets[name] = NotifySocket(notify_dir / f"{task_type}-{index}.sock")
+            env["NOTIFY_SOCKET"] = str(sockets[name].path)
+            argv = exec_argv(value(unit, "Service", "ExecStart"), instance, env)
+            assert argv[0] == str(BIN_DIR / f"{task_type}-server")
+            services[name] = Service(
+                name=name,
+                argv=lab.exec(host, argv),
+                env=env,
+                policy=RestartPolicy.of(unit),
+                log_path=tmp_path / f"{task_type}-{index}.log",
+            )
+            services[name].start()
+        for name, service in services.items():
+            sockets[name].wait_for("READY", "1", count=1, timeout=150, alive=service.alive)
+        mark("every server sent READY=1")
+
+        check = psctl(lab, "deploy", "check", "--cluster", f"{CONFIG_DIR}/cluster.json")
+        serving = re.findall(r"^(ps|worker) +\d+ +\S+ +\S+ +SERVING$", check, re.M)
+        assert len(serving) == len(SERVERS), check
+        mark("psctl deploy check: all SERVING")
+
+        unit = parse_unit((out / HOSTS["coord"] / "psctl-coordinator.service").read_text())
+        env = {**BASE_ENV, **service_env(unit, "", host_path(lab, "coord"))}
+        # What a drop-in would set: this run's state directory and length.
+        env.update(
+            PSCTL_CHECKPOINT_DIR=str(tmp_path / "checkpoints"),
+            PSCTL_SUMMARY_JSON=str(tmp_path / "summary.json"),
+            PSCTL_STEPS=str(STEPS),
+            PSCTL_LOG_EVERY="2",
+            HOME=str(tmp_path),
+        )
+        argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
+        assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
+        coordinator_log = tmp_path / "coordinator.log"
+        with coordinator_log.open("wb") as log:
+            coordinator = subprocess.Popen(
+                lab.exec("coord", argv),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )
+
+        def coordinator_tail() -> str:
+            return "\n".join(coordinator_log.read_text(errors="replace").splitlines()[-30:])
+
+        deadline = time.monotonic() + 150
+        step = None
+        while (step or 0) < KILL_AT_STEP:
+            assert coordinator.poll() is None, f"coordinator exited early:\n{coordinator_tail()}"
+            assert time.monotonic() < deadline, f"no step {KILL_AT_STEP}:\n{coordinator_tail()}"
+            time.sleep(0.5)
+            step = global_step(lab)
+        mark(f"training at step {step}")
+
+        victim = services["worker:1"]
+        killed_pid = victim.kill(signal.SIGKILL)
+        mark(f"SIGKILL worker:1 (pid {killed_pid})")
+        # Hold the job (in-flight steps finish on worker:0) until worker:1 is back, so that
+        # the restarted server has work left to do: else 1500 steps may all be done first.
+        psctl(lab, "pause")
+        sockets["worker:1"].wait_for("READY", "1", count=2, timeout=150, alive=victim.alive)
+        assert victim.starts == 2 and victim.exits[0] == -signal.SIGKILL, victim.exits
+        assert victim.proc is not None and victim.running
+        restarted_pid = victim.proc.pid
+        step_at_ready = global_step(lab)
+        assert step_at_ready is not None and step_at_ready < STEPS, step_at_ready
+        mark(f"worker:1 restarted (pid {restarted_pid}): READY=1 again at step {step_at_ready}")
+        other = services["worker:0"].proc
+        assert other is not None
+        cpu_at_ready = cpu_seconds(restarted_pid), cpu_seconds(other.pid)
+        psctl(lab, "resume")
+
+        try:
+            code = coordinator.wait(timeout=max(10.0, 280 - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not finish:\n{coordinator_tail()}")
+        assert code == 0, coordinator_tail()
+        for name, service in services.items():
+            assert service.running, f"{name} is down:\n{service.log_tail()}"
+        cpu_used = cpu_seconds(restarted_pid) - cpu_at_ready[0]
+        cpu_other = cpu_seconds(other.pid) - cpu_at_ready[1]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        mark(f"job done: {summary}")
+        mark(f"CPU since worker:1 came back: worker:1 {cpu_used:.1f}s, worker:0 {cpu_other:.1f}s")
+        assert summary["global_step"] >= STEPS
+        assert summary["eval_accuracy"] >= 0.90, summary
+        # The restarted server took its share of the steps once back (an idle TF server
+        # uses next to no CPU).
+        assert cpu_used >= 0.25 * cpu_other, (cpu_used, cpu_other)
+        check = psctl(lab, "deploy", "check", "--cluster", f"{CONFIG_DIR}/cluster.json")
+        assert check.rstrip().endswith("every TF port open"), check
+    finally:
+        if coordinator is not None and coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait(10)
+        for service in services.values():
+            service.stop()
+        for sock in sockets.values():
+            sock.close()
+        shutil.rmtree(notify_dir, ignore_errors=True)
+        print("\n".join(marks))
+        for name, service in services.items():
+            print(f"--- {name} log (starts {service.starts}, exits {service.exits})")
+            print(service.log_tail(15))
+        with contextlib.suppress(OSError):
+            print("--- coordinator log\n" + (tmp_path / "coordinator.log").read_text()[-4000:])

@@ -1,0 +1,52 @@
+#!/bin/sh
+# Make sure `systemd-analyze` (the unit tests verify every rendered unit with it) and `ip`
+# (the multi-host test builds network-namespace hosts with it) are on PATH. Idempotent: does
+# nothing when both are there. Otherwise installs the Debian/Ubuntu packages `systemd` and
+# `iproute2`, running `apt-get update` first only if the plain install fails. Uses sudo only
+# when not root.
+#
+# Installing the package does not make systemd the init system of a container: the tests
+# only run `systemd-analyze verify` and never start a unit.
+set -eu
+
+missing=""
+command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+if [ -z "$missing" ]; then
+    exit 0
+fi
+
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "ensure-systemd-tools: missing$missing and no apt-get here; install systemd" \
+        "(systemd-analyze) and iproute2 (ip) with your package manager" >&2
+    exit 1
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+    if ! command -v sudo >/dev/null 2>&1; then
+        echo "ensure-systemd-tools: not root and no sudo; run as root:" \
+            "apt-get install -y --no-install-recommends$missing" >&2
+        exit 1
+    fi
+    SUDO="sudo"
+fi
+
+apt_install() {
+    # shellcheck disable=SC2086  # $missing is a list of package names
+    $SUDO env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends $missing
+}
+
+echo "ensure-systemd-tools: installing the Debian package(s)$missing" >&2
+if ! apt_install; then
+    $SUDO apt-get update
+    apt_install
+fi
+
+for tool in systemd-analyze ip; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        echo "ensure-systemd-tools: $tool still not on PATH after installing$missing" >&2
+        exit 1
+    fi
+done
