@@ -44,6 +44,8 @@ class State(enum.Enum):
 
 
 FINAL_STATES = (State.DONE, State.FAILED)
+# States in which the loop schedules steps, or will: pause and resume make sense there.
+_SCHEDULING_STATES = (State.STARTING, State.RUNNING, State.PAUSED, State.CHECKPOINTING)
 
 
 class Rejected(Exception):
@@ -173,27 +175,16 @@ class JobControl:
     # -- the operators' side (RPC threads) -----------------------------------------------
 
     def request_pause(self) -> State:
-        with self._lock:
-            if self._state not in (
-                State.STARTING,
-                State.RUNNING,
-                State.PAUSED,
-                State.CHECKPOINTING,
-            ):
-                raise Rejected(f"cannot pause while {self._state.name}")
-            self._pause_requested = True
-            return self._state
+        return self._set_pause(True, "pause")
 
     def request_resume(self) -> State:
+        return self._set_pause(False, "resume")
+
+    def _set_pause(self, paused: bool, verb: str) -> State:
         with self._lock:
-            if self._state not in (
-                State.STARTING,
-                State.RUNNING,
-                State.PAUSED,
-                State.CHECKPOINTING,
-            ):
-                raise Rejected(f"cannot resume while {self._state.name}")
-            self._pause_requested = False
+            if self._state not in _SCHEDULING_STATES:
+                raise Rejected(f"cannot {verb} while {self._state.name}")
+            self._pause_requested = paused
             return self._state
 
     def request_stop(self) -> State:

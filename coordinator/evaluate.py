@@ -259,7 +259,7 @@ class SidecarEvaluator:
         import tensorflow as tf
 
         from coordinator.job import DataContext
-        from coordinator.metric_objects import metric_factories
+        from coordinator.metric_objects import make_eval_step, metric_factories
 
         self.job = job
         self.settings = settings
@@ -293,17 +293,7 @@ class SidecarEvaluator:
             model=self.model, optimizer=self.optimizer, global_step=self.step
         )
         self.writer = tf.summary.create_file_writer(logdir) if logdir else None
-        model, loss_fn, loss, metrics = self.model, job.loss_fn, self.loss, self.metrics
-
-        @tf.function
-        def eval_step(x: Any, y: Any) -> None:
-            predictions = model(x, training=False)
-            loss.update_state(
-                tf.reduce_mean(loss_fn(y, predictions)),
-                sample_weight=tf.cast(tf.shape(y)[0], tf.float32),
-            )
-            for metric in metrics:
-                metric.update_state(y, predictions)
+        eval_step = tf.function(make_eval_step(self.model, job.loss_fn, self.loss, self.metrics))
 
         self._eval_step = eval_step
         # Trace the step and start the input pipeline now, while no checkpoint is waiting.

@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 
 def _accuracy_for(label_rank: int, label_dim: int | None, pred_dim: int | None) -> Any:
@@ -49,3 +50,20 @@ def metric_factories(
 
 def _clone(metric: Any) -> Any:
     return type(metric).from_config(metric.get_config())
+
+
+def make_eval_step(
+    model: Any, loss_fn: Callable[[Any, Any], Any], loss: Any, metrics: Sequence[Any]
+) -> Callable[[Any, Any], None]:
+    """One evaluation batch: the mean loss weighted by batch size, and every metric."""
+
+    def eval_step(x: Any, y: Any) -> None:
+        predictions = model(x, training=False)
+        loss.update_state(
+            tf.reduce_mean(loss_fn(y, predictions)),
+            sample_weight=tf.cast(tf.shape(y)[0], tf.float32),
+        )
+        for metric in metrics:
+            metric.update_state(y, predictions)
+
+    return eval_step

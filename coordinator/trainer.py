@@ -30,7 +30,7 @@ from tensorflow.core.framework import summary_pb2
 from cluster.spec import ClusterConfig
 from coordinator.control import JobControl, State
 from coordinator.job import DataContext, Job
-from coordinator.metric_objects import metric_factories
+from coordinator.metric_objects import make_eval_step, metric_factories
 from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
 
@@ -354,18 +354,9 @@ class Trainer:
         dataset = self.job.eval_dataset_fn(ctx)
         loss = keras.metrics.Mean(name="loss")
         metrics = [make() for make in self.metric_factories]
-        model, loss_fn = self.model, self.job.loss_fn
-
         # Eager on purpose: a new tf.function is registered on every worker, and a frozen
         # worker would block that registration (seen); the eval set is read once anyway.
-        def eval_step(x: Any, y: Any) -> None:
-            predictions = model(x, training=False)
-            loss.update_state(
-                tf.reduce_mean(loss_fn(y, predictions)),
-                sample_weight=tf.cast(tf.shape(y)[0], tf.float32),
-            )
-            for metric in metrics:
-                metric.update_state(y, predictions)
+        eval_step = make_eval_step(self.model, self.job.loss_fn, loss, metrics)
 
         started = time.monotonic()
         examples = 0
