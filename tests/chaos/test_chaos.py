@@ -157,6 +157,7 @@ def test_worker_sigkill(job):
     to_step = first_new_step(j, step, fault_at)
     summary = j.finish()
     assert summary["worker_failures"] >= 1
+    assert summary["recoveries"] >= 1  # it came back to SERVING and the coordinator saw it
     # At-least-once: a call cut off by the kill may be counted again where it reruns.
     assert 5000 <= summary["global_step"] <= 5000 + 20 * 8
     record("worker SIGKILL", 0, to_step, summary)
