@@ -39,8 +39,16 @@ cluster (``coordinator.local.LocalCluster``) that serves all runs, runs the mode
 (``--repeats`` rounds, the order rotated each round), and prints the medians. The last line of
 output is ``psctl/raw_tf = R.RR``: psctl over raw TF steps/s at the same steps per call.
 
+``--metrics-overhead`` runs only psctl, with the coordinator's metrics off (``metrics=None``,
+the ``psctl`` mode) and on (``psctl-metrics``: a ``CoordinatorMetrics`` on its own
+``CollectorRegistry`` served on /metrics as ``psctl train --metrics-port`` serves it, and wired
+to the control's state likewise), same cluster, steps and K, interleaved. While an ``on`` child
+runs, a thread in the parent GETs its /metrics every second, as Prometheus would. Its last line
+is ``metrics overhead = X.X%``: 1 - on/off of the median steps/s (positive = slower with them).
+
     .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
     .venv/bin/python bench/throughput.py --repeats 1 --steps 800 --json out.json
+    .venv/bin/python bench/throughput.py --metrics-overhead --repeats 5
 """
 
 from __future__ import annotations
@@ -58,7 +66,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -106,14 +116,16 @@ def _timing(
     }
 
 
-def _new_trainer(job: Any, cluster: Any, settings: Any) -> Any:
-    """``Trainer(job=, cluster=, settings=)``, plus a ``JobControl`` where the Trainer takes one."""
+def _new_trainer(job: Any, cluster: Any, settings: Any, metrics: Any = None) -> Any:
+    """``Trainer(job=, cluster=, settings=)``, plus a ``JobControl`` where the Trainer takes one,
+    and ``metrics=`` (wired to the control's state as ``psctl train`` does) when given."""
     import inspect
 
     from coordinator.trainer import Trainer
 
+    params = inspect.signature(Trainer).parameters
     kwargs: dict[str, Any] = {}
-    if "control" in inspect.signature(Trainer).parameters:
+    if "control" in params:
         from coordinator.control import JobControl
 
         kwargs["control"] = JobControl(
@@ -122,7 +134,12 @@ def _new_trainer(job: Any, cluster: Any, settings: Any) -> Any:
             steps_per_execution=settings.steps_per_execution,
             tasks=[],
             can_checkpoint=False,
+            on_state=metrics.set_state if metrics is not None else None,
         )
+    if metrics is not None:
+        if "metrics" not in params:
+            raise RuntimeError("this Trainer takes no metrics=; cannot measure their overhead")
+        kwargs["metrics"] = metrics
     return Trainer(job=job, cluster=cluster, settings=settings, **kwargs)
 
 
@@ -137,7 +154,7 @@ class _StampedRemote:
         return getattr(self._remote, name)
 
 
-def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
+def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
     """psctl's own loop as `psctl train` runs it (no checkpoints); its Summary's rate."""
     from cluster.spec import load_cluster_file
     from coordinator.job import load_job
@@ -151,7 +168,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint_dir="",
         seed=SEED,
     )
-    trainer = _new_trainer(load_job(JOB), load_cluster_file(args.cluster), settings)
+    trainer = _new_trainer(load_job(JOB), load_cluster_file(args.cluster), settings, metrics)
     # Instrumentation only, to check the Summary's window against the bench's and to split
     # out set-up: time stamps around the Trainer's calls into its ClusterCoordinator.
     coordinator = trainer.coordinator
@@ -162,13 +179,18 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
         "join": [],
     }
 
+    # This process's CPU seconds (every thread: TF's, the loop's, a /metrics server's) at
+    # the same stamps: less skewed by other load than wall time.
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+
     def stamped(fn: Any, name: str) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), time.process_time()
             try:
                 result = fn(*a, **kw)
             finally:
                 calls[name].append((started, time.monotonic()))
+                cpu[name].append((cpu_started, time.process_time()))
             return _StampedRemote(result, stamped) if name == "schedule" else result
 
         return wrapper
@@ -184,8 +206,16 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     # raw loop does not pay that before its join() either. So: the last fetch, else join.
     fetched = len(calls["fetch"]) >= len(calls["schedule"])
     t_end = max(end for _, end in calls["fetch"]) if fetched else join[1]
+    if fetched:
+        last = max(range(len(calls["fetch"])), key=lambda i: calls["fetch"][i][1])
+        cpu_end = cpu["fetch"][last][1]
+    else:
+        cpu_end = cpu["join"][-1][1]
     result = _timing(trained, calls["data"][0][0], first[0], first[1], t_end)
     result["after_loop_s"] = join[1] - t_end
+    # CLOCK_MONOTONIC is system-wide: the parent counts its scrapes inside this window.
+    result.update(window_start=calls["data"][0][0], window_end=t_end)
+    result["cpu_s"] = cpu_end - cpu["data"][0][0]
     # The headline number is psctl's own report; the bench's window is kept for the check.
     result.update(
         bench_seconds=result["seconds"],
@@ -337,7 +367,38 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-CHILDREN = {"psctl": run_psctl, "raw": run_raw, "local": run_local}
+def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
+    """``run_psctl`` with the coordinator's metrics on, as ``psctl train --metrics-port`` has
+    them (``coordinator.run.start_metrics``): a ``CoordinatorMetrics`` on its own registry,
+    served on /metrics; the parent scrapes it every second while this runs."""
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics import serve_metrics
+    from cluster.spec import load_cluster_file
+    from coordinator.metrics import CoordinatorMetrics
+
+    cluster = load_cluster_file(args.cluster)
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry,
+        job=JOB,
+        num_workers=cluster.num_workers,
+        num_ps=cluster.num_ps,
+        batch_size=args.batch_size,
+    )
+    serve_metrics(registry, host="127.0.0.1", port=args.metrics_port)
+    result = run_psctl(args, metrics)
+    # Proof the metrics were live: what the Trainer counted into them.
+    result["metrics_steps_total"] = registry.get_sample_value("psctl_train_steps_total")
+    return result
+
+
+CHILDREN = {
+    "psctl": run_psctl,
+    "psctl-metrics": run_psctl_metrics,
+    "raw": run_raw,
+    "local": run_local,
+}
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -345,6 +406,9 @@ def child_main(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     if args.run_mode != "local" and not args.cluster:
         print("throughput: --cluster FILE is required with --run-mode psctl/raw", file=sys.stderr)
+        return 2
+    if args.run_mode == "psctl-metrics" and not args.metrics_port:
+        print("throughput: --metrics-port is required with psctl-metrics", file=sys.stderr)
         return 2
     logging.basicConfig(  # goes to the run's .log file, with times, for a look afterwards
         level=logging.WARNING, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s", datefmt="%X"
@@ -429,6 +493,70 @@ def _tail(path: Path, count: int = 20) -> str:
     return "\n".join("    " + line for line in lines[-count:])
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Scraper(threading.Thread):
+    """GETs /metrics every ``interval`` seconds, as Prometheus would, until stopped.
+
+    Runs in the parent, which otherwise only waits for the child: the cost measured is the
+    child's (the HTTP server thread rendering the registry, and the Trainer's updates).
+    Connection errors before the child serves are expected and only counted.
+    """
+
+    def __init__(self, port: int, interval: float = 1.0) -> None:
+        super().__init__(name="scraper", daemon=True)
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.interval = interval
+        self.done = threading.Event()
+        self.times: list[float] = []  # monotonic start of each successful scrape
+        self.latencies: list[float] = []
+        self.errors = 0
+        self.bytes = 0
+        self.steps_seen: float | None = None  # psctl_train_steps_total in the last scrape
+
+    def run(self) -> None:
+        due = time.monotonic()
+        while not self.done.is_set():
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=2.0) as response:
+                    body = response.read()
+            except OSError:
+                self.errors += 1
+            else:
+                self.times.append(started)
+                self.latencies.append(time.monotonic() - started)
+                self.bytes += len(body)
+                for line in body.decode(errors="replace").splitlines():
+                    if line.startswith("psctl_train_steps_total "):
+                        self.steps_seen = float(line.split()[1])
+            due += self.interval
+            self.done.wait(max(0.0, due - time.monotonic()))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=5.0)
+
+    def report(self, result: dict[str, Any]) -> dict[str, Any]:
+        start, end = result.get("window_start"), result.get("window_end")
+        if start is None or end is None:
+            start, end = math.inf, -math.inf
+        inside = [t for t in self.times if start <= t <= end]
+        return {
+            "scrapes": len(self.times),
+            "scrapes_in_window": len(inside),
+            "scrape_errors": self.errors,
+            "scrape_bytes": self.bytes // max(1, len(self.times)),
+            "scrape_ms": 1000 * statistics.median(self.latencies) if self.latencies else None,
+            "scraped_steps": self.steps_seen,
+        }
+
+
 def run_child(
     mode: Mode, args: argparse.Namespace, cluster_file: Path, logs: Path, run_id: int, repeat: int
 ) -> dict[str, Any]:
@@ -446,10 +574,21 @@ def run_child(
     ]
     if mode.kind != "local":
         argv += ["--cluster", str(cluster_file)]
+    scraper = None
+    if mode.kind == "psctl-metrics":
+        port = _free_port()
+        argv += ["--metrics-port", str(port)]
+        scraper = Scraper(port)
     out_path = logs / f"run{run_id:02d}-{mode.kind}-{mode.k}.out"
     err_path = out_path.with_suffix(".log")
     started = time.monotonic()
-    with out_path.open("wb") as out, err_path.open("wb") as err:
+    if scraper is not None:
+        scraper.start()
+    with contextlib.ExitStack() as stack:
+        if scraper is not None:
+            stack.callback(scraper.stop)
+        out = stack.enter_context(out_path.open("wb"))
+        err = stack.enter_context(err_path.open("wb"))
         proc = subprocess.Popen(
             argv,
             stdout=out,
@@ -480,6 +619,8 @@ def run_child(
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
             result.update(label=mode.label, wall_s=wall, repeat=repeat)
+            if scraper is not None:
+                result.update(scraper.report(result))
             return result
     raise ChildFailed(f"{mode.label} printed no result; see {out_path} and {err_path}")
 
@@ -541,6 +682,93 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print()
 
 
+def overhead(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metrics on vs off: 1 - on/off of the median steps/s (positive = slower with metrics),
+    plus the same per round (both modes ran back to back in every round) for the spread."""
+    off = next(r for r in rows if r["mode"] == "psctl")
+    on = next(r for r in rows if r["mode"] == "psctl-metrics")
+    rounds = []
+    for repeat in sorted({r["repeat"] for r in runs}):
+        pair = {r["mode"]: r["steps_per_sec"] for r in runs if r["repeat"] == repeat}
+        if "psctl" in pair and "psctl-metrics" in pair:
+            rounds.append(100.0 * (1.0 - pair["psctl-metrics"] / pair["psctl"]))
+    steady = None
+    if off["median_excl_setup"] and on["median_excl_setup"]:
+        steady = 100.0 * (1.0 - on["median_excl_setup"] / off["median_excl_setup"])
+    cpu = {}
+    for mode in ("psctl", "psctl-metrics"):
+        per_step = [
+            1e3 * r["cpu_s"] / r["steps"] for r in runs if r["mode"] == mode and "cpu_s" in r
+        ]
+        cpu[mode] = statistics.median(per_step) if per_step else None
+    cpu_pct = None
+    if cpu["psctl"] and cpu["psctl-metrics"]:
+        cpu_pct = 100.0 * (cpu["psctl-metrics"] / cpu["psctl"] - 1.0)
+    return {
+        "overhead_pct": 100.0 * (1.0 - on["median"] / off["median"]),
+        "cpu_ms_per_step": cpu,
+        "cpu_overhead_pct": cpu_pct,
+        "overhead_excl_setup_pct": steady,
+        "per_round_pct": rounds,
+        "median_per_round_pct": statistics.median(rounds) if rounds else None,
+    }
+
+
+def print_overhead(
+    rows: list[dict[str, Any]], runs: list[dict[str, Any]], result: dict[str, Any], args: Any
+) -> None:
+    print()
+    print(
+        f"{JOB} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
+        f"{args.steps} steps/run, {args.repeats} repeat(s), psctl with coordinator metrics "
+        "off vs on"
+    )
+    header = (
+        f"{'metrics':<8} {'steps/call':>10} {'steps/s':>9} {'range':>15} {'setup s':>8} "
+        f"{'excl. setup':>12} {'scrapes/run':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        on = row["mode"] == "psctl-metrics"
+        span = f"{row['min']:.1f}-{row['max']:.1f}"
+        steady = f"{row['median_excl_setup']:.1f}" if row["median_excl_setup"] else "-"
+        mine = [r for r in runs if r["mode"] == row["mode"]]
+        scrapes = f"{statistics.median(r['scrapes_in_window'] for r in mine):.0f}" if on else "-"
+        print(
+            f"{'on' if on else 'off':<8} {row['steps_per_execution']:>10} {row['median']:>9.1f} "
+            f"{span:>15} {row['median_setup_s']:>8.2f} {steady:>12} {scrapes:>12}"
+        )
+    print(
+        "steps/s: median of psctl's Summary.steps_per_sec (window as in the default run); "
+        "on = a\n  CoordinatorMetrics on its own registry served on /metrics, GET every 1 s "
+        "by the\n  parent (scrapes/run: median successful scrapes inside the timed window)"
+    )
+    scraped = [r for r in runs if r["mode"] == "psctl-metrics"]
+    if scraped:
+        latency = statistics.median(r["scrape_ms"] or 0.0 for r in scraped)
+        size = statistics.median(r["scrape_bytes"] for r in scraped)
+        counted = {r["metrics_steps_total"] for r in scraped}
+        print(
+            f"scrapes: median {latency:.1f} ms and {size:.0f} bytes each; "
+            f"psctl_train_steps_total at the end: {sorted(counted)}"
+        )
+    rounds = " ".join(f"{x:+.1f}%" for x in result["per_round_pct"])
+    print(f"per round (1 - on/off, back to back): {rounds}")
+    if result["median_per_round_pct"] is not None:
+        print(f"median of the per-round overheads: {result['median_per_round_pct']:.1f}%")
+    if result["overhead_excl_setup_pct"] is not None:
+        print(f"overhead of the steps/s excl. setup: {result['overhead_excl_setup_pct']:.1f}%")
+    cpu = result["cpu_ms_per_step"]
+    if result["cpu_overhead_pct"] is not None:
+        print(
+            f"coordinator CPU per step (median, all its threads, timed window): off "
+            f"{cpu['psctl']:.2f} ms, on {cpu['psctl-metrics']:.2f} ms: "
+            f"{result['cpu_overhead_pct']:+.1f}%"
+        )
+    print()
+
+
 def parent_main(args: argparse.Namespace) -> int:
     from cluster.logs import quiet_tensorflow
     from cluster.spec import split_host_port
@@ -550,7 +778,9 @@ def parent_main(args: argparse.Namespace) -> int:
     k = args.steps_per_execution
     modes = [Mode("psctl", k), Mode("raw", k), Mode("raw", 1), Mode("local", k), Mode("local", 1)]
     modes = list(dict.fromkeys(modes))  # K = 1: no duplicates
-    if args.skip_local:
+    if args.metrics_overhead:
+        modes = [Mode("psctl", k), Mode("psctl-metrics", k)]
+    elif args.skip_local:
         modes = [m for m in modes if m.kind != "local"]
     workdir = Path(args.workdir or REPO / "psctl-work" / time.strftime("bench-%Y%m%d-%H%M%S"))
     logs = workdir / "bench-logs"
@@ -565,6 +795,7 @@ def parent_main(args: argparse.Namespace) -> int:
     print(f"{_load()} (other work on this machine skews every mode)", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
+    width = max(9, *(len(m.label) for m in modes))
     runs: list[dict[str, Any]] = []
     try:
         local.start()
@@ -580,11 +811,18 @@ def parent_main(args: argparse.Namespace) -> int:
                 wait_port_released(chief_port, timeout=30.0)
                 result = run_child(mode, args, local.cluster_file, logs, len(runs) + 1, repeat)
                 runs.append(result)
+                scrapes = (
+                    f"; {result['scrapes_in_window']} scrapes in the window"
+                    if "scrapes_in_window" in result
+                    else ""
+                )
+                if args.metrics_overhead:
+                    scrapes = f"; CPU {result['cpu_s']:.1f}s" + scrapes
                 print(
-                    f"[{repeat + 1}/{args.repeats}] {mode.label:<9} "
+                    f"[{repeat + 1}/{args.repeats}] {mode.label:<{width}} "
                     f"{result['steps_per_sec']:8.1f} steps/s  ({result['steps']} steps in "
                     f"{result['seconds']:.1f}s, setup {result['setup_s']:.2f}s; process "
-                    f"{result['wall_s']:.1f}s; loss {_num(result['loss'])})",
+                    f"{result['wall_s']:.1f}s; loss {_num(result['loss'])}{scrapes})",
                     flush=True,
                 )
                 check_window(result)
@@ -603,6 +841,8 @@ def parent_main(args: argparse.Namespace) -> int:
 
     print(_load(), flush=True)
     rows = summarize(modes, runs)
+    if args.metrics_overhead:
+        return report_overhead(rows, runs, args)
     print_table(rows, args)
     psctl = next(r for r in rows if r["mode"] == "psctl")
     ratio = psctl["vs_raw"]
@@ -628,6 +868,33 @@ def parent_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_overhead(
+    rows: list[dict[str, Any]], runs: list[dict[str, Any]], args: argparse.Namespace
+) -> int:
+    result = overhead(rows, runs)
+    print_overhead(rows, runs, result, args)
+    if args.json:
+        report = {
+            "job": JOB,
+            "config": {
+                "ps": args.ps,
+                "workers": args.workers,
+                "steps": args.steps,
+                "steps_per_execution": args.steps_per_execution,
+                "batch_size": args.batch_size,
+                "repeats": args.repeats,
+                "scrape_interval_s": 1.0,
+            },
+            "runs": runs,
+            "summary": rows,
+            **result,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    print(f"metrics overhead = {result['overhead_pct']:.1f}%", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Steps/s of psctl vs the raw TF parameter-server tutorial loop vs local.",
@@ -645,6 +912,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--skip-local", action="store_true", help="leave out the one-process modes (faster)"
     )
+    parser.add_argument(
+        "--metrics-overhead",
+        action="store_true",
+        help="instead: psctl with coordinator metrics on (served, scraped every 1 s) vs off; "
+        "the last line is 'metrics overhead = X.X%%'",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
     parser.add_argument(
@@ -656,6 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Internal: one measured run in this process.
     parser.add_argument("--run-mode", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--metrics-port", type=int, default=0, help=argparse.SUPPRESS)
     return parser
 
 
