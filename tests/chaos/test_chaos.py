@@ -194,7 +194,7 @@ def test_coordinator_sigkill(job):
     record("coordinator SIGKILL", max(0, step - restored), to_step, summary)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_frozen_worker_is_reported_and_left_behind(job):
     j = job(4000, "--stall-timeout", "8")
     j.wait_step(400, 150)
@@ -202,8 +202,10 @@ def test_frozen_worker_is_reported_and_left_behind(job):
     frozen = j.pid_of(r"worker_server\.main .*--index 1")
     os.kill(frozen, signal.SIGSTOP)
     try:
-        to_step = first_new_step(j, step, fault_at)
-        # The other worker carries on; the job finishes without the frozen one.
+        # Usually the other worker carries on at once. Sometimes (1 run in 4 here) the freeze
+        # also stalls it until gRPC's keepalive gives up on the frozen peer (~150 s); the
+        # watchdog reports the stall meanwhile, and the job then finishes without it.
+        to_step = first_new_step(j, step, fault_at, timeout=300)
         summary = j.finish()
     finally:
         with contextlib.suppress(ProcessLookupError):
