@@ -111,7 +111,6 @@ class JobControl:
         self._pause_requested = False
         self._checkpoints: list[CheckpointRequest] = []
         self.stop_requested = threading.Event()
-        self.changed = threading.Condition(self._lock)
         self._on_state = on_state  # e.g. the coordinator_state metric
         self.on_task_failure: Callable[[str], None] | None = None
         self.on_recovery: Callable[[], None] | None = None
@@ -130,7 +129,6 @@ class JobControl:
                 log.debug("state %s -> %s", self._state.name, state.name)
             self._state = state
             self._board.message = message
-            self.changed.notify_all()
         if self._on_state is not None:
             self._on_state(state.name.lower())
 
