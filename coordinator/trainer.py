@@ -118,6 +118,8 @@ class Trainer:
         self.control = control
         self.metrics = metrics
         self.iterator: Any = None
+        self._save_lock = threading.Lock()
+        self._saver: threading.Thread | None = None
         partitioner = None
         if settings.max_shards > 1:
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
@@ -313,6 +315,29 @@ class Trainer:
         readable); the step recorded is the global step read just before."""
         if self.manager is None:
             return None
+        with self._save_lock:
+            return self._save()
+
+    def save_in_background(self) -> bool:
+        """Start a periodic checkpoint on its own thread, so that the loop keeps the workers
+        busy meanwhile: while a worker is frozen, reading the ps variables can wait until it
+        thaws or gRPC gives up on it (seen: 120 s), and a save on the loop's thread held every
+        worker idle that long. Skipped (False) while the previous one is still running."""
+        if self._saver is not None and self._saver.is_alive():
+            log.warning("checkpoint skipped: the previous save is still running (a frozen task?)")
+            return False
+        self._saver = threading.Thread(target=self._save_logged, name="checkpoint", daemon=True)
+        self._saver.start()
+        return True
+
+    def _save_logged(self) -> None:
+        try:
+            self.save()
+        except Exception as err:  # the next save or the final one tries again
+            log.error("checkpoint failed: %s", err)
+
+    def _save(self) -> str | None:
+        assert self.manager is not None
         previous = self.control.state
         self.control.set_state(State.CHECKPOINTING)
         started = time.monotonic()
@@ -327,7 +352,7 @@ class Trainer:
         self.control.update(checkpoint_path=path, checkpoint_step=step, checkpoint_time=now)
         if self.metrics is not None:
             self.metrics.observe_checkpoint(seconds=seconds, step=step, timestamp=now)
-        if previous != State.CHECKPOINTING:
+        if previous != State.CHECKPOINTING and self.control.state == State.CHECKPOINTING:
             self.control.set_state(previous)
         return path
 
@@ -719,7 +744,7 @@ class _Loop:
                     self.progress.report(self.completed, rate * s.batch_size, self.last_values)
                     last_log = now
             if t.manager is not None and self.completed >= next_checkpoint:
-                t.save()
+                t.save_in_background()
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
         if self.scheduled >= target or control.stop_requested.is_set():
             self.drain()

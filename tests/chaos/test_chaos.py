@@ -15,17 +15,17 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from cluster.ports import free_ports
+from tests.chaos import status_feed
+from tests.chaos.conftest import Sampler, full_speed_after, record
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
 
 pytestmark = pytest.mark.chaos
-
-RESULTS: list[str] = []
 
 
 @dataclass
@@ -33,16 +33,23 @@ class Job:
     workdir: Path
     address: str
     proc: subprocess.Popen[bytes]
+    sampler: Sampler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(status_feed.poll(self.address))
 
     def status(self) -> dict | None:
-        proc = subprocess.run(
-            psctl_argv("status", "--json", "--address", self.address),
-            capture_output=True,
-            text=True,
-            timeout=20,
-            env=child_env(),
-        )
-        return json.loads(proc.stdout) if proc.returncode == 0 else None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc = subprocess.run(
+                psctl_argv("status", "--json", "--address", self.address),
+                capture_output=True,
+                text=True,
+                timeout=20,
+                env=child_env(),
+            )
+            if proc.returncode == 0:
+                return json.loads(proc.stdout)
+        return None
 
     def step(self) -> int | None:
         status = self.status()
@@ -74,6 +81,7 @@ class Job:
 
     def finish(self, timeout: float = 240) -> dict:
         code = self.proc.wait(timeout=timeout)
+        self.sampler.stop()
         assert code == 0, self.log()[-4000:]
         summary = read_json(self.workdir / "out.json")
         assert summary["eval_accuracy"] >= 0.90, summary
@@ -108,26 +116,14 @@ def job(workdir):
             *extra,
         )
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-        return Job(workdir, f"127.0.0.1:{port}", proc)
+        jobs.append(Job(workdir, f"127.0.0.1:{port}", proc))
+        return jobs[-1]
 
+    jobs: list[Job] = []
     yield start
+    for j in jobs:
+        j.sampler.stop()
     log.close()
-
-
-def first_new_step(job: Job, after_step: int, fault_at: float, timeout: float = 150) -> float:
-    """Seconds from the fault until the job runs past ``after_step`` again... or, after a
-    restore to an older checkpoint, until it makes its first new step."""
-    baseline: int | None = None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        step = job.step()
-        if step is not None:
-            if baseline is None:
-                baseline = step
-            elif step > baseline:
-                return time.monotonic() - fault_at
-        time.sleep(0.2)
-    raise AssertionError(f"no new step within {timeout}s after the fault")
 
 
 def restored_step(log: str) -> int | None:
@@ -135,41 +131,44 @@ def restored_step(log: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def record(name: str, lost: int, to_step: float, summary: dict) -> None:
-    row = (
-        f"| {name} | {lost} | {to_step:.1f} | {summary['eval_accuracy']:.4f} | "
-        f"{summary['restarts']} | {summary['worker_failures']} | {summary['ps_failures']} |"
-    )
-    RESULTS.append(row)
-    print("\nchaos:", row)
-    out = os.environ.get("PSCTL_CHAOS_RESULTS")
-    if out:
-        with open(out, "a") as f:
-            f.write(row + "\n")
+def fault(j: Job, at_step: int) -> tuple[int, float, float]:
+    """Wait for ``at_step`` and a few seconds of steady training: (step, time, baseline
+    steps/s) just before the fault."""
+    j.wait_step(at_step, 150)
+    time.sleep(6)
+    now = time.monotonic()
+    return j.sampler.step() or 0, now, j.sampler.rate_before(now, seconds=6)
+
+
+def to_full_speed(j: Job, baseline: float, returned: float | None) -> float | None:
+    if returned is None:
+        return None
+    print(f"baseline {baseline:.0f} steps/s;", j.sampler.timeline(returned - 10))
+    return full_speed_after(j.sampler.samples, baseline=baseline, since=returned)
 
 
 @pytest.mark.timeout(300)
 def test_worker_sigkill(job):
-    j = job(5000)
-    j.wait_step(600, 150)
-    step, fault_at = j.step() or 0, time.monotonic()
+    j = job(6000)
+    _, fault_at, baseline = fault(j, 600)
     os.kill(j.pid_of(r"worker_server\.main .*--index 1"), signal.SIGKILL)
-    to_step = first_new_step(j, step, fault_at)
+    to_step = j.sampler.first_new_step(fault_at)
+    returned = j.sampler.wait_serving("worker:1", after=fault_at)
     summary = j.finish()
     assert summary["worker_failures"] >= 1
     assert summary["recoveries"] >= 1  # it came back to SERVING and the coordinator saw it
     # At-least-once: a call cut off by the kill may be counted again where it reruns.
-    assert 5000 <= summary["global_step"] <= 5000 + 20 * 8
-    record("worker SIGKILL", 0, to_step, summary)
+    assert 6000 <= summary["global_step"] <= 6000 + 20 * 8
+    record("worker SIGKILL", 0, to_step, to_full_speed(j, baseline, returned), summary)
 
 
 @pytest.mark.timeout(300)
 def test_ps_sigkill(job):
-    j = job(6000)
-    j.wait_step(800, 150)
-    step, fault_at = j.step() or 0, time.monotonic()
+    j = job(7000)
+    step, fault_at, baseline = fault(j, 800)
     os.kill(j.pid_of(r"ps_server\.main"), signal.SIGKILL)
-    to_step = first_new_step(j, step, fault_at)
+    to_step = j.sampler.first_new_step(fault_at)
+    returned = j.sampler.wait_serving("ps:0", after=fault_at)
     summary = j.finish()
     restored = restored_step(j.log())
     assert restored is not None, "the new training process did not restore a checkpoint"
@@ -177,41 +176,41 @@ def test_ps_sigkill(job):
     assert lost <= 300 + 20 * 8 + 200  # checkpoint interval + in-flight + detection lag
     assert summary["restarts"] >= 1 and summary["ps_failures"] >= 1
     assert summary["recoveries"] >= 1
-    record("ps SIGKILL", lost, to_step, summary)
+    record("ps SIGKILL", lost, to_step, to_full_speed(j, baseline, returned), summary)
 
 
 @pytest.mark.timeout(300)
 def test_coordinator_sigkill(job):
-    j = job(6000)
-    j.wait_step(800, 150)
-    step, fault_at = j.step() or 0, time.monotonic()
+    j = job(7000)
+    step, fault_at, baseline = fault(j, 800)
     os.kill(j.pid_of(r"coordinator\.cli train .*--once"), signal.SIGKILL)
-    to_step = first_new_step(j, step, fault_at)
+    to_step = j.sampler.first_new_step(fault_at)
+    # The coordinator is back once a new training process answers with its tasks.
+    returned = j.sampler.wait_serving("ps:0", after=fault_at)
     summary = j.finish()
     restored = restored_step(j.log())
     assert restored is not None
     assert summary["restarts"] >= 1 and summary["coordinator_failures"] >= 1
-    record("coordinator SIGKILL", max(0, step - restored), to_step, summary)
+    lost = max(0, step - restored)
+    record("coordinator SIGKILL", lost, to_step, to_full_speed(j, baseline, returned), summary)
 
 
 @pytest.mark.timeout(480)
 def test_frozen_worker_is_reported_and_left_behind(job):
     j = job(4000, "--stall-timeout", "8")
-    j.wait_step(400, 150)
-    step, fault_at = j.step() or 0, time.monotonic()
+    _, fault_at, _ = fault(j, 400)
     frozen = j.pid_of(r"worker_server\.main .*--index 1")
     os.kill(frozen, signal.SIGSTOP)
     try:
-        # Usually the other worker carries on at once. Sometimes (1 run in 4 here) the freeze
-        # also stalls it until gRPC's keepalive gives up on the frozen peer (~150 s); the
-        # watchdog reports the stall meanwhile, and the job then finishes without it.
-        to_step = first_new_step(j, step, fault_at, timeout=300)
-        summary = j.finish()
+        # The other worker carries on (checkpoints are written off the loop's thread: a save
+        # can wait for the frozen worker, seen up to 150 s, until gRPC gives up on it).
+        to_step = j.sampler.first_new_step(fault_at, timeout=60)
+        summary = j.finish(timeout=400)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(frozen, signal.SIGCONT)
     assert summary["global_step"] >= 4000
-    record("worker SIGSTOP (stays frozen)", 0, to_step, summary)
+    record("worker SIGSTOP (stays frozen)", 0, to_step, None, summary)
 
 
 @pytest.mark.timeout(420)
@@ -240,7 +239,7 @@ def test_coordinator_killed_during_checkpoints(job):
     # during the very first saves leave none: that process starts from step 0).
     assert restores_follow_complete_checkpoints(j.log()) >= 1
     assert "Traceback" not in j.log()
-    record(f"coordinator SIGKILL during {kills} saves", 0, 0.0, summary)
+    record(f"coordinator SIGKILL during {kills} saves", 0, 0.0, None, summary)
 
 
 def restores_follow_complete_checkpoints(log: str) -> int:
@@ -258,13 +257,3 @@ def restores_follow_complete_checkpoints(log: str) -> int:
             expecting = False
     assert not expecting, "the last restart after a complete checkpoint did not restore it"
     return restored
-
-
-def teardown_module() -> None:
-    if RESULTS:
-        print(
-            "\n| scenario | steps lost | s to first new step | eval accuracy | restarts |"
-            " worker failures | ps failures |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        print("\n".join(RESULTS))

@@ -22,9 +22,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -395,3 +396,37 @@ class NetnsLab:
         for name in reversed(self.created):
             _delete_namespace(name)
         self.created.clear()
+
+    def set_link(self, host: str, up: bool) -> None:
+        """Pull (or plug back) the host's cable: its bridge port goes down, so its packets
+        are dropped silently, as on a dead link (no reset, no ICMP)."""
+        port = f"p{list(self.hosts).index(host)}"
+        ip("-n", self.switch, "link", "set", port, "up" if up else "down")
+
+
+@contextlib.contextmanager
+def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterator[NetnsLab]:
+    """A fresh lab for a test (skipped without root); stale labs of killed runs go first.
+
+    The /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each
+    host's /etc/netns/NS/psctl over it."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.fail(
+            "ip is not on PATH: run tools/ensure-systemd-tools.sh (iproute2)", pytrace=False
+        )
+    bin_dir = Path(sys.executable).parent
+    for script in scripts:
+        if not (bin_dir / script).exists():
+            pytest.fail(f"{bin_dir / script} is missing: run make install", pytrace=False)
+    remove_stale_labs()
+    Path("/etc/psctl").mkdir(mode=0o755, exist_ok=True)
+    lab = NetnsLab(hosts)
+    try:
+        lab.create()
+        yield lab
+    finally:
+        lab.destroy()

@@ -38,8 +38,8 @@ from tests.integration.netns_hosts import (
     Service,
     die_with_parent,
     exec_argv,
+    open_lab,
     parse_unit,
-    remove_stale_labs,
     service_env,
     value,
 )
@@ -62,24 +62,8 @@ BASE_ENV = {
 
 @pytest.fixture
 def lab() -> Iterator[NetnsLab]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.fail(
-            "ip is not on PATH: run tools/ensure-systemd-tools.sh (iproute2)", pytrace=False
-        )
-    for script in ("psctl", "ps-server", "worker-server"):
-        if not (BIN_DIR / script).exists():
-            pytest.fail(f"{BIN_DIR / script} is missing: run make install", pytrace=False)
-    remove_stale_labs()
-    # `ip netns exec` bind-mounts /etc/netns/NS/psctl over /etc/psctl: it must exist.
-    Path(CONFIG_DIR).mkdir(mode=0o755, exist_ok=True)
-    hosts = NetnsLab(HOSTS)
-    try:
-        hosts.create()
+    with open_lab(HOSTS, scripts=("psctl", "ps-server", "worker-server")) as hosts:
         yield hosts
-    finally:
-        hosts.destroy()
 
 
 def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
