@@ -40,7 +40,7 @@ integration: install prometheus systemd-tools
 	$(BIN)/pytest -q tests/integration
 
 # Kill and freeze real processes of running jobs; prints the measured table.
-chaos: install
+chaos: install systemd-tools
 	$(BIN)/pytest -q -s tests/chaos
 
 bench: install
