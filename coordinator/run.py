@@ -30,6 +30,7 @@ from coordinator.settings import TrainSettings, resolve_settings
 from coordinator.supervisor import (
     EXIT_RESTART,
     Counters,
+    RestartFromCheckpoint,
     RestartPolicy,
     TrainingSupervisor,
     forward_stop_signals,
@@ -131,6 +132,10 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     server.start()
     try:
         return _train(job, cluster, source, settings, control, metrics, counters)
+    except RestartFromCheckpoint as err:
+        log.error("%s: restarting the training process from the latest checkpoint", err)
+        control.set_state(State.RECOVERING, str(err))
+        return EXIT_RESTART
     except Exception as err:
         if not is_cluster_failure(err):
             control.finish(State.FAILED, one_line(err))

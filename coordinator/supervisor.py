@@ -25,7 +25,14 @@ from cluster.errors import EXIT_FAILURE
 
 log = logging.getLogger(__name__)
 
-EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back)
+EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back, the model went NaN)
+
+
+class RestartFromCheckpoint(Exception):
+    """Raised in the training process when only a fresh one can go on: it exits with
+    EXIT_RESTART, and the supervisor starts a new one that restores the latest checkpoint."""
+
+
 EXIT_INTERRUPTED = 130
 
 
@@ -110,7 +117,7 @@ class TrainingSupervisor:
             if code == EXIT_RESTART:
                 consecutive_crashes = 0
                 delay = 0.5
-                reason = "a ps task failed and is back"
+                reason = "the training process asked for a fresh start"
             else:
                 self.counters.coordinator_failures += 1
                 consecutive_crashes += 1

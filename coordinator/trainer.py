@@ -24,6 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
@@ -33,6 +34,7 @@ from coordinator.job import DataContext, Job
 from coordinator.metric_objects import make_eval_step, metric_factories
 from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
+from coordinator.supervisor import RestartFromCheckpoint
 
 if TYPE_CHECKING:
     from coordinator.metrics import CoordinatorMetrics
@@ -120,6 +122,7 @@ class Trainer:
         self.iterator: Any = None
         self._save_lock = threading.Lock()
         self._saver: threading.Thread | None = None
+        self.save_error: RestartFromCheckpoint | None = None
         partitioner = None
         if settings.max_shards > 1:
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
@@ -333,6 +336,8 @@ class Trainer:
     def _save_logged(self) -> None:
         try:
             self.save()
+        except RestartFromCheckpoint as err:
+            self.save_error = err  # the loop raises it
         except Exception as err:  # the next save or the final one tries again
             log.error("checkpoint failed: %s", err)
 
@@ -342,9 +347,18 @@ class Trainer:
         self.control.set_state(State.CHECKPOINTING)
         started = time.monotonic()
         step = int(self.global_step.numpy())
+        values = [source.numpy() for source, _ in self._mirror_pairs]
+        for (source, _), value in zip(self._mirror_pairs, values, strict=True):
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                # Never write it: with --keep-checkpoints the good ones would be deleted.
+                if previous != State.CHECKPOINTING:
+                    self.control.set_state(previous)
+                raise RestartFromCheckpoint(
+                    f"{source.name} is not finite at global step {step}: checkpoint refused"
+                )
         self.saved_step.assign(step)
-        for source, copy in self._mirror_pairs:
-            copy.assign(source.numpy())
+        for (_, copy), value in zip(self._mirror_pairs, values, strict=True):
+            copy.assign(value)
         path = self.manager.save(checkpoint_number=step)
         seconds = time.monotonic() - started
         log.info("checkpoint %s (%.2fs)", path, seconds)
@@ -738,11 +752,15 @@ class _Loop:
             ):
                 rate = (self.completed - status_step) / (now - last_status)
                 self.last_values = t.read_train_metrics()
+                if self.completed > self.start_step:  # else the window has no step yet
+                    _check_finite(self.last_values, self.completed)
                 t._publish(self.completed, rate, self.last_values)
                 last_status, status_step = now, self.completed
                 if now - last_log >= s.log_every:
                     self.progress.report(self.completed, rate * s.batch_size, self.last_values)
                     last_log = now
+            if t.save_error is not None:
+                raise t.save_error
             if t.manager is not None and self.completed >= next_checkpoint:
                 t.save_in_background()
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
@@ -753,6 +771,15 @@ class _Loop:
 _SCALAR = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 )
+
+
+def _check_finite(values: dict[str, float], step: int) -> None:
+    """A NaN or infinite training loss ruins the model for good (seen: a worker frozen for a
+    minute thawed and landed its stale optimizer update; Adam's second moment went negative).
+    Only a fresh process restoring the last (finite) checkpoint can go on."""
+    loss = values.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        raise RestartFromCheckpoint(f"training loss is {loss} near global step {step}")
 
 
 def _fmt(values: dict[str, float]) -> str:

@@ -43,6 +43,12 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def kill_all(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

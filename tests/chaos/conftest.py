@@ -138,6 +138,14 @@ class Sampler:
         raise AssertionError(f"{task} not SERVING again within {timeout}s")
 
 
+def before_fault(sampler: Sampler, seconds: float = 6.0) -> tuple[int, float, float]:
+    """Let the job train steadily for ``seconds``; returns (global step, time, baseline
+    steps/s over those seconds) just before the fault."""
+    time.sleep(seconds)
+    now = time.monotonic()
+    return sampler.step() or 0, now, sampler.rate_before(now, seconds)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if ROWS:

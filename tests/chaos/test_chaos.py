@@ -22,7 +22,7 @@ import pytest
 
 from cluster.ports import free_ports
 from tests.chaos import status_feed
-from tests.chaos.conftest import Sampler, full_speed_after, record
+from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
 
 pytestmark = pytest.mark.chaos
@@ -135,9 +135,7 @@ def fault(j: Job, at_step: int) -> tuple[int, float, float]:
     """Wait for ``at_step`` and a few seconds of steady training: (step, time, baseline
     steps/s) just before the fault."""
     j.wait_step(at_step, 150)
-    time.sleep(6)
-    now = time.monotonic()
-    return j.sampler.step() or 0, now, j.sampler.rate_before(now, seconds=6)
+    return before_fault(j.sampler)
 
 
 def to_full_speed(j: Job, baseline: float, returned: float | None) -> float | None:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.conftest import Sampler, full_speed_after, record
-from tests.conftest import child_env
+from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
+from tests.conftest import child_env, cpu_seconds
 from tests.integration.netns_hosts import (
     NetnsLab,
     NotifySocket,
@@ -47,11 +47,6 @@ CONTROL = "127.0.0.1:7070"  # on the coordinator's host
 BIN_DIR = Path(sys.executable).parent
 # As the rendered units say: Restart=on-failure, RestartPreventExitStatus=78.
 POLICY = RestartPolicy(restart="on-failure", delay=1.0, prevent=frozenset({78}))
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class NetnsJob:
@@ -165,6 +160,14 @@ class NetnsJob:
             time.sleep(0.2)
         raise AssertionError(f"step {at_least} not reached in {timeout}s:\n{self.log()[-3000:]}")
 
+    def train_steadily(self, at_step: int, *extra: str) -> tuple[int, float, float]:
+        """Start a long job (the test stops it), wait for ``at_step`` and a steady rate:
+        (global step, time, baseline steps/s) just before the fault."""
+        self.start_training(10**6, *extra)
+        self.wait_step(at_step, 150)
+        assert self.sampler is not None
+        return before_fault(self.sampler)
+
     def finish(self, timeout: float = 200) -> dict:
         assert self.coordinator is not None
         try:
@@ -212,15 +215,11 @@ def netns_job(tmp_path: Path) -> Iterator[NetnsJob]:
 @pytest.mark.timeout(420)
 def test_worker_frozen_for_60s_then_thawed(netns_job: NetnsJob):
     job = netns_job
-    job.start_training(10**6, "--stall-timeout", "8")
-    job.wait_step(300, 150)
+    _, fault_at, baseline = job.train_steadily(300, "--stall-timeout", "8")
     assert job.sampler is not None
-    time.sleep(6)  # a baseline rate
     victim = job.services["worker:1"].proc
     other = job.services["worker:0"].proc
     assert victim is not None and other is not None
-    fault_at = time.monotonic()
-    baseline = job.sampler.rate_before(fault_at)
     os.kill(victim.pid, signal.SIGSTOP)
     try:
         to_step = job.sampler.first_new_step(fault_at, timeout=120)
@@ -249,13 +248,8 @@ def test_worker_frozen_for_60s_then_thawed(netns_job: NetnsJob):
 @pytest.mark.timeout(420)
 def test_ps_link_down_for_10s(netns_job: NetnsJob):
     job = netns_job
-    job.start_training(10**6, "--stall-timeout", "5")
-    job.wait_step(600, 150)
+    step, fault_at, baseline = job.train_steadily(600, "--stall-timeout", "5")
     assert job.sampler is not None
-    time.sleep(6)
-    step = job.sampler.step() or 0
-    fault_at = time.monotonic()
-    baseline = job.sampler.rate_before(fault_at)
     job.lab.set_link("ps0", up=False)
     try:
         time.sleep(10)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cpu_seconds
 from tests.integration.netns_hosts import (
     NetnsLab,
     NotifySocket,
@@ -100,11 +101,6 @@ def psctl(lab: NetnsLab, *args: str) -> str:
     proc = run(lab.exec("coord", [str(BIN_DIR / "psctl"), *args]), timeout=30)
     assert proc.returncode == 0, f"psctl {' '.join(args)}: {proc.stdout}{proc.stderr}"
     return proc.stdout
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.timeout(300)
