@@ -21,6 +21,12 @@ DEFAULT_METRICS_PORT = 9400
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
     ("--steps", int, "train until this global step (default 1500)"),
+    (
+        "--epochs",
+        int,
+        "instead of --steps: every example exactly N times, through the tf.data service "
+        "(dynamic sharding over the workers)",
+    ),
     ("--batch-size", int, "examples per step per worker (default 64)"),
     ("--steps-per-execution", int, "steps packed into one scheduled function (default 20)"),
     ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),

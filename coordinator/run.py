@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster import ports
+from cluster.dataservice import dispatcher_address, require_dispatcher
 from cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from cluster.spec import (
     ClusterConfig,
@@ -95,6 +96,11 @@ class Unreachable(Exception):
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     cluster, source = resolve_chief_cluster(args.cluster)
     settings = resolve_settings(flags=flags, config_file=args.config)
+    dispatcher = None
+    if settings.epochs:
+        dispatcher = require_dispatcher(
+            dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
+        )
     if not args.once:
         return supervise_train(args)
     chief = require_chief(cluster, source=source)
@@ -130,7 +136,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     server = ControlServer(control, args.control_address)
     server.start()
     try:
-        return _train(job, cluster, source, settings, control, metrics, counters)
+        return _train(job, cluster, source, settings, control, metrics, counters, dispatcher)
     except Exception as err:
         if not is_cluster_failure(err):
             control.finish(State.FAILED, one_line(err))
@@ -236,6 +242,7 @@ def _train(
     control: JobControl,
     metrics: CoordinatorMetrics | None,
     counters: Counters,
+    dispatcher: str | None = None,
 ) -> int:
     from coordinator.trainer import Trainer, install_stop_signals, print_summary, write_summary
 
@@ -250,7 +257,14 @@ def _train(
         settings.batch_size,
         settings.steps_per_execution,
     )
-    trainer = Trainer(job=job, cluster=cluster, settings=settings, control=control, metrics=metrics)
+    trainer = Trainer(
+        job=job,
+        cluster=cluster,
+        settings=settings,
+        control=control,
+        metrics=metrics,
+        data_dispatcher=dispatcher,
+    )
     # Never collected before the process exits: destroying its per-worker resources sends
     # ops to every worker and waits on a frozen one (seen). The process ends by os._exit.
     _KEEP_ALIVE.append(trainer)

@@ -111,8 +111,10 @@ class Trainer:
         settings: TrainSettings,
         control: JobControl,
         metrics: CoordinatorMetrics | None = None,
+        data_dispatcher: str | None = None,  # the tf.data service's, for --epochs
     ) -> None:
         self.job = job
+        self.data_dispatcher = data_dispatcher
         self.cluster = cluster
         self.settings = settings
         self.control = control
@@ -233,14 +235,14 @@ class Trainer:
         log.info("restored %s (global step %d) in %.2fs", path, step, time.monotonic() - started)
         return step
 
-    def _make_train_fn(self) -> Any:
+    def _make_replica_step(self) -> Any:
+        """One training step on one batch, run under ``strategy.run`` on a worker."""
         model, optimizer, loss_fn = self.model, self.optimizer, self.job.loss_fn
         mean_sums, mean_metrics, other_metrics = (
             self.mean_sums,
             self.mean_metrics,
             self.other_metrics,
         )
-        global_step, strategy = self.global_step, self.strategy
 
         def row(values: tf.Tensor) -> tf.Tensor:
             values = tf.cast(values, tf.float64)
@@ -259,6 +261,12 @@ class Trainer:
             mean_sums.assign_add(tf.stack(rows))
             for metric in other_metrics:
                 metric.update_state(y, predictions)
+
+        return replica_step
+
+    def _make_train_fn(self) -> Any:
+        replica_step = self._make_replica_step()
+        global_step, strategy = self.global_step, self.strategy
 
         @tf.function
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
@@ -380,16 +388,21 @@ class Trainer:
         s, control = self.settings, self.control
         wall_started = time.monotonic()
         start_step = self.restore()
-        target = s.steps
+        if s.epochs:
+            from coordinator.epochs import EpochLoop
+
+            loop: _Loop = EpochLoop(self, start_step)
+        else:
+            loop = _Loop(self, start_step)
+        target = loop.target
         if start_step >= target:
             log.info(
                 "global step %d already reaches --steps %d: nothing to train", start_step, target
             )
-        loop = _Loop(self, start_step)
         control.update(global_step=start_step)
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)
-            self.metrics.set_target_steps(target)
+            self.metrics.set_target_steps(target if not s.epochs else 0)
             self.metrics.set_steps_per_execution(s.steps_per_execution)
         if start_step < target and not control.stop_requested.is_set():
             control.set_state(State.RUNNING)
@@ -427,7 +440,7 @@ class Trainer:
             job=self.job.name,
             global_step=final_step,
             start_step=start_step,
-            target_steps=target,
+            target_steps=target if not s.epochs else final_step,
             loss=values.get("loss"),
             accuracy=values.get("accuracy"),
             eval_accuracy=eval_values.get("accuracy"),
@@ -441,7 +454,7 @@ class Trainer:
             batch_size=s.batch_size,
             steps_per_execution=s.steps_per_execution,
             checkpoint=checkpoint,
-            stopped_early=final_step < target,
+            stopped_early=loop.stopped_early(final_step),
             stalls=loop.stalls,
             metrics=extra,
             eval_metrics=eval_values,
@@ -561,6 +574,7 @@ class _Loop:
         self.stalls = 0
         self.abandoned = 0  # calls given up by the stall watchdog
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
+        self.target = s.steps
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
         self.last_values: dict[str, float] = {}
         self.started = time.monotonic()
@@ -569,9 +583,26 @@ class _Loop:
     def train_seconds(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    # Hooks a loop over other data (coordinator/epochs.py) overrides.
+    def _make_fn(self) -> Any:
+        return self.t._make_train_fn()
+
+    def _make_iterator(self) -> Any:
+        return self.t._per_worker_iterator()
+
+    def _wants_more(self, target: int) -> bool:
+        return self.scheduled < target
+
+    def _result(self, entry: _InFlight, value: Any) -> tuple[int, float]:
+        """(steps run, seconds) from a finished call's value."""
+        return entry.steps, float(value)
+
+    def stopped_early(self, final_step: int) -> bool:
+        return final_step < self.target
+
     def _retire(self, entry: _InFlight) -> None:
         try:
-            seconds = float(entry.remote.fetch())  # done: returns at once, or raises
+            value = entry.remote.fetch()  # done: returns at once, or raises
         except (tf.errors.UnavailableError, tf.errors.AbortedError) as err:
             if not _only_workers_failed(err):
                 raise  # a ps: recovery needs a new coordinator
@@ -583,7 +614,8 @@ class _Loop:
             )
             self.scheduled -= entry.steps
             return
-        self.completed += entry.steps
+        steps, seconds = self._result(entry, value)
+        self.completed += steps
         self.last_progress = time.monotonic()
         if self.stalled:
             self.stalled = False
@@ -592,7 +624,7 @@ class _Loop:
             if self.t.metrics is not None:
                 self.t.metrics.set_stalled(False)
         if self.t.metrics is not None:
-            self.t.metrics.observe_call(steps=entry.steps, seconds=seconds)
+            self.t.metrics.observe_call(steps=steps, seconds=seconds)
 
     def _retire_done(self) -> int:
         done = [entry for entry in self.in_flight if _is_done(entry.remote)]
@@ -670,17 +702,17 @@ class _Loop:
 
     def run(self, target: int) -> None:
         t, s, control = self.t, self.t.settings, self.t.control
-        train_fn = t._make_train_fn()
+        train_fn = self._make_fn()
         # Kept on the trainer, never collected: destroying per-worker iterators sends ops
         # to every worker, and one to a restarted worker can hold up all later eager work
         # (seen: the final evaluation hung after a worker and a ps restarted).
-        t.iterator = iterator = t._per_worker_iterator()
+        t.iterator = iterator = self._make_iterator()
         full = tf.constant(s.steps_per_execution, tf.int64)
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
         status_step = self.start_step
         state = State.RUNNING
-        while self.scheduled < target and not control.stop_requested.is_set():
+        while self._wants_more(target) and not control.stop_requested.is_set():
             if control.pause_requested:
                 self.drain()  # in-flight steps finish; nothing new is scheduled
                 if state != State.PAUSED:
@@ -721,7 +753,7 @@ class _Loop:
             if t.manager is not None and self.completed >= next_checkpoint:
                 t.save()
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
-        if self.scheduled >= target or control.stop_requested.is_set():
+        if not self._wants_more(target) or control.stop_requested.is_set():
             self.drain()
 
 

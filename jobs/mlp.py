@@ -90,14 +90,14 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
     if ctx.train_data:
         return data.train_dataset(ctx, label_dtype=tf.int64)
     x, y, _, _ = make_data()
-    return (
+    dataset = (
         tf.data.Dataset.from_tensor_slices((x, y))
         .shard(ctx.num_workers, ctx.worker_index)
         .shuffle(8192, seed=ctx.seed)
-        .repeat()
-        .batch(ctx.batch_size, drop_remainder=True)
-        .prefetch(tf.data.AUTOTUNE)
     )
+    if ctx.one_pass:  # --epochs: psctl repeats it through the tf.data service
+        return dataset.batch(ctx.batch_size).prefetch(tf.data.AUTOTUNE)
+    return dataset.repeat().batch(ctx.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
 def eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset:
