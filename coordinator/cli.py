@@ -32,7 +32,12 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
     ("--checkpoint-every", int, "steps between checkpoints (default 500)"),
     ("--keep-checkpoints", int, "checkpoints kept (default 3)"),
-    ("--eval-batch-size", int, "batch size of the final evaluation (default 1024)"),
+    ("--eval-batch-size", int, "batch size of evaluations (default 1024)"),
+    (
+        "--eval-every",
+        int,
+        "also evaluate every N steps, on the workers, over the whole eval set once",
+    ),
     ("--seed", int, "seed given to dataset functions (default 42)"),
     ("--log-every", float, "seconds between progress lines (default 5)"),
     ("--max-shards", int, "partition each large variable into up to N shards over the ps"),

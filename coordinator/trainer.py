@@ -35,6 +35,7 @@ from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
 
 if TYPE_CHECKING:
+    from coordinator.inline_eval import InlineEval
     from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,12 @@ def _resolver(cluster: ClusterConfig) -> Any:
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.as_dict()), task_type="chief", task_id=0, rpc_layer="grpc"
     )
+
+
+def sum_count(values: tf.Tensor) -> tf.Tensor:
+    """[sum, count] of a tensor's values, float64: a row of a mean metric's state."""
+    values = tf.cast(values, tf.float64)
+    return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
 
 
 def _scalar(value: Any) -> float:
@@ -244,10 +251,6 @@ class Trainer:
             self.other_metrics,
         )
 
-        def row(values: tf.Tensor) -> tf.Tensor:
-            values = tf.cast(values, tf.float64)
-            return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
-
         def replica_step(batch: Any) -> None:
             x, y = batch[0], batch[1]
             with tf.GradientTape() as tape:
@@ -257,7 +260,8 @@ class Trainer:
                     loss += tf.add_n(model.losses)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            rows = [row(loss)] + [row(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+            rows = [sum_count(loss)]
+            rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
             mean_sums.assign_add(tf.stack(rows))
             for metric in other_metrics:
                 metric.update_state(y, predictions)
@@ -414,6 +418,8 @@ class Trainer:
             log.warning("finishing without %d call(s) stuck on a frozen task", loop.abandoned)
         else:
             self.coordinator.join()
+        if loop.evals is not None:
+            loop.evals.poll()  # an inline evaluation that finished with the last steps
         train_seconds = loop.train_seconds()
         final_step = int(self.global_step.numpy())
         trained = final_step - start_step
@@ -431,10 +437,7 @@ class Trainer:
         else:
             eval_values = self.evaluate()
         if eval_values:
-            control.update(eval_metrics=eval_values, eval_step=final_step)
-            if self.metrics is not None:
-                self.metrics.set_eval_values(eval_values, step=final_step)
-            self._summarize("eval", final_step, eval_values)
+            self.report_eval(eval_values, step=final_step)
         extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
         return Summary(
             job=self.job.name,
@@ -459,6 +462,13 @@ class Trainer:
             metrics=extra,
             eval_metrics=eval_values,
         )
+
+    def report_eval(self, values: dict[str, float], *, step: int) -> None:
+        """Evaluation results to status, Prometheus and TensorBoard."""
+        self.control.update(eval_metrics=values, eval_step=step)
+        if self.metrics is not None:
+            self.metrics.set_eval_values(values, step=step)
+        self._summarize("eval", step, values)
 
     def evaluate_elsewhere(self, checkpoint: str) -> dict[str, float]:
         """Evaluate the final checkpoint in a fresh process (`psctl evaluate`).
@@ -576,6 +586,11 @@ class _Loop:
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
         self.target = s.steps
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
+        self.evals: InlineEval | None = None
+        if s.eval_every:
+            from coordinator.inline_eval import InlineEval
+
+            self.evals = InlineEval(trainer, every=s.eval_every, start_step=start_step)
         self.last_values: dict[str, float] = {}
         self.started = time.monotonic()
         self.ended: float | None = None
@@ -753,6 +768,8 @@ class _Loop:
             if t.manager is not None and self.completed >= next_checkpoint:
                 t.save()
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
+            if self.evals is not None:
+                self.evals.tick(self.completed)
         if not self._wants_more(target) or control.stop_requested.is_set():
             self.drain()
 

@@ -1,5 +1,6 @@
 """``--epochs``: every example exactly once per epoch through the tf.data service, on real
-clusters (psctl local), proven by the visitation job's per-id counter on the ps."""
+clusters (psctl local), proven by the visitation job's per-id counter on the ps; and
+``--eval-every``: every eval example once per distributed evaluation."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def checkpoint_tensor(directory: Path, suffix: str) -> list[float]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("workers", "epochs"), [(2, 2), (3, 1)])
-def test_every_id_exactly_once_per_epoch(workdir, run_cli, workers, epochs):
+def test_every_id_exactly_once_per_epoch_and_per_eval(workdir, run_cli, workers, epochs):
     out = workdir / "summary.json"
     argv = psctl_argv(
         "local",
@@ -57,6 +58,10 @@ def test_every_id_exactly_once_per_epoch(workdir, run_cli, workers, epochs):
         "8",  # 1001 ids: every worker's last batch of an epoch is partial
         "--steps-per-execution",
         "7",
+        "--eval-every",
+        "60",
+        "--eval-batch-size",
+        "50",
         "--summary-json",
         str(out),
     )
@@ -71,4 +76,11 @@ def test_every_id_exactly_once_per_epoch(workdir, run_cli, workers, epochs):
     for index in range(workers):
         assert f"worker {index}: end of the data" in proc.stderr
     assert f"{epochs * 1001} examples" in proc.stderr
+    # Inline evaluations: S shards on the workers, every eval id once each time (the mean
+    # of id / 1001 over all ids is 0.4995; a repeated or missing id changes the count).
+    evals = [line for line in proc.stderr.splitlines() if "shards on the workers" in line]
+    assert evals, proc.stderr[-3000:]
+    for line in evals:
+        assert "| 1001 examples in" in line and f"({workers} shards" in line, line
+        assert "label_mean: 0.4995" in line, line
     assert processes_mentioning(str(workdir)) == []
