@@ -105,15 +105,19 @@ class EpochLoop(_Loop):
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )
         start_dispatcher(self.address)
-        # One service job per training process; a new coordinator starts a new job.
-        self.job_name = f"psctl-epochs-{uuid.uuid4().hex[:12]}"
+        self.failures_seen = trainer.control.failure_counts().get("worker", 0)
+        self.makeup_passes = 0
+        self._old_iterators: list[Any] = []  # never collected (see _Loop.run)
 
     def _make_fn(self) -> Any:
         return make_epoch_train_fn(self.t)
 
-    def _make_iterator(self) -> Any:
-        t, epochs, ctx = self.t, self.t.settings.epochs, self.context
-        service, job_name, dataset_fn = f"grpc://{self.address}", self.job_name, t.job.dataset_fn
+    def _make_iterator(self, passes: int = 0) -> Any:
+        t, ctx, dataset_fn = self.t, self.context, self.t.job.dataset_fn
+        epochs = passes or t.settings.epochs
+        # One service job per iterator; a new coordinator starts new jobs too.
+        job_name = f"psctl-epochs-{uuid.uuid4().hex[:12]}"
+        service = f"grpc://{self.address}"
 
         def per_worker_dataset_fn() -> Any:
             def make(_: Any) -> Any:
@@ -129,11 +133,38 @@ class EpochLoop(_Loop):
 
             return t.strategy.distribute_datasets_from_function(make)
 
-        log.info("%d epoch(s) through the tf.data service (%s, job %s)", epochs, service, job_name)
+        log.info("%d pass(es) through the tf.data service (%s, job %s)", epochs, service, job_name)
         return iter(t.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
     def _wants_more(self, target: int) -> bool:
-        return len(self.finished_workers) < self.t.num_workers
+        if len(self.finished_workers) < self.t.num_workers:
+            return True
+        return self._start_makeup_passes()
+
+    def _start_makeup_passes(self) -> bool:
+        """At-least-once: a worker that failed lost the batches it held, so every worker
+        failure seen (health checks) since the passes started earns one more full pass."""
+        failures = self.t.control.failure_counts().get("worker", 0)
+        if failures <= self.failures_seen:
+            return False
+        passes = failures - self.failures_seen
+        self.failures_seen = failures
+        self.makeup_passes += passes
+        log.warning(
+            "%d worker failure(s) during the epochs: the batches they held are lost; "
+            "training %d make-up pass(es) so that every example is trained at least %d times",
+            passes,
+            passes,
+            self.t.settings.epochs,
+        )
+        # Calls still in flight read the old iterator: let them end first, so that their
+        # end-of-data reports don't count for the new one.
+        self.drain()
+        self.ended = None
+        self._old_iterators.append(self.t.iterator)
+        self.t.iterator = self._make_iterator(passes)
+        self.finished_workers = set()
+        return True
 
     def _result(self, entry: _InFlight, value: Any) -> tuple[int, float]:
         steps, examples, worker, micros = (int(v) for v in value)

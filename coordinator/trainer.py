@@ -721,7 +721,7 @@ class _Loop:
         # Kept on the trainer, never collected: destroying per-worker iterators sends ops
         # to every worker, and one to a restarted worker can hold up all later eager work
         # (seen: the final evaluation hung after a worker and a ps restarted).
-        t.iterator = iterator = self._make_iterator()
+        t.iterator = self._make_iterator()
         full = tf.constant(s.steps_per_execution, tf.int64)
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
@@ -747,7 +747,8 @@ class _Loop:
             t._serve_checkpoint_requests()
             k = min(s.steps_per_execution, target - self.scheduled)
             num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
-            remote = t.coordinator.schedule(train_fn, args=(iterator, num))
+            # t.iterator: --epochs may start a new one (make-up passes, coordinator/epochs.py)
+            remote = t.coordinator.schedule(train_fn, args=(t.iterator, num))
             self.in_flight.append(_InFlight(remote, k, time.monotonic()))
             self.scheduled += k
             self._wait(room_for=self.max_in_flight)
@@ -770,8 +771,7 @@ class _Loop:
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
             if self.evals is not None:
                 self.evals.tick(self.completed)
-        if not self._wants_more(target) or control.stop_requested.is_set():
-            self.drain()
+        self.drain()  # the loop ends when all is scheduled or a stop was requested
 
 
 _SCALAR = summary_pb2.SummaryMetadata(
