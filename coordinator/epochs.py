@@ -129,6 +129,7 @@ class EpochLoop(_Loop):
                             processing_mode="distributed_epoch", service=service, job_name=job_name
                         )
                     )
+                    .prefetch(tf.data.AUTOTUNE)
                 )
 
             return t.strategy.distribute_datasets_from_function(make)
