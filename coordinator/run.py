@@ -248,12 +248,12 @@ def _train(
 
     install_stop_signals(control)
     log.info(
-        "job %s on %d ps + %d workers (%s), %d steps, batch %d/worker, %d steps/call",
+        "job %s on %d ps + %d workers (%s), %s, batch %d/worker, %d steps/call",
         settings.job,
         cluster.num_ps,
         cluster.num_workers,
         source,
-        settings.steps,
+        f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
         settings.batch_size,
         settings.steps_per_execution,
     )
