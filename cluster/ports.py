@@ -12,6 +12,7 @@ from cluster.errors import ConfigError
 # `psctl health --cluster FILE` can find every health service from the cluster file alone.
 HEALTH_PORT_OFFSET = 1000
 METRICS_PORT_OFFSET = 2000
+DATA_PORT_OFFSET = 3000  # a worker server's tf.data service worker (--epochs)
 
 
 def side_port(tf_port: int, offset: int, *, field: str) -> int:

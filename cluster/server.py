@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from types import FrameType
 
 from cluster import ports, sdnotify
+from cluster.dataservice import dispatcher_address, start_data_worker
 from cluster.errors import EXIT_FAILURE, ConfigError
 from cluster.logs import configure_logging, quiet_tensorflow
-from cluster.spec import TaskConfig, resolve_task
+from cluster.spec import TaskConfig, resolve_task, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class ServerOptions:
     metrics_port: int  # 0: no /metrics
     shutdown_grace: float
     inter_op_threads: int
+    data_dispatcher: str | None = None  # worker only: host a tf.data service worker
+    data_port: int = 0
 
 
 def build_parser(task_type: str) -> argparse.ArgumentParser:
@@ -67,6 +70,18 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
         help="TF inter-op threads (default: max(workers + 2, CPUs); fewer than workers + 1 "
         "can hang the cluster)",
     )
+    if task_type == "worker":
+        parser.add_argument(
+            "--data-dispatcher",
+            metavar="HOST:PORT",
+            help="tf.data service dispatcher (psctl train --epochs): host a data worker for it "
+            "(default: $PSCTL_DATA_DISPATCHER, else the cluster file's data_service.dispatcher)",
+        )
+        parser.add_argument(
+            "--data-port",
+            type=int,
+            help=f"the data worker's port (default TF port + {ports.DATA_PORT_OFFSET})",
+        )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, TF logs")
     return parser
 
@@ -126,8 +141,20 @@ def resolve_options(
             f"{threads} is fewer than workers + 1 = {task.cluster.num_workers + 1}",
             "raise it (TensorFlow's PS cluster can hang with fewer)",
         )
+    dispatcher = dispatcher_address(
+        flag=getattr(args, "data_dispatcher", None), cluster_file=args.cluster, environ=environ
+    )
+    data_port = 0
+    if task_type == "worker" and dispatcher:
+        data_port = _port_setting(args.data_port, environ, "PSCTL_DATA_PORT", "--data-port") or 0
+        if not data_port:
+            data_port = ports.side_port(task.port, ports.DATA_PORT_OFFSET, field="--data-port")
+        if data_port in (task.port, health, metrics):
+            raise ConfigError("--data-port", f"{data_port} is taken by another port", "change it")
     return ServerOptions(
         task=task,
+        data_dispatcher=dispatcher if data_port else None,
+        data_port=data_port,
         bind_host=args.bind_host or environ.get("PSCTL_BIND_HOST") or "0.0.0.0",
         health_port=health,
         metrics_port=metrics,
@@ -174,6 +201,8 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     ports.check_port_free(opts.health_port, host=opts.bind_host, field="--health-port")
     if opts.metrics_port:
         ports.check_port_free(opts.metrics_port, host=opts.bind_host, field="--metrics-port")
+    if opts.data_dispatcher:
+        ports.check_port_free(opts.data_port, field="--data-port")
 
     health = HealthService(host=opts.bind_host, port=opts.health_port)
     registry = CollectorRegistry()
@@ -187,6 +216,15 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     server = _start_tf_server(opts)
     if stop.event.is_set():
         return 0
+    if opts.data_dispatcher:
+        host, _ = split_host_port(task.address, field="task address")
+        host = f"[{host}]" if ":" in host else host
+        start_data_worker(
+            dispatcher=opts.data_dispatcher,
+            worker_address=f"{host}:{opts.data_port}",
+            worker_port=opts.data_port,
+        )
+        log.info("%s data worker :%d, dispatcher %s", name, opts.data_port, opts.data_dispatcher)
     health.set_serving(True)
     metrics.health.state("serving")
     log.info(

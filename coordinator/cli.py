@@ -21,12 +21,23 @@ DEFAULT_METRICS_PORT = 9400
 TRAIN_FLAGS: list[tuple[str, type, str]] = [
     ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
     ("--steps", int, "train until this global step (default 1500)"),
+    (
+        "--epochs",
+        int,
+        "instead of --steps: every example exactly N times, through the tf.data service "
+        "(dynamic sharding over the workers)",
+    ),
     ("--batch-size", int, "examples per step per worker (default 64)"),
     ("--steps-per-execution", int, "steps packed into one scheduled function (default 20)"),
     ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
     ("--checkpoint-every", int, "steps between checkpoints (default 500)"),
     ("--keep-checkpoints", int, "checkpoints kept (default 3)"),
-    ("--eval-batch-size", int, "batch size of the final evaluation (default 1024)"),
+    ("--eval-batch-size", int, "batch size of evaluations (default 1024)"),
+    (
+        "--eval-every",
+        int,
+        "also evaluate every N steps, on the workers, over the whole eval set once",
+    ),
     ("--seed", int, "seed given to dataset functions (default 42)"),
     ("--log-every", float, "seconds between progress lines (default 5)"),
     ("--max-shards", int, "partition each large variable into up to N shards over the ps"),

@@ -586,8 +586,8 @@ def make_dataset(
     """Batches of ``(x, y)``: x float32 ``[batch, num_features]``, y ``[batch]`` of
     ``label_dtype`` (default float32; int64 for class ids).
 
-    ``training``: shuffle, repeat forever, full batches only. Otherwise every record of
-    this worker's part once, in order.
+    ``training``: shuffle, repeat forever, full batches only (with ``ctx.one_pass``: shuffle,
+    every record once). Otherwise every record of this worker's part once, in order.
     """
     info = inspect_files(pattern, label_column=ctx.label_column, field=field)
     label_dtype = tf.float32 if label_dtype is None else tf.as_dtype(label_dtype)
@@ -617,9 +617,13 @@ def make_dataset(
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=not training,  # evaluation: in file order
         )
+    # ctx.one_pass (--epochs): one pass with the last partial batch; psctl repeats it.
+    endless = training and not ctx.one_pass
     if training:
-        records = records.shuffle(shuffle_buffer, seed=ctx.seed).repeat()
-    batches = records.batch(ctx.batch_size, drop_remainder=training)
+        records = records.shuffle(shuffle_buffer, seed=ctx.seed)
+    if endless:
+        records = records.repeat()
+    batches = records.batch(ctx.batch_size, drop_remainder=endless)
     parse = _csv_parser(info, label_dtype) if info.format == "csv" else _tfrecord_parser(info)
     return batches.map(
         lambda batch: _cast_label(parse(batch), label_dtype),

@@ -47,6 +47,10 @@ class DataContext:
     train_data: str = ""
     eval_data: str = ""
     label_column: str = "label"
+    # --epochs: return ONE pass over the data (finite: no repeat; keep the last partial
+    # batch; no sharding, the context says worker 0 of 1). psctl repeats it and the tf.data
+    # service hands its pieces to the workers, so every example is read once per epoch.
+    one_pass: bool = False
 
 
 @dataclass(frozen=True)

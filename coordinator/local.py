@@ -27,6 +27,7 @@ from typing import Any
 from cluster import health, ports
 from cluster.errors import EXIT_FAILURE, ConfigError
 from cluster.spec import ClusterConfig, format_table, split_host_port
+from coordinator.settings import resolve_settings
 from coordinator.supervisor import (
     Counters,
     RestartBudget,
@@ -132,7 +133,15 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], *, timeout: float = STO
 class LocalCluster:
     """ps and worker server processes on loopback, plus the chief's address for a coordinator."""
 
-    def __init__(self, *, num_ps: int, num_workers: int, workdir: Path, verbose: bool = False):
+    def __init__(
+        self,
+        *,
+        num_ps: int,
+        num_workers: int,
+        workdir: Path,
+        verbose: bool = False,
+        data_service: bool = False,
+    ):
         if num_ps < 1:
             raise ConfigError("--ps", f"got {num_ps}", "run at least 1 ps server")
         if num_workers < 1:
@@ -151,6 +160,14 @@ class LocalCluster:
             }
         )
         self._side_ports = iter(side)
+        # --epochs: the coordinator's tf.data service dispatcher, and a data worker port
+        # for each worker server (cluster.json's data_service, read by both).
+        self.dispatcher: str | None = None
+        self._data_ports: dict[int, int] = {}
+        if data_service:
+            extra = ports.free_ports(1 + num_workers)
+            self.dispatcher = f"127.0.0.1:{extra[0]}"
+            self._data_ports = dict(enumerate(extra[1:]))
         self.cluster_file = workdir / "cluster.json"
         self.tasks_file = workdir / "tasks.json"
         self.targets_file = workdir / "targets.json"
@@ -172,7 +189,9 @@ class LocalCluster:
         health: dict[str, list[str]] = {}
         for task_type, _, _, health_port, _ in plan:
             health.setdefault(task_type, []).append(f"127.0.0.1:{health_port}")
-        body = {"cluster": self.cluster.as_dict(), "health": health}
+        body: dict[str, Any] = {"cluster": self.cluster.as_dict(), "health": health}
+        if self.dispatcher:
+            body["data_service"] = {"dispatcher": self.dispatcher}
         self.cluster_file.write_text(json.dumps(body, indent=2))
         for task_type, index, address, health_port, metrics_port in plan:
             self.servers.append(
@@ -199,6 +218,8 @@ class LocalCluster:
             "--bind-host",
             "127.0.0.1",
         ] + (["--verbose"] if self.verbose else [])
+        if task_type == "worker" and index in self._data_ports:
+            argv += ["--data-port", str(self._data_ports[index])]
         proc = spawn(argv, log_path=log_path, nice=SERVER_NICE)
         return ServerProcess(task_type, index, address, health_port, metrics_port, log_path, proc)
 
@@ -352,8 +373,13 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     else:  # fail before starting any server
         ports.check_port_free(port, host=host, field="--control-address")
     args.control_address = f"{host}:{port}"
+    settings = resolve_settings(flags=flags, config_file=args.config)  # bad input: fail now
     local = LocalCluster(
-        num_ps=args.ps, num_workers=args.workers, workdir=workdir, verbose=args.verbose
+        num_ps=args.ps,
+        num_workers=args.workers,
+        workdir=workdir,
+        verbose=args.verbose,
+        data_service=settings.epochs > 0,
     )
     log.info("work dir %s", workdir)
     # A signal before the coordinator starts must still stop the servers: raise into `finally`.

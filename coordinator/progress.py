@@ -6,7 +6,8 @@ from typing import TextIO
 
 
 def format_line(step: int, total: int, examples_per_sec: float, values: dict[str, float]) -> str:
-    parts = [f"train | step: {step:6d}/{total}"]
+    # total 0: not known in advance (--epochs)
+    parts = [f"train | step: {step:6d}/{total}" if total else f"train | step: {step:6d}"]
     parts += [f"{name}: {value:.4f}" for name, value in values.items()]
     parts.append(f"{examples_per_sec:7.0f} ex/s")
     return " | ".join(parts)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster import ports
+from cluster.dataservice import dispatcher_address, require_dispatcher
 from cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from cluster.spec import (
     ClusterConfig,
@@ -96,6 +97,11 @@ class Unreachable(Exception):
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     cluster, source = resolve_chief_cluster(args.cluster)
     settings = resolve_settings(flags=flags, config_file=args.config)
+    dispatcher = None
+    if settings.epochs:
+        dispatcher = require_dispatcher(
+            dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
+        )
     if not args.once:
         return supervise_train(args)
     chief = require_chief(cluster, source=source)
@@ -131,7 +137,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     server = ControlServer(control, args.control_address)
     server.start()
     try:
-        return _train(job, cluster, source, settings, control, metrics, counters)
+        return _train(job, cluster, source, settings, control, metrics, counters, dispatcher)
     except RestartFromCheckpoint as err:
         log.error("%s: restarting the training process from the latest checkpoint", err)
         control.set_state(State.RECOVERING, str(err))
@@ -241,21 +247,29 @@ def _train(
     control: JobControl,
     metrics: CoordinatorMetrics | None,
     counters: Counters,
+    dispatcher: str | None = None,
 ) -> int:
     from coordinator.trainer import Trainer, install_stop_signals, print_summary, write_summary
 
     install_stop_signals(control)
     log.info(
-        "job %s on %d ps + %d workers (%s), %d steps, batch %d/worker, %d steps/call",
+        "job %s on %d ps + %d workers (%s), %s, batch %d/worker, %d steps/call",
         settings.job,
         cluster.num_ps,
         cluster.num_workers,
         source,
-        settings.steps,
+        f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
         settings.batch_size,
         settings.steps_per_execution,
     )
-    trainer = Trainer(job=job, cluster=cluster, settings=settings, control=control, metrics=metrics)
+    trainer = Trainer(
+        job=job,
+        cluster=cluster,
+        settings=settings,
+        control=control,
+        metrics=metrics,
+        data_dispatcher=dispatcher,
+    )
     # Never collected before the process exits: destroying its per-worker resources sends
     # ops to every worker and waits on a frozen one (seen). The process ends by os._exit.
     _KEEP_ALIVE.append(trainer)

@@ -42,6 +42,8 @@ class TrainSettings:
     train_data: str = ""  # file glob handed to the job's dataset_fn (DataContext.train_data)
     eval_data: str = ""
     label_column: str = "label"
+    eval_every: int = 0  # >0: distributed evaluation on the workers every N steps
+    epochs: int = 0  # >0: train this many passes over the data through the tf.data service
 
     def __post_init__(self) -> None:
         positive = (
@@ -64,6 +66,10 @@ class TrainSettings:
             raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}", "give seconds > 0")
         if not self.log_every > 0:
             raise ConfigError("--log-every", f"got {self.log_every!r}", "give seconds > 0")
+        if self.eval_every < 0:
+            raise ConfigError("--eval-every", f"got {self.eval_every}", "give a whole number >= 1")
+        if self.epochs < 0:
+            raise ConfigError("--epochs", f"got {self.epochs}", "give a whole number >= 1")
         if self.max_in_flight < 0:
             raise ConfigError("--max-in-flight", f"got {self.max_in_flight}", "give >= 0")
 

@@ -37,6 +37,7 @@ from coordinator.settings import TrainSettings
 from coordinator.supervisor import RestartFromCheckpoint
 
 if TYPE_CHECKING:
+    from coordinator.inline_eval import InlineEval
     from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,12 @@ def _resolver(cluster: ClusterConfig) -> Any:
     )
 
 
+def sum_count(values: tf.Tensor) -> tf.Tensor:
+    """[sum, count] of a tensor's values, float64: a row of a mean metric's state."""
+    values = tf.cast(values, tf.float64)
+    return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
+
+
 def _scalar(value: Any) -> float:
     return float(keras.ops.convert_to_numpy(value))
 
@@ -113,8 +120,10 @@ class Trainer:
         settings: TrainSettings,
         control: JobControl,
         metrics: CoordinatorMetrics | None = None,
+        data_dispatcher: str | None = None,  # the tf.data service's, for --epochs
     ) -> None:
         self.job = job
+        self.data_dispatcher = data_dispatcher
         self.cluster = cluster
         self.settings = settings
         self.control = control
@@ -238,18 +247,14 @@ class Trainer:
         log.info("restored %s (global step %d) in %.2fs", path, step, time.monotonic() - started)
         return step
 
-    def _make_train_fn(self) -> Any:
+    def _make_replica_step(self) -> Any:
+        """One training step on one batch, run under ``strategy.run`` on a worker."""
         model, optimizer, loss_fn = self.model, self.optimizer, self.job.loss_fn
         mean_sums, mean_metrics, other_metrics = (
             self.mean_sums,
             self.mean_metrics,
             self.other_metrics,
         )
-        global_step, strategy = self.global_step, self.strategy
-
-        def row(values: tf.Tensor) -> tf.Tensor:
-            values = tf.cast(values, tf.float64)
-            return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
 
         def replica_step(batch: Any) -> None:
             x, y = batch[0], batch[1]
@@ -260,10 +265,17 @@ class Trainer:
                     loss += tf.add_n(model.losses)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            rows = [row(loss)] + [row(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+            rows = [sum_count(loss)]
+            rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
             mean_sums.assign_add(tf.stack(rows))
             for metric in other_metrics:
                 metric.update_state(y, predictions)
+
+        return replica_step
+
+    def _make_train_fn(self) -> Any:
+        replica_step = self._make_replica_step()
+        global_step, strategy = self.global_step, self.strategy
 
         @tf.function
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
@@ -419,16 +431,21 @@ class Trainer:
         s, control = self.settings, self.control
         wall_started = time.monotonic()
         start_step = self.restore()
-        target = s.steps
+        if s.epochs:
+            from coordinator.epochs import EpochLoop
+
+            loop: _Loop = EpochLoop(self, start_step)
+        else:
+            loop = _Loop(self, start_step)
+        target = loop.target
         if start_step >= target:
             log.info(
                 "global step %d already reaches --steps %d: nothing to train", start_step, target
             )
-        loop = _Loop(self, start_step)
         control.update(global_step=start_step)
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)
-            self.metrics.set_target_steps(target)
+            self.metrics.set_target_steps(target if not s.epochs else 0)
             self.metrics.set_steps_per_execution(s.steps_per_execution)
         if start_step < target and not control.stop_requested.is_set():
             control.set_state(State.RUNNING)
@@ -440,6 +457,8 @@ class Trainer:
             log.warning("finishing without %d call(s) stuck on a frozen task", loop.abandoned)
         else:
             self.coordinator.join()
+        if loop.evals is not None:
+            loop.evals.poll()  # an inline evaluation that finished with the last steps
         train_seconds = loop.train_seconds()
         final_step = int(self.global_step.numpy())
         trained = final_step - start_step
@@ -457,16 +476,13 @@ class Trainer:
         else:
             eval_values = self.evaluate()
         if eval_values:
-            control.update(eval_metrics=eval_values, eval_step=final_step)
-            if self.metrics is not None:
-                self.metrics.set_eval_values(eval_values, step=final_step)
-            self._summarize("eval", final_step, eval_values)
+            self.report_eval(eval_values, step=final_step)
         extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
         return Summary(
             job=self.job.name,
             global_step=final_step,
             start_step=start_step,
-            target_steps=target,
+            target_steps=target if not s.epochs else final_step,
             loss=values.get("loss"),
             accuracy=values.get("accuracy"),
             eval_accuracy=eval_values.get("accuracy"),
@@ -480,11 +496,18 @@ class Trainer:
             batch_size=s.batch_size,
             steps_per_execution=s.steps_per_execution,
             checkpoint=checkpoint,
-            stopped_early=final_step < target,
+            stopped_early=loop.stopped_early(final_step),
             stalls=loop.stalls,
             metrics=extra,
             eval_metrics=eval_values,
         )
+
+    def report_eval(self, values: dict[str, float], *, step: int) -> None:
+        """Evaluation results to status, Prometheus and TensorBoard."""
+        self.control.update(eval_metrics=values, eval_step=step)
+        if self.metrics is not None:
+            self.metrics.set_eval_values(values, step=step)
+        self._summarize("eval", step, values)
 
     def evaluate_elsewhere(self, checkpoint: str) -> dict[str, float]:
         """Evaluate the final checkpoint in a fresh process (`psctl evaluate`).
@@ -600,7 +623,13 @@ class _Loop:
         self.stalls = 0
         self.abandoned = 0  # calls given up by the stall watchdog
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
+        self.target = s.steps
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
+        self.evals: InlineEval | None = None
+        if s.eval_every:
+            from coordinator.inline_eval import InlineEval
+
+            self.evals = InlineEval(trainer, every=s.eval_every, start_step=start_step)
         self.last_values: dict[str, float] = {}
         self.started = time.monotonic()
         self.ended: float | None = None
@@ -608,9 +637,26 @@ class _Loop:
     def train_seconds(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    # Hooks a loop over other data (coordinator/epochs.py) overrides.
+    def _make_fn(self) -> Any:
+        return self.t._make_train_fn()
+
+    def _make_iterator(self) -> Any:
+        return self.t._per_worker_iterator()
+
+    def _wants_more(self, target: int) -> bool:
+        return self.scheduled < target
+
+    def _result(self, entry: _InFlight, value: Any) -> tuple[int, float]:
+        """(steps run, seconds) from a finished call's value."""
+        return entry.steps, float(value)
+
+    def stopped_early(self, final_step: int) -> bool:
+        return final_step < self.target
+
     def _retire(self, entry: _InFlight) -> None:
         try:
-            seconds = float(entry.remote.fetch())  # done: returns at once, or raises
+            value = entry.remote.fetch()  # done: returns at once, or raises
         except (tf.errors.UnavailableError, tf.errors.AbortedError) as err:
             if not _only_workers_failed(err):
                 raise  # a ps: recovery needs a new coordinator
@@ -622,7 +668,8 @@ class _Loop:
             )
             self.scheduled -= entry.steps
             return
-        self.completed += entry.steps
+        steps, seconds = self._result(entry, value)
+        self.completed += steps
         self.last_progress = time.monotonic()
         if self.stalled:
             self.stalled = False
@@ -631,7 +678,7 @@ class _Loop:
             if self.t.metrics is not None:
                 self.t.metrics.set_stalled(False)
         if self.t.metrics is not None:
-            self.t.metrics.observe_call(steps=entry.steps, seconds=seconds)
+            self.t.metrics.observe_call(steps=steps, seconds=seconds)
 
     def _retire_done(self) -> int:
         done = [entry for entry in self.in_flight if _is_done(entry.remote)]
@@ -709,17 +756,17 @@ class _Loop:
 
     def run(self, target: int) -> None:
         t, s, control = self.t, self.t.settings, self.t.control
-        train_fn = t._make_train_fn()
+        train_fn = self._make_fn()
         # Kept on the trainer, never collected: destroying per-worker iterators sends ops
         # to every worker, and one to a restarted worker can hold up all later eager work
         # (seen: the final evaluation hung after a worker and a ps restarted).
-        t.iterator = iterator = t._per_worker_iterator()
+        t.iterator = self._make_iterator()
         full = tf.constant(s.steps_per_execution, tf.int64)
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
         status_step = self.start_step
         state = State.RUNNING
-        while self.scheduled < target and not control.stop_requested.is_set():
+        while self._wants_more(target) and not control.stop_requested.is_set():
             if control.pause_requested:
                 self.drain()  # in-flight steps finish; nothing new is scheduled
                 if state != State.PAUSED:
@@ -739,7 +786,8 @@ class _Loop:
             t._serve_checkpoint_requests()
             k = min(s.steps_per_execution, target - self.scheduled)
             num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
-            remote = t.coordinator.schedule(train_fn, args=(iterator, num))
+            # t.iterator: --epochs may start a new one (make-up passes, coordinator/epochs.py)
+            remote = t.coordinator.schedule(train_fn, args=(t.iterator, num))
             self.in_flight.append(_InFlight(remote, k, time.monotonic()))
             self.scheduled += k
             self._wait(room_for=self.max_in_flight)
@@ -764,8 +812,9 @@ class _Loop:
             if t.manager is not None and self.completed >= next_checkpoint:
                 t.save_in_background()
                 next_checkpoint = (self.completed // s.checkpoint_every + 1) * s.checkpoint_every
-        if self.scheduled >= target or control.stop_requested.is_set():
-            self.drain()
+            if self.evals is not None:
+                self.evals.tick(self.completed)
+        self.drain()  # the loop ends when all is scheduled or a stop was requested
 
 
 _SCALAR = summary_pb2.SummaryMetadata(

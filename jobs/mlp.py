@@ -90,6 +90,13 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
     if ctx.train_data:
         return data.train_dataset(ctx, label_dtype=tf.int64)
     x, y, _, _ = make_data()
+    if ctx.one_pass:  # --epochs: psctl repeats it through the tf.data service
+        return (
+            _chunks(x, y)
+            .shuffle(8192, seed=ctx.seed)
+            .batch(ctx.batch_size)
+            .prefetch(tf.data.AUTOTUNE)
+        )
     return (
         tf.data.Dataset.from_tensor_slices((x, y))
         .shard(ctx.num_workers, ctx.worker_index)
@@ -97,6 +104,18 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
         .repeat()
         .batch(ctx.batch_size, drop_remainder=True)
         .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def _chunks(x: np.ndarray, y: np.ndarray, size: int = 1000) -> tf.data.Dataset:
+    """The examples, as the tf.data service's pieces of ``size`` examples: its dynamic
+    sharding splits the outer ``range``, one piece per start (a plain
+    ``from_tensor_slices`` would be one piece, one dispatcher round trip, per example)."""
+    xs, ys = tf.constant(x), tf.constant(y)
+    return tf.data.Dataset.range(0, len(y), size).flat_map(
+        lambda start: tf.data.Dataset.from_tensor_slices(
+            (xs[start : start + size], ys[start : start + size])
+        )
     )
 
 

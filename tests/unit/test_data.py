@@ -3,6 +3,7 @@ case, and per-worker sharding with a tensor worker index, as the trainer calls i
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,21 @@ def test_mlp_trains_on_csv_shapes(tmp_path: Path):
     got_x, got_y = read_all(mlp.eval_dataset_fn(train))
     np.testing.assert_array_equal(got_x, ex[:300])
     np.testing.assert_array_equal(got_y, ey[:300])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tfrecord"])
+def test_one_pass_reads_every_record_once_with_the_partial_batch(tmp_path: Path, fmt: str):
+    """--epochs: one finite, shuffled pass; psctl repeats it and the tf.data service shards it."""
+    pattern, ids = write_id_files(tmp_path, [7, 5, 9], fmt)
+    one_pass = dataclasses.replace(ctx(train=pattern, batch=4), one_pass=True)
+    dataset = data.train_dataset(one_pass, label_dtype=tf.int64)
+    assert int(dataset.cardinality()) != int(tf.data.INFINITE_CARDINALITY)
+    x, _ = read_all(dataset)
+    assert sorted(x[:, 0].astype(int).tolist()) == sorted(ids)
+    assert [int(b[1].shape[0]) for b in dataset][-1] == 21 % 4
+
+
+def test_mlp_one_pass_is_every_example_once():
+    one_pass = dataclasses.replace(ctx(batch=1000), one_pass=True)
+    x, y = read_all(mlp.dataset_fn(one_pass))
+    assert len(y) == mlp.TRAIN_EXAMPLES == len(np.unique(x, axis=0))

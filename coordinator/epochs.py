@@ -1,0 +1,185 @@
+"""``--epochs N``: exactly-once epochs through the tf.data service.
+
+The coordinator runs the service's dispatcher; every worker server hosts a data worker
+(cluster/dataservice.py). The job's one-pass dataset, repeated N times, is registered with
+the dispatcher as ONE job in ``distributed_epoch`` mode: the dispatcher hands the source's
+pieces (files, or ranges of tensor slices) to the data workers, each piece once, and every
+PS worker's per-worker dataset reads from that job. So, without failures, every example is
+trained on exactly once per epoch, whichever worker's steps take it; epoch e's pieces are
+all handed out before epoch e + 1's, so workers overlap at an epoch boundary by at most
+their buffered batches.
+
+Each scheduled call runs up to K steps and returns how many it really ran: a worker whose
+iterator is exhausted returns fewer than K. The loop schedules until EVERY worker has
+reported the end of the data (a worker with buffered batches drains them first), so
+nothing is left unread and nothing waits on uneven shards.
+
+Failures: ``schedule`` is at-least-once and the service hands each piece out once, so a
+worker that dies loses the batches it had taken (in its call, its iterator buffer and its
+data worker's pieces): an epoch can then miss examples, it does not repeat them. See
+README ("Exactly-once epochs").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from cluster import ports
+from cluster.dataservice import require_dispatcher
+from cluster.errors import ConfigError
+from cluster.spec import split_host_port
+from coordinator.progress import Progress
+from coordinator.trainer import _InFlight, _Loop
+
+if TYPE_CHECKING:
+    from coordinator.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+# Servers started in this process: never collected, a dispatcher serves until exit.
+_DISPATCHERS: list[Any] = []
+
+
+def start_dispatcher(address: str) -> Any:
+    """The tf.data service dispatcher, in the coordinator's process, on ``address``'s port."""
+    _, port = split_host_port(address, field="data_service.dispatcher")
+    ports.check_port_free(port, field="data_service.dispatcher port")
+    config = tf.data.experimental.service.DispatcherConfig(port=port, protocol="grpc")
+    dispatcher = tf.data.experimental.service.DispatchServer(config, start=True)
+    _DISPATCHERS.append(dispatcher)
+    log.info("tf.data service dispatcher on %s", address)
+    return dispatcher
+
+
+def make_epoch_train_fn(trainer: Trainer) -> Any:
+    """The scheduled function: up to ``num_steps`` steps, stopping at the end of the data.
+
+    Returns [steps run, examples, worker index, microseconds] (int64).
+    """
+    replica_step = trainer._make_replica_step()
+    global_step, strategy = trainer.global_step, trainer.strategy
+
+    @tf.function
+    def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
+        started = tf.timestamp()
+        steps = tf.constant(0, tf.int64)
+        examples = tf.constant(0, tf.int64)
+        for _ in tf.range(num_steps):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            value = batch.get_value()
+            strategy.run(replica_step, args=(value,))
+            steps += 1
+            examples += tf.cast(tf.shape(value[1])[0], tf.int64)
+        global_step.assign_add(steps)
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        micros = tf.cast((tf.timestamp() - started) * 1e6, tf.int64)
+        return tf.stack([steps, examples, tf.cast(index, tf.int64), micros])
+
+    return train_fn
+
+
+class EpochLoop(_Loop):
+    """The scheduling loop of ``--epochs``: runs until every worker saw the end of the data."""
+
+    def __init__(self, trainer: Trainer, start_step: int) -> None:
+        super().__init__(trainer, start_step)
+        s = trainer.settings
+        self.address = require_dispatcher(trainer.data_dispatcher)
+        self.target = 2**62  # unknown in advance; the end of the data ends the loop
+        self.progress = Progress(total=0, start=start_step, stream=self.progress.stream)
+        self.finished_workers: set[int] = set()
+        self.examples = 0
+        self.context = dataclasses.replace(trainer._context(0, 1, s.batch_size), one_pass=True)
+        dataset = trainer.job.dataset_fn(self.context)
+        if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+            raise ConfigError(
+                "--epochs",
+                f"the job's dataset_fn ({trainer.job.name}) returns an endless dataset",
+                "when ctx.one_pass is true, return one pass over the data (no repeat())",
+            )
+        start_dispatcher(self.address)
+        self.failures_seen = trainer.control.failure_counts().get("worker", 0)
+        self.makeup_passes = 0
+        self._old_iterators: list[Any] = []  # never collected (see _Loop.run)
+
+    def _make_fn(self) -> Any:
+        return make_epoch_train_fn(self.t)
+
+    def _make_iterator(self, passes: int = 0) -> Any:
+        t, ctx, dataset_fn = self.t, self.context, self.t.job.dataset_fn
+        epochs = passes or t.settings.epochs
+        # One service job per iterator; a new coordinator starts new jobs too.
+        job_name = f"psctl-epochs-{uuid.uuid4().hex[:12]}"
+        service = f"grpc://{self.address}"
+
+        def per_worker_dataset_fn() -> Any:
+            def make(_: Any) -> Any:
+                return (
+                    dataset_fn(ctx)
+                    .repeat(epochs)
+                    .apply(
+                        tf.data.experimental.service.distribute(
+                            processing_mode="distributed_epoch", service=service, job_name=job_name
+                        )
+                    )
+                    .prefetch(tf.data.AUTOTUNE)
+                )
+
+            return t.strategy.distribute_datasets_from_function(make)
+
+        log.info("%d pass(es) through the tf.data service (%s, job %s)", epochs, service, job_name)
+        return iter(t.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+    def _wants_more(self, target: int) -> bool:
+        if len(self.finished_workers) < self.t.num_workers:
+            return True
+        return self._start_makeup_passes()
+
+    def _start_makeup_passes(self) -> bool:
+        """At-least-once: a worker that failed lost the batches it held, so every worker
+        failure seen (health checks) since the passes started earns one more full pass."""
+        failures = self.t.control.failure_counts().get("worker", 0)
+        if failures <= self.failures_seen:
+            return False
+        passes = failures - self.failures_seen
+        self.failures_seen = failures
+        self.makeup_passes += passes
+        log.warning(
+            "%d worker failure(s) during the epochs: the batches they held are lost; "
+            "training %d make-up pass(es) so that every example is trained at least %d times",
+            passes,
+            passes,
+            self.t.settings.epochs,
+        )
+        # Calls still in flight read the old iterator: let them end first, so that their
+        # end-of-data reports don't count for the new one.
+        self.drain()
+        self.ended = None
+        self._old_iterators.append(self.t.iterator)
+        self.t.iterator = self._make_iterator(passes)
+        self.finished_workers = set()
+        return True
+
+    def _result(self, entry: _InFlight, value: Any) -> tuple[int, float]:
+        steps, examples, worker, micros = (int(v) for v in value)
+        self.examples += examples
+        if steps < entry.steps and worker not in self.finished_workers:
+            self.finished_workers.add(worker)
+            log.info(
+                "worker %d: end of the data (%d of %d workers); %d examples trained so far",
+                worker,
+                len(self.finished_workers),
+                self.t.num_workers,
+                self.examples,
+            )
+        return steps, micros / 1e6
+
+    def stopped_early(self, final_step: int) -> bool:
+        return len(self.finished_workers) < self.t.num_workers

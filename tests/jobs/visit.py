@@ -1,0 +1,80 @@
+"""A visitation job for tests: unique ids, and a counter on the ps of how often each was trained.
+
+Examples are the ids ``0 .. NUM_IDS - 1`` (``$VISIT_IDS``, default 1001: batches do not divide
+it). The model holds a non-trainable ``visits`` vector (shape [NUM_IDS], on a ps like every
+model variable) that every training step adds the ids of its batch to, so after a run the
+checkpoint tells how many times each example was trained on. Evaluation (training=False)
+counts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import tensorflow as tf
+
+from coordinator.job import DataContext
+
+NUM_IDS = int(os.environ.get("VISIT_IDS", "1001"))
+VISITS = "visits"
+
+
+def label_mean(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
+    """Labels are id / NUM_IDS: over every id once, the mean is exactly (NUM_IDS - 1) / 2 /
+    NUM_IDS; a repeated or missing id moves it."""
+    return labels
+
+
+metrics = [label_mean]
+
+
+class VisitModel(keras.Model):
+    def __init__(self) -> None:
+        super().__init__(name="visit")
+        self.dense = keras.layers.Dense(1)
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        self.visits = self.add_weight(
+            name=VISITS, shape=(NUM_IDS,), initializer="zeros", trainable=False
+        )
+        self.dense.build(input_shape)
+
+    def call(self, x: tf.Tensor, training: bool = False) -> tf.Tensor:
+        if training:
+            ids = tf.cast(x[:, 0], tf.int32)
+            # TensorFlow's assign_add of the whole vector is atomic on the ps, so concurrent
+            # steps never lose a count. Not Keras's: keras.Variable.assign_add is a read then
+            # an assign (seen: counts lost with 2 workers), hence .value, the tf.Variable.
+            self.visits.value.assign_add(
+                tf.math.bincount(ids, minlength=NUM_IDS, maxlength=NUM_IDS, dtype=tf.float32)
+            )
+        return self.dense(x / NUM_IDS)
+
+
+def create_model() -> keras.Model:
+    return VisitModel()
+
+
+def create_optimizer() -> keras.optimizers.Optimizer:
+    return keras.optimizers.SGD(learning_rate=0.01)
+
+
+def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
+    return tf.square(predictions[:, 0] - labels)
+
+
+def _examples(ids: tf.data.Dataset) -> tf.data.Dataset:
+    return ids.map(lambda i: (tf.cast(i, tf.float32)[None], tf.cast(i, tf.float32) / NUM_IDS))
+
+
+def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
+    ids = tf.data.Dataset.range(NUM_IDS).shard(ctx.num_workers, ctx.worker_index)
+    if ctx.one_pass:
+        return _examples(ids.shuffle(NUM_IDS, seed=ctx.seed)).batch(ctx.batch_size)
+    return _examples(ids.repeat()).batch(ctx.batch_size, drop_remainder=True)
+
+
+def eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset:
+    ids = tf.data.Dataset.range(NUM_IDS).shard(ctx.num_workers, ctx.worker_index)
+    return _examples(ids).batch(ctx.batch_size)
