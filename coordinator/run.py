@@ -241,14 +241,14 @@ def _train(
 
     install_stop_signals(control)
     log.info(
-        "job %s on %d ps + %d workers (%s), %d steps, batch %d/worker, %d steps/call",
+        "job %s on %d ps + %d workers (%s), %d steps, batch %d/worker, %s steps/call",
         settings.job,
         cluster.num_ps,
         cluster.num_workers,
         source,
         settings.steps,
         settings.batch_size,
-        settings.steps_per_execution,
+        settings.steps_per_execution or "auto",
     )
     trainer = Trainer(job=job, cluster=cluster, settings=settings, control=control, metrics=metrics)
     # Never collected before the process exits: destroying its per-worker resources sends

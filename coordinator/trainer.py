@@ -30,7 +30,9 @@ from tensorflow.core.framework import summary_pb2
 from cluster.spec import ClusterConfig
 from coordinator.control import JobControl, State
 from coordinator.job import DataContext, Job
+from coordinator.local_step import make_local_train_fn
 from coordinator.metric_objects import make_eval_step, metric_factories
+from coordinator.packing import packer_for
 from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
 
@@ -246,6 +248,19 @@ class Trainer:
             values = tf.cast(values, tf.float64)
             return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
 
+        if self.settings.update_mode == "local":
+            return make_local_train_fn(
+                model=model,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                mean_sums=mean_sums,
+                mean_metrics=mean_metrics,
+                other_metrics=other_metrics,
+                global_step=global_step,
+                scale=self.settings.local_scale,
+                row=row,
+            )
+
         def replica_step(batch: Any) -> None:
             x, y = batch[0], batch[1]
             with tf.GradientTape() as tape:
@@ -263,11 +278,17 @@ class Trainer:
         @tf.function
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
             started = tf.timestamp()
-            for _ in tf.range(num_steps):
-                strategy.run(replica_step, args=(next(iterator),))
-            global_step.assign_add(num_steps)
+            # tf.timestamp is not ordered with the other ops by itself (seen: ~3 us per
+            # 20-step call): pin both ends around the steps.
+            ran = tf.constant(0, tf.int64)
+            with tf.control_dependencies([started]):
+                for _ in tf.range(num_steps):
+                    strategy.run(replica_step, args=(next(iterator),))
+                    ran += 1
+            done = global_step.assign_add(ran)  # after the loop: it needs the loop's output
             # Seconds this call ran on its worker: the only value copied back per call.
-            return tf.timestamp() - started
+            with tf.control_dependencies([done]):
+                return tf.timestamp() - started
 
         return train_fn
 
@@ -390,7 +411,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)
             self.metrics.set_target_steps(target)
-            self.metrics.set_steps_per_execution(s.steps_per_execution)
+            self.metrics.set_steps_per_execution(loop.packer.k)
         if start_step < target and not control.stop_requested.is_set():
             control.set_state(State.RUNNING)
             loop.run(target)
@@ -439,7 +460,7 @@ class Trainer:
             num_workers=self.num_workers,
             num_ps=self.cluster.num_ps,
             batch_size=s.batch_size,
-            steps_per_execution=s.steps_per_execution,
+            steps_per_execution=loop.packer.k,
             checkpoint=checkpoint,
             stopped_early=final_step < target,
             stalls=loop.stalls,
@@ -561,6 +582,8 @@ class _Loop:
         self.stalls = 0
         self.abandoned = 0  # calls given up by the stall watchdog
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
+        self.packer = packer_for(s, trainer.num_workers)
+        trainer.control.steps_per_execution = self.packer.k
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
         self.last_values: dict[str, float] = {}
         self.started = time.monotonic()
@@ -585,6 +608,7 @@ class _Loop:
             return
         self.completed += entry.steps
         self.last_progress = time.monotonic()
+        self._repack(entry.steps, seconds)
         if self.stalled:
             self.stalled = False
             log.warning("steps finish again: the stall is over")
@@ -593,6 +617,21 @@ class _Loop:
                 self.t.metrics.set_stalled(False)
         if self.t.metrics is not None:
             self.t.metrics.observe_call(steps=entry.steps, seconds=seconds)
+
+    def _repack(self, steps: int, seconds: float) -> None:
+        k = self.packer.observe(steps=steps, worker_seconds=seconds)
+        if k is None:
+            return
+        m = self.packer.last
+        log.info(
+            "steps per call: %d (per call %.1f ms overhead vs %.2f ms/step)",
+            k,
+            1e3 * m.overhead_seconds if m else 0.0,
+            1e3 * m.step_seconds if m else 0.0,
+        )
+        self.t.control.steps_per_execution = k
+        if self.t.metrics is not None:
+            self.t.metrics.set_steps_per_execution(k)
 
     def _retire_done(self) -> int:
         done = [entry for entry in self.in_flight if _is_done(entry.remote)]
@@ -675,7 +714,7 @@ class _Loop:
         # to every worker, and one to a restarted worker can hold up all later eager work
         # (seen: the final evaluation hung after a worker and a ps restarted).
         t.iterator = iterator = t._per_worker_iterator()
-        full = tf.constant(s.steps_per_execution, tf.int64)
+        constants: dict[int, tf.Tensor] = {}
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
         status_step = self.start_step
@@ -698,8 +737,10 @@ class _Loop:
                 log.info("resumed at global step %d", self.completed)
                 self.ended = None
             t._serve_checkpoint_requests()
-            k = min(s.steps_per_execution, target - self.scheduled)
-            num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
+            k = min(self.packer.k, target - self.scheduled)
+            num = constants.get(k)
+            if num is None:
+                num = constants[k] = tf.constant(k, tf.int64)
             remote = t.coordinator.schedule(train_fn, args=(iterator, num))
             self.in_flight.append(_InFlight(remote, k, time.monotonic()))
             self.scheduled += k
