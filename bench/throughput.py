@@ -420,7 +420,38 @@ def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_dispatch(args: argparse.Namespace) -> dict[str, Any]:
+    """The coordinator's dispatch capacity: ``--steps`` schedules of an almost empty function
+    (it returns a constant; no variable, no data), then ``join()``."""
+    import tensorflow as tf
+
+    from cluster.spec import load_cluster_file
+    from coordinator.trainer import _resolver
+
+    cluster = load_cluster_file(args.cluster)
+    strategy = tf.distribute.experimental.ParameterServerStrategy(_resolver(cluster))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    @tf.function
+    def noop() -> Any:
+        return tf.constant(0, tf.int64)
+
+    t_first = time.monotonic()
+    for _ in range(2 * cluster.num_workers):
+        coordinator.schedule(noop)  # traced and registered on every worker
+    coordinator.join()
+    t_traced = time.monotonic()
+    for _ in range(args.steps):
+        coordinator.schedule(noop)
+    coordinator.join()
+    t_end = time.monotonic()
+    result = _timing(args.steps, t_traced, t_first, t_traced, t_end)
+    result.update(setup_s=t_traced - t_first, loss=None, accuracy=None)
+    return result
+
+
 CHILDREN = {
+    "dispatch": run_dispatch,
     "psctl": run_psctl,
     "psctl-metrics": run_psctl_metrics,
     "raw": run_raw,
@@ -807,6 +838,8 @@ def parent_main(args: argparse.Namespace) -> int:
     modes = list(dict.fromkeys(modes))  # K = 1: no duplicates
     if args.metrics_overhead:
         modes = [Mode("psctl", k), Mode("psctl-metrics", k)]
+    elif args.capacity:
+        modes = [Mode("dispatch", 1), Mode("psctl", k)]
     elif args.skip_local:
         modes = [m for m in modes if m.kind != "local"]
     workdir = Path(args.workdir or REPO / "psctl-work" / time.strftime("bench-%Y%m%d-%H%M%S"))
@@ -871,6 +904,10 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.metrics_overhead:
         return report_overhead(rows, runs, args)
     print_table(rows, args)
+    if args.capacity:
+        capacity = next(r for r in rows if r["mode"] == "dispatch")["median"]
+        print(f"dispatch capacity = {capacity:.0f} scheduled functions/s", flush=True)
+        return 0
     psctl = next(r for r in rows if r["mode"] == "psctl")
     ratio = psctl["vs_raw"]
     if args.json:
@@ -944,6 +981,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: psctl with coordinator metrics on (served, scraped every 1 s) vs off; "
         "the last line is 'metrics overhead = X.X%%'",
+    )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="instead: the coordinator's dispatch capacity (--steps schedules of an almost "
+        "empty function) and psctl's steps/s on this cluster; the last line is "
+        "'dispatch capacity = N scheduled functions/s'",
     )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")

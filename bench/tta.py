@@ -249,6 +249,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
             if self.probing:
                 return
             if probe.snapshot_due():
+                self._retire_done()  # the step count of the snapshot, not of the last wait
                 probe.snapshot(self.completed)
             if probe.check_due():
                 self.probing = True

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from coordinator.settings import TrainSettings
 
 INITIAL_K = 20  # the first window runs at the old fixed default
+MIN_K = 8  # a window that sees no overhead (noise) must not drop K to 1-2 (seen)
 MAX_K = 1000
+SMOOTHING = 0.5  # weight of the newest window in the running estimates
 
 
 def choose_k(
@@ -76,12 +78,18 @@ class Packer:
         self.window_seconds = window_seconds
         self.clock = clock
         self.last: Measurement | None = None
+        self._step_s: float | None = None  # running estimates over windows
+        self._overhead_s: float | None = None
         self._reset(None)
 
     def _reset(self, now: float | None) -> None:
         self._since = now  # the window opens at the first finished call (tracing is left out)
         self._calls = self._steps = 0
         self._worker_seconds = 0.0
+
+    @staticmethod
+    def _smooth(previous: float | None, value: float) -> float:
+        return value if previous is None else SMOOTHING * value + (1 - SMOOTHING) * previous
 
     def observe(self, *, steps: int, worker_seconds: float) -> int | None:
         """One call finished; returns the new K when this closes a window and K changes."""
@@ -97,15 +105,17 @@ class Packer:
         elapsed = now - self._since
         if elapsed < self.window_seconds or self._calls < 2 * self.num_workers:
             return None
-        step_seconds = self._worker_seconds / max(1, self._steps)
         capacity = self.num_workers * elapsed
         idle = max(0.0, capacity - self._worker_seconds)
+        step_seconds = self._smooth(self._step_s, self._worker_seconds / max(1, self._steps))
+        overhead = self._smooth(self._overhead_s, idle / self._calls)
+        self._step_s, self._overhead_s = step_seconds, overhead
         bound = max(1, min(self.max_k, int(self.max_call_seconds / max(step_seconds, 1e-9))))
         k = choose_k(
             step_seconds=step_seconds,
-            overhead_seconds=idle / self._calls,
+            overhead_seconds=overhead,
             target=self.target,
-            min_k=1,
+            min_k=min(MIN_K, bound),
             max_k=bound,
         )
         # Move at most 4x per window: one noisy window must not swing K across its range.
@@ -114,7 +124,7 @@ class Packer:
             calls=self._calls,
             steps=self._steps,
             step_seconds=step_seconds,
-            overhead_seconds=idle / self._calls,
+            overhead_seconds=overhead,
             overhead_fraction=idle / capacity,
             k=k,
         )

@@ -64,6 +64,13 @@ def test_auto_respects_call_length_and_checkpoint_bounds():
     assert packer.k == 50  # 0.5 s per call at 10 ms per step
 
 
+def test_auto_does_not_collapse_when_no_overhead_is_seen():
+    clock = FakeClock()
+    packer = Packer(num_workers=2, max_steps=5000, clock=clock)
+    run_windows(packer, clock, step=0.001, overhead=0.0, n=300)
+    assert packer.k == 8
+
+
 def test_fixed_k_never_changes():
     packer = Packer(fixed=7, num_workers=2)
     assert not packer.auto
