@@ -111,6 +111,11 @@ class Probe:
         self.snapshots: list[tuple[float, int, list[Any]]] = []
         self.scores: dict[int, tuple[float, float]] = {}  # snapshot index: (accuracy, loss)
         self.reached = False
+        self.first_call_s: float | None = None  # the clock when the first call finished
+
+    def first_call_done(self) -> None:
+        if self.first_call_s is None:
+            self.first_call_s = self.train_seconds()
 
     def start(self) -> None:
         if self.t0 is None:
@@ -168,6 +173,7 @@ class Probe:
         tta = next((at for at, _, acc, _ in curve if acc >= self.target), None)
         return {
             "tta_s": tta,
+            "first_call_s": self.first_call_s,
             "curve": curve,
             "evals": len(curve),
             "eval_s": self.excluded + time.monotonic() - began,
@@ -179,6 +185,7 @@ class Probe:
 
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     from coordinator.job import load_job
+    from coordinator.trainer import _is_done
 
     raw = throughput.build_raw(
         args.cluster, batch_size=args.batch_size, k=args.steps_per_execution, job_name=args.job
@@ -197,14 +204,18 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     while not probe.done():
         in_flight.append(coordinator.schedule(raw.train_fn, args=(iterator,)))
         steps += args.steps_per_execution
+        if probe.first_call_s is None and _is_done(in_flight[0]):
+            probe.first_call_done()
         if len(in_flight) > bound:
             in_flight.popleft().fetch()
+            probe.first_call_done()
             done = steps - len(in_flight) * args.steps_per_execution
             if probe.snapshot_due():
                 probe.snapshot(done)
         if probe.check_due():
             coordinator.join()
             in_flight.clear()
+            probe.first_call_done()
             probe.check(steps)
     coordinator.join()
     return {**probe.result(), "steps": steps, "k": args.steps_per_execution}
@@ -243,6 +254,10 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
 
     class ProbedLoop(trainer_module._Loop):
         probing = False
+
+        def _retire(self, entry: Any) -> None:
+            super()._retire(entry)
+            probe.first_call_done()
 
         def _watch_for_stall(self) -> None:
             super()._watch_for_stall()
@@ -360,6 +375,12 @@ def summarize(modes: list[Mode], runs: list[dict[str, Any]]) -> list[dict[str, A
                 "reached": len(times),
                 "min_s": min(times) if times else None,
                 "median_s": median,
+                "first_call_s": statistics.median(r["first_call_s"] or 0.0 for r in mine),
+                "after_first_s": statistics.median(
+                    r["tta_s"] - (r["first_call_s"] or 0.0) for r in mine if r["tta_s"] is not None
+                )
+                if times
+                else None,
                 "k": sorted({r["k"] for r in mine}),
                 "steps_per_s": statistics.median(
                     r["steps"] / max(r["train_s"], 1e-9) for r in mine
@@ -375,14 +396,16 @@ def summarize(modes: list[Mode], runs: list[dict[str, Any]]) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, ratio: float | None) -> str:
     lines = [
-        "| mode | steps/call | TTA min (s) | TTA median (s) | reached | steps/s | evals "
+        "| mode | steps/call | TTA min (s) | TTA median (s) | first call done (s) | TTA after "
+        "it (s) | reached | steps/s | evals "
         "(excluded s) | final eval acc | coordinator peak RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k = ",".join(str(k) for k in r["k"])
         lines.append(
             f"| {r['mode']} | {k} | {_fmt_s(r['min_s'])} | {_fmt_s(r['median_s'])} | "
+            f"{_fmt_s(r['first_call_s'])} | {_fmt_s(r['after_first_s'])} | "
             f"{r['reached']}/{r['runs']} | {r['steps_per_s']:.0f} | {r['evals']:.0f} "
             f"({r['eval_s']:.2f}) | {r['final_accuracy']:.3f} | {r['rss_mb']:.0f} |"
         )
@@ -391,7 +414,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, ratio: float | N
         f"{args.job} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
         f"target eval accuracy {args.target}, eval every {args.eval_every}s of training, "
         f"{args.repeats} repeat(s); TTA = training seconds from the first schedule() to the "
-        "first eval at or above the target (eval pauses excluded)."
+        "first eval at or above the target (eval pauses excluded); first call done = when the "
+        "first scheduled call finished (tracing, function registration, first batches); TTA "
+        "after it = the median of TTA minus that, per run."
     )
     if ratio is not None:
         lines.append(f"raw_tf_best/psctl_best tta = {ratio:.2f}")
