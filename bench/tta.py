@@ -258,14 +258,14 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
         def _retire(self, entry: Any) -> None:
             super()._retire(entry)
             probe.first_call_done()
+            # As in the raw loop: snapshots right after a call finished.
+            if probe.snapshot_due():
+                probe.snapshot(self.completed)
 
         def _watch_for_stall(self) -> None:
             super()._watch_for_stall()
             if self.probing:
                 return
-            if probe.snapshot_due():
-                self._retire_done()  # the step count of the snapshot, not of the last wait
-                probe.snapshot(self.completed)
             if probe.check_due():
                 self.probing = True
                 self.drain()
