@@ -228,17 +228,29 @@ def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
     return result
 
 
-def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class RawLoop:
+    """The TF tutorial's custom loop, built: call ``train_fn(iterator)`` via ``schedule``."""
+
+    coordinator: Any
+    num_workers: int
+    model: Any
+    accuracy: Any
+    train_fn: Any
+    per_worker_dataset_fn: Any
+    warm_up: Any  # builds the job's arrays once, as psctl does before its clock starts
+
+
+def build_raw(cluster_file: str, *, batch_size: int, k: int, job_name: str = JOB) -> RawLoop:
     """The TF tutorial's custom loop, with the job's Keras 3 model, optimizer, loss and data."""
     import keras
     import tensorflow as tf
 
     from coordinator.job import DataContext, load_job
 
-    job = load_job(JOB)
-    cluster = json.loads(Path(args.cluster).read_text())["cluster"]
+    job = load_job(job_name)
+    cluster = json.loads(Path(cluster_file).read_text())["cluster"]
     num_workers = len(cluster["worker"])
-    batch_size, k = args.batch_size, args.steps_per_execution
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "chief", "index": 0}}
     )
@@ -293,13 +305,28 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
             losses = strategy.run(replica_fn, args=(batch_data, labels))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    train_fn = step_fn if k == 1 else packed_step_fn
+    return RawLoop(
+        coordinator=coordinator,
+        num_workers=num_workers,
+        model=model,
+        accuracy=accuracy,
+        train_fn=step_fn if k == 1 else packed_step_fn,
+        per_worker_dataset_fn=per_worker_dataset_fn,
+        warm_up=lambda: job.dataset_fn(DataContext(0, num_workers, batch_size, SEED)),
+    )
+
+
+def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+    """The TF tutorial's custom loop: schedule every call, then join()."""
+    k = args.steps_per_execution
+    raw = build_raw(args.cluster, batch_size=args.batch_size, k=k)
+    coordinator, train_fn = raw.coordinator, raw.train_fn
     num_calls = math.ceil(args.steps / k)
     # psctl builds the job's dataset once before its clock starts (for the element spec), so
     # the job's arrays are ready there; do the same.
-    job.dataset_fn(DataContext(0, num_workers, batch_size, SEED))
+    raw.warm_up()
     t_data = time.monotonic()
-    per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+    per_worker_dataset = coordinator.create_per_worker_dataset(raw.per_worker_dataset_fn)
     per_worker_iterator = iter(per_worker_dataset)
     t_first = time.monotonic()
     last = coordinator.schedule(train_fn, args=(per_worker_iterator,))
@@ -309,7 +336,7 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     coordinator.join()
     t_end = time.monotonic()
     result = _timing(num_calls * k, t_data, t_first, t_traced, t_end)
-    result.update(loss=float(last.fetch()), accuracy=float(accuracy.result()))
+    result.update(loss=float(last.fetch()), accuracy=float(raw.accuracy.result()))
     return result
 
 
@@ -393,7 +420,38 @@ def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_dispatch(args: argparse.Namespace) -> dict[str, Any]:
+    """The coordinator's dispatch capacity: ``--steps`` schedules of an almost empty function
+    (it returns a constant; no variable, no data), then ``join()``."""
+    import tensorflow as tf
+
+    from cluster.spec import load_cluster_file
+    from coordinator.trainer import _resolver
+
+    cluster = load_cluster_file(args.cluster)
+    strategy = tf.distribute.experimental.ParameterServerStrategy(_resolver(cluster))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    @tf.function
+    def noop() -> Any:
+        return tf.constant(0, tf.int64)
+
+    t_first = time.monotonic()
+    for _ in range(2 * cluster.num_workers):
+        coordinator.schedule(noop)  # traced and registered on every worker
+    coordinator.join()
+    t_traced = time.monotonic()
+    for _ in range(args.steps):
+        coordinator.schedule(noop)
+    coordinator.join()
+    t_end = time.monotonic()
+    result = _timing(args.steps, t_traced, t_first, t_traced, t_end)
+    result.update(setup_s=t_traced - t_first, loss=None, accuracy=None)
+    return result
+
+
 CHILDREN = {
+    "dispatch": run_dispatch,
     "psctl": run_psctl,
     "psctl-metrics": run_psctl_metrics,
     "raw": run_raw,
@@ -780,6 +838,8 @@ def parent_main(args: argparse.Namespace) -> int:
     modes = list(dict.fromkeys(modes))  # K = 1: no duplicates
     if args.metrics_overhead:
         modes = [Mode("psctl", k), Mode("psctl-metrics", k)]
+    elif args.capacity:
+        modes = [Mode("dispatch", 1), Mode("psctl", k)]
     elif args.skip_local:
         modes = [m for m in modes if m.kind != "local"]
     workdir = Path(args.workdir or REPO / "psctl-work" / time.strftime("bench-%Y%m%d-%H%M%S"))
@@ -844,6 +904,10 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.metrics_overhead:
         return report_overhead(rows, runs, args)
     print_table(rows, args)
+    if args.capacity:
+        capacity = next(r for r in rows if r["mode"] == "dispatch")["median"]
+        print(f"dispatch capacity = {capacity:.0f} scheduled functions/s", flush=True)
+        return 0
     psctl = next(r for r in rows if r["mode"] == "psctl")
     ratio = psctl["vs_raw"]
     if args.json:
@@ -917,6 +981,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: psctl with coordinator metrics on (served, scraped every 1 s) vs off; "
         "the last line is 'metrics overhead = X.X%%'",
+    )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="instead: the coordinator's dispatch capacity (--steps schedules of an almost "
+        "empty function) and psctl's steps/s on this cluster; the last line is "
+        "'dispatch capacity = N scheduled functions/s'",
     )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")

@@ -6,11 +6,12 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cluster.errors import EXIT_FAILURE, ConfigError
 from cluster.logs import configure_logging, quiet_tensorflow
+from coordinator.settings import parse_steps_per_execution
 
 log = logging.getLogger("psctl")
 
@@ -18,7 +19,7 @@ DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
 DEFAULT_METRICS_PORT = 9400
 
 # (flag, type, help) for every run setting; the names match coordinator.settings.TrainSettings.
-TRAIN_FLAGS: list[tuple[str, type, str]] = [
+TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
     ("--steps", int, "train until this global step (default 1500)"),
     (
@@ -28,7 +29,20 @@ TRAIN_FLAGS: list[tuple[str, type, str]] = [
         "(dynamic sharding over the workers)",
     ),
     ("--batch-size", int, "examples per step per worker (default 64)"),
-    ("--steps-per-execution", int, "steps packed into one scheduled function (default 20)"),
+    (
+        "--steps-per-execution",
+        parse_steps_per_execution,
+        "steps packed into one scheduled function, or auto: measured at start and re-checked "
+        "so the per-call overhead stays under 10%% (default auto)",
+    ),
+    (
+        "--update-mode",
+        str,
+        "default: the ps optimizer updates the variables every step; local: each call runs "
+        "--local-steps steps on the worker and pushes the change (default default)",
+    ),
+    ("--local-steps", int, "--update-mode local: steps per call (default 50)"),
+    ("--local-scale", float, "--update-mode local: factor on each call's change (default 1.0)"),
     ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
     ("--checkpoint-every", int, "steps between checkpoints (default 500)"),
     ("--keep-checkpoints", int, "checkpoints kept (default 3)"),

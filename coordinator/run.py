@@ -253,14 +253,14 @@ def _train(
 
     install_stop_signals(control)
     log.info(
-        "job %s on %d ps + %d workers (%s), %s, batch %d/worker, %d steps/call",
+        "job %s on %d ps + %d workers (%s), %s, batch %d/worker, %s steps/call",
         settings.job,
         cluster.num_ps,
         cluster.num_workers,
         source,
         f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
         settings.batch_size,
-        settings.steps_per_execution,
+        settings.steps_per_execution or "auto",
     )
     trainer = Trainer(
         job=job,

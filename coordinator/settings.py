@@ -17,6 +17,17 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "PSCTL_"
+UPDATE_MODES = ("default", "local")
+AUTO = "auto"  # --steps-per-execution auto, stored as 0
+
+
+def parse_steps_per_execution(value: Any) -> int:
+    """``auto`` (any case) is 0; anything else a whole number (checked by TrainSettings)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return 0
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,10 @@ class TrainSettings:
     job: str = "mlp"
     steps: int = 1500
     batch_size: int = 64  # per worker
-    steps_per_execution: int = 20
+    steps_per_execution: int = 0  # steps per scheduled call; 0 = "auto" (coordinator/packing.py)
+    update_mode: str = "default"  # "default": the ps optimizer every step; "local": local steps
+    local_steps: int = 50  # --update-mode local: steps per call between variable round trips
+    local_scale: float = 1.0  # --update-mode local: factor on each call's pushed change
     checkpoint_dir: str = ""  # "" = no checkpoints
     checkpoint_every: int = 500  # steps
     keep_checkpoints: int = 3
@@ -49,8 +63,8 @@ class TrainSettings:
         positive = (
             "steps",
             "batch_size",
-            "steps_per_execution",
             "checkpoint_every",
+            "local_steps",
             "keep_checkpoints",
             "eval_batch_size",
             "max_shards",
@@ -70,6 +84,24 @@ class TrainSettings:
             raise ConfigError("--eval-every", f"got {self.eval_every}", "give a whole number >= 1")
         if self.epochs < 0:
             raise ConfigError("--epochs", f"got {self.epochs}", "give a whole number >= 1")
+        if isinstance(self.steps_per_execution, bool) or self.steps_per_execution < 0:
+            raise ConfigError(
+                "--steps-per-execution",
+                f"got {self.steps_per_execution!r}",
+                "give a whole number >= 1, or auto",
+            )
+        if self.update_mode not in UPDATE_MODES:
+            raise ConfigError(
+                "--update-mode",
+                f"got {self.update_mode!r}",
+                f"use one of {', '.join(UPDATE_MODES)}",
+            )
+        if self.update_mode == "local" and self.epochs:
+            raise ConfigError(
+                "--update-mode", "local with --epochs", "use --update-mode default with --epochs"
+            )
+        if not self.local_scale > 0:
+            raise ConfigError("--local-scale", f"got {self.local_scale!r}", "give a factor > 0")
         if self.max_in_flight < 0:
             raise ConfigError("--max-in-flight", f"got {self.max_in_flight}", "give >= 0")
 
@@ -80,6 +112,8 @@ _TYPES = {f.name: f.type for f in fields(TrainSettings)}
 def _coerce(name: str, value: Any, where: str) -> Any:
     kind = _TYPES[name]
     try:
+        if name == "steps_per_execution":
+            return parse_steps_per_execution(value)
         if kind in ("int", int):
             if isinstance(value, bool):
                 raise ValueError

@@ -31,7 +31,9 @@ from tensorflow.core.framework import summary_pb2
 from cluster.spec import ClusterConfig
 from coordinator.control import JobControl, State
 from coordinator.job import DataContext, Job
+from coordinator.local_step import make_local_train_fn
 from coordinator.metric_objects import make_eval_step, metric_factories
+from coordinator.packing import packer_for
 from coordinator.progress import Progress
 from coordinator.settings import TrainSettings
 from coordinator.supervisor import RestartFromCheckpoint
@@ -274,17 +276,35 @@ class Trainer:
         return replica_step
 
     def _make_train_fn(self) -> Any:
+        if self.settings.update_mode == "local":
+            return make_local_train_fn(
+                model=self.model,
+                optimizer=self.optimizer,
+                loss_fn=self.job.loss_fn,
+                mean_sums=self.mean_sums,
+                mean_metrics=self.mean_metrics,
+                other_metrics=self.other_metrics,
+                global_step=self.global_step,
+                scale=self.settings.local_scale,
+                row=sum_count,
+            )
         replica_step = self._make_replica_step()
         global_step, strategy = self.global_step, self.strategy
 
         @tf.function
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
             started = tf.timestamp()
-            for _ in tf.range(num_steps):
-                strategy.run(replica_step, args=(next(iterator),))
-            global_step.assign_add(num_steps)
+            # tf.timestamp is not ordered with the other ops by itself (seen: ~3 us per
+            # 20-step call): pin both ends around the steps.
+            ran = tf.constant(0, tf.int64)
+            with tf.control_dependencies([started]):
+                for _ in tf.range(num_steps):
+                    strategy.run(replica_step, args=(next(iterator),))
+                    ran += 1
+            done = global_step.assign_add(ran)  # after the loop: it needs the loop's output
             # Seconds this call ran on its worker: the only value copied back per call.
-            return tf.timestamp() - started
+            with tf.control_dependencies([done]):
+                return tf.timestamp() - started
 
         return train_fn
 
@@ -446,7 +466,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)
             self.metrics.set_target_steps(target if not s.epochs else 0)
-            self.metrics.set_steps_per_execution(s.steps_per_execution)
+            self.metrics.set_steps_per_execution(loop.packer.k)
         if start_step < target and not control.stop_requested.is_set():
             control.set_state(State.RUNNING)
             loop.run(target)
@@ -494,7 +514,7 @@ class Trainer:
             num_workers=self.num_workers,
             num_ps=self.cluster.num_ps,
             batch_size=s.batch_size,
-            steps_per_execution=s.steps_per_execution,
+            steps_per_execution=loop.packer.k,
             checkpoint=checkpoint,
             stopped_early=loop.stopped_early(final_step),
             stalls=loop.stalls,
@@ -624,6 +644,8 @@ class _Loop:
         self.abandoned = 0  # calls given up by the stall watchdog
         self.max_in_flight = s.max_in_flight or 4 * trainer.num_workers
         self.target = s.steps
+        self.packer = packer_for(s, trainer.num_workers)
+        trainer.control.steps_per_execution = self.packer.k
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
         self.evals: InlineEval | None = None
         if s.eval_every:
@@ -671,6 +693,7 @@ class _Loop:
         steps, seconds = self._result(entry, value)
         self.completed += steps
         self.last_progress = time.monotonic()
+        self._repack(steps, seconds)
         if self.stalled:
             self.stalled = False
             log.warning("steps finish again: the stall is over")
@@ -679,6 +702,21 @@ class _Loop:
                 self.t.metrics.set_stalled(False)
         if self.t.metrics is not None:
             self.t.metrics.observe_call(steps=steps, seconds=seconds)
+
+    def _repack(self, steps: int, seconds: float) -> None:
+        k = self.packer.observe(steps=steps, worker_seconds=seconds)
+        if k is None:
+            return
+        m = self.packer.last
+        log.info(
+            "steps per call: %d (per call %.1f ms overhead vs %.2f ms/step)",
+            k,
+            1e3 * m.overhead_seconds if m else 0.0,
+            1e3 * m.step_seconds if m else 0.0,
+        )
+        self.t.control.steps_per_execution = k
+        if self.t.metrics is not None:
+            self.t.metrics.set_steps_per_execution(k)
 
     def _retire_done(self) -> int:
         done = [entry for entry in self.in_flight if _is_done(entry.remote)]
@@ -761,7 +799,7 @@ class _Loop:
         # to every worker, and one to a restarted worker can hold up all later eager work
         # (seen: the final evaluation hung after a worker and a ps restarted).
         t.iterator = self._make_iterator()
-        full = tf.constant(s.steps_per_execution, tf.int64)
+        constants: dict[int, tf.Tensor] = {}
         next_checkpoint = (self.start_step // s.checkpoint_every + 1) * s.checkpoint_every
         last_status = last_log = time.monotonic()
         status_step = self.start_step
@@ -784,8 +822,10 @@ class _Loop:
                 log.info("resumed at global step %d", self.completed)
                 self.ended = None
             t._serve_checkpoint_requests()
-            k = min(s.steps_per_execution, target - self.scheduled)
-            num = full if k == s.steps_per_execution else tf.constant(k, tf.int64)
+            k = min(self.packer.k, target - self.scheduled)
+            num = constants.get(k)
+            if num is None:
+                num = constants[k] = tf.constant(k, tf.int64)
             # t.iterator: --epochs may start a new one (make-up passes, coordinator/epochs.py)
             remote = t.coordinator.schedule(train_fn, args=(t.iterator, num))
             self.in_flight.append(_InFlight(remote, k, time.monotonic()))

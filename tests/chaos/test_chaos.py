@@ -109,6 +109,9 @@ def job(workdir):
             "2",
             "--checkpoint-every",
             "300",
+            # Fixed, not auto: the bounds below count reruns in calls of 20 steps.
+            "--steps-per-execution",
+            "20",
             "--control-address",
             f"127.0.0.1:{port}",
             "--summary-json",

@@ -29,7 +29,7 @@ def test_layers_in_order(tmp_path: Path):
     [
         ({"steps": 0}, "--steps"),
         ({"batch_size": -1}, "--batch-size"),
-        ({"steps_per_execution": 0}, "--steps-per-execution"),
+        ({"steps_per_execution": -1}, "--steps-per-execution"),  # 0 = auto
         ({"log_every": 0.0}, "--log-every"),
     ],
 )
