@@ -371,7 +371,8 @@ def test_one_pass_reads_every_record_once_with_the_partial_batch(tmp_path: Path,
     assert int(dataset.cardinality()) != int(tf.data.INFINITE_CARDINALITY)
     x, _ = read_all(dataset)
     assert sorted(x[:, 0].astype(int).tolist()) == sorted(ids)
-    assert [int(b[1].shape[0]) for b in dataset][-1] == 21 % 4
+    # One partial batch (the parallel parse may hand it out before the last full one).
+    assert sorted(int(b[1].shape[0]) for b in dataset) == [21 % 4] + [4] * (21 // 4)
 
 
 def test_mlp_one_pass_is_every_example_once():
