@@ -829,8 +829,7 @@ def print_overhead(
 
 def parent_main(args: argparse.Namespace) -> int:
     from cluster.logs import quiet_tensorflow
-    from cluster.spec import split_host_port
-    from coordinator.local import LocalCluster, ServerFailed
+    from coordinator.local import ServerFailed
 
     quiet_tensorflow()  # inherited by the servers and every child
     k = args.steps_per_execution
@@ -844,17 +843,9 @@ def parent_main(args: argparse.Namespace) -> int:
         modes = [m for m in modes if m.kind != "local"]
     workdir = Path(args.workdir or REPO / "psctl-work" / time.strftime("bench-%Y%m%d-%H%M%S"))
     logs = workdir / "bench-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-    _, chief_port = split_host_port(local.cluster.chief or "", field="cluster.chief[0]")
-    print(
-        f"work dir {workdir}; {len(modes)} modes x {args.repeats} repeat(s): "
-        + ", ".join(m.label for m in modes),
-        flush=True,
+    local, chief_port = open_bench(
+        args, workdir, logs, [m.label for m in modes], f"work dir {workdir}"
     )
-    print(f"{_load()} (other work on this machine skews every mode)", flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_interrupt)
     width = max(9, *(len(m.label) for m in modes))
     runs: list[dict[str, Any]] = []
     try:
@@ -1002,6 +993,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--metrics-port", type=int, default=0, help=argparse.SUPPRESS)
     return parser
+
+
+def open_bench(
+    args: argparse.Namespace, workdir: Path, logs: Path, labels: list[str], where: str
+) -> tuple[Any, int]:
+    """The benchmarks' one local cluster (not started yet) and its chief port; prints what
+    will run and the machine's load, and turns SIGINT/SIGTERM into KeyboardInterrupt."""
+    from cluster.spec import split_host_port
+    from coordinator.local import LocalCluster
+
+    logs.mkdir(parents=True, exist_ok=True)
+    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
+    _, chief_port = split_host_port(local.cluster.chief or "", field="cluster.chief[0]")
+    print(
+        f"{where}; {len(labels)} modes x {args.repeats} repeat(s): " + ", ".join(labels),
+        flush=True,
+    )
+    print(f"{_load()} (other work on this machine skews every mode)", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
+    return local, chief_port
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -453,8 +453,7 @@ def plot(runs: list[dict[str, Any]], modes: list[Mode], target: float, path: Pat
 
 def parent_main(args: argparse.Namespace) -> int:
     from cluster.logs import quiet_tensorflow
-    from cluster.spec import split_host_port
-    from coordinator.local import LocalCluster, ServerFailed
+    from coordinator.local import ServerFailed
 
     quiet_tensorflow()
     raw_ks = sorted({int(k) for k in args.raw_k.split(",")} | {1})
@@ -467,17 +466,9 @@ def parent_main(args: argparse.Namespace) -> int:
     results = Path(args.results or REPO / "bench" / "results" / stamp)
     workdir = results / "work"
     logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-    _, chief_port = split_host_port(local.cluster.chief or "", field="cluster.chief[0]")
-    print(
-        f"results {results}; {len(modes)} modes x {args.repeats} repeat(s): "
-        + ", ".join(m.label for m in modes),
-        flush=True,
+    local, chief_port = throughput.open_bench(
+        args, workdir, logs, [m.label for m in modes], f"results {results}"
     )
-    print(f"{throughput._load()} (other work on this machine skews every mode)", flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, throughput._raise_interrupt)
     runs: list[dict[str, Any]] = []
     servers_rss: dict[str, float | None] = {}
     try:

@@ -43,6 +43,20 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def run_python(code: str, *args: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter (e.g. to read TensorFlow files while keeping this
+    process free of TensorFlow); its stdout, or the test fails with its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (from /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

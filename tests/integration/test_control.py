@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
 from cluster.ports import free_ports
-from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
+from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -48,15 +47,8 @@ def load_step(path: str) -> int:
         "import sys, tensorflow as tf; r = tf.train.load_checkpoint(sys.argv[1]); "
         "print(int(r.get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE')))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, path],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return int(proc.stdout.strip())
+    stdout = run_python(code, path)
+    return int(stdout.strip())
 
 
 @pytest.mark.timeout(300)

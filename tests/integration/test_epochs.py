@@ -5,13 +5,11 @@ clusters (psctl local), proven by the visitation job's per-id counter on the ps;
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, child_env, processes_mentioning, psctl_argv, read_json
+from tests.conftest import REPO, processes_mentioning, psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -27,15 +25,8 @@ def checkpoint_tensor(directory: Path, suffix: str) -> list[float]:
         "names = [n for n in reader.get_variable_to_shape_map() if n.endswith(sys.argv[2])]\n"
         "print(json.dumps(reader.get_tensor(names[0]).tolist()))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(directory), suffix],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    stdout = run_python(code, str(directory), suffix)
+    return json.loads(stdout.splitlines()[-1])
 
 
 @pytest.mark.timeout(180)

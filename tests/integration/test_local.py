@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
+from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -44,15 +43,8 @@ def tensorboard_tags(logdir: Path) -> set[str]:
         "    for e in tf.compat.v1.train.summary_iterator(f):\n"
         "        for v in e.summary.value: print(v.tag)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(logdir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return set(proc.stdout.split())
+    stdout = run_python(code, str(logdir))
+    return set(stdout.split())
 
 
 @pytest.mark.timeout(300)

@@ -3,13 +3,11 @@ process restores the last finite checkpoint and finishes the job."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, child_env, psctl_argv, read_json
+from tests.conftest import REPO, child_env, psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -26,15 +24,8 @@ def nonfinite_checkpoints(directory: Path) -> list[str]:
         "        if value.dtype.kind == 'f' and not np.isfinite(value).all():\n"
         "            print(index, name)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.splitlines()
+    stdout = run_python(code, str(directory))
+    return stdout.splitlines()
 
 
 @pytest.mark.timeout(300)
