@@ -864,7 +864,7 @@ _SCALAR = summary_pb2.SummaryMetadata(
 
 def _check_finite(values: dict[str, float], step: int) -> None:
     """A NaN or infinite training loss ruins the model for good (seen: a worker frozen for a
-    minute thawed and landed its stale optimizer update; Adam's second moment went negative).
+    minute thawed, landed its stale optimizer update, and the loss went NaN).
     Only a fresh process restoring the last (finite) checkpoint can go on."""
     loss = values.get("loss")
     if loss is not None and not math.isfinite(loss):
