@@ -34,7 +34,7 @@ from cluster.dataservice import require_dispatcher
 from cluster.errors import ConfigError
 from cluster.spec import split_host_port
 from coordinator.progress import Progress
-from coordinator.trainer import _InFlight, _Loop
+from coordinator.trainer import _InFlight, _Loop, seconds_since
 
 if TYPE_CHECKING:
     from coordinator.trainer import Trainer
@@ -69,17 +69,18 @@ def make_epoch_train_fn(trainer: Trainer) -> Any:
         started = tf.timestamp()
         steps = tf.constant(0, tf.int64)
         examples = tf.constant(0, tf.int64)
-        for _ in tf.range(num_steps):
-            batch = iterator.get_next_as_optional()
-            if not batch.has_value():
-                break
-            value = batch.get_value()
-            strategy.run(replica_step, args=(value,))
-            steps += 1
-            examples += tf.cast(tf.shape(value[1])[0], tf.int64)
-        global_step.assign_add(steps)
+        with tf.control_dependencies([started]):
+            for _ in tf.range(num_steps):
+                batch = iterator.get_next_as_optional()
+                if not batch.has_value():
+                    break
+                value = batch.get_value()
+                strategy.run(replica_step, args=(value,))
+                steps += 1
+                examples += tf.cast(tf.shape(value[1])[0], tf.int64)
+        done = global_step.assign_add(steps)
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
-        micros = tf.cast((tf.timestamp() - started) * 1e6, tf.int64)
+        micros = tf.cast(seconds_since(started, after=done) * 1e6, tf.int64)
         return tf.stack([steps, examples, tf.cast(index, tf.int64), micros])
 
     return train_fn
