@@ -16,13 +16,17 @@ from psctl.control.v1 import control_pb2
 from coordinator.client import ControlError, call, status_dict
 
 
+def status(address: str) -> dict | None:
+    """`psctl status --json` as a dict; None while the coordinator does not answer."""
+    try:
+        return status_dict(call(address, "GetStatus", control_pb2.GetStatusRequest(), timeout=5))
+    except ControlError:
+        return None
+
+
 def poll(address: str, every: float = 0.3) -> Iterator[dict | None]:
     while True:
-        try:
-            status = call(address, "GetStatus", control_pb2.GetStatusRequest(), timeout=5)
-            yield status_dict(status)
-        except ControlError:
-            yield None
+        yield status(address)
         time.sleep(every)
 
 

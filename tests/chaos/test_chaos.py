@@ -8,7 +8,6 @@ the final eval accuracy. `make chaos` runs this file alone.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -22,7 +21,7 @@ import pytest
 
 from cluster.ports import free_ports
 from tests.chaos import status_feed
-from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
+from tests.chaos.conftest import RUNNING, Sampler, before_fault, full_speed_after, record
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
 
 pytestmark = pytest.mark.chaos
@@ -39,21 +38,11 @@ class Job:
         self.sampler = Sampler(status_feed.poll(self.address))
 
     def status(self) -> dict | None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc = subprocess.run(
-                psctl_argv("status", "--json", "--address", self.address),
-                capture_output=True,
-                text=True,
-                timeout=20,
-                env=child_env(),
-            )
-            if proc.returncode == 0:
-                return json.loads(proc.stdout)
-        return None
+        return status_feed.status(self.address)
 
     def step(self) -> int | None:
         status = self.status()
-        if status and status["state"] in ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING"):
+        if status and status["state"] in RUNNING:
             return int(status["global_step"])
         return None
 
