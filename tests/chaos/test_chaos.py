@@ -210,6 +210,12 @@ def test_coordinator_killed_during_checkpoints(job):
     j = job(8000, "--max-restarts", "10")
     rng = random.Random(7)
     kills = 0
+    # A process's first save is its slowest: killed there every time, no checkpoint would
+    # ever be complete and nothing to restore would be tested (seen). Start after one.
+    deadline = time.monotonic() + 150
+    while not re.search(r"coordinator\.trainer: checkpoint \S+ \(", j.log()):
+        assert time.monotonic() < deadline, "no checkpoint completed:\n" + j.log()[-3000:]
+        time.sleep(0.1)
     deadline = time.monotonic() + 240
     while kills < 4 and time.monotonic() < deadline:
         status = j.status()
