@@ -300,14 +300,18 @@ class Trainer:
         replica_step = self._make_replica_step()
         global_step, strategy = self.global_step, self.strategy
 
-        @tf.function
+        # No autograph (see local_step.py): the loop is the tf.while_loop it would make.
+        @tf.function(autograph=False)
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
+            def step(ran: tf.Tensor) -> tf.Tensor:
+                strategy.run(replica_step, args=(next(iterator),))
+                return ran + 1
+
             started = tf.timestamp()
-            ran = tf.constant(0, tf.int64)
             with tf.control_dependencies([started]):
-                for _ in tf.range(num_steps):
-                    strategy.run(replica_step, args=(next(iterator),))
-                    ran += 1
+                (ran,) = tf.while_loop(
+                    lambda ran: ran < num_steps, step, [tf.constant(0, num_steps.dtype)]
+                )
             done = global_step.assign_add(ran)  # after the loop: it needs the loop's output
             # Seconds this call ran on its worker: the only value copied back per call.
             return seconds_since(started, after=done)
