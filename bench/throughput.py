@@ -236,6 +236,7 @@ class RawLoop:
     num_workers: int
     model: Any
     accuracy: Any
+    iterations: Any  # the optimizer's step counter, on the ps
     train_fn: Any
     per_worker_dataset_fn: Any
     warm_up: Any  # builds the job's arrays once, as psctl does before its clock starts
@@ -310,6 +311,7 @@ def build_raw(cluster_file: str, *, batch_size: int, k: int, job_name: str = JOB
         num_workers=num_workers,
         model=model,
         accuracy=accuracy,
+        iterations=optimizer.iterations,
         train_fn=step_fn if k == 1 else packed_step_fn,
         per_worker_dataset_fn=per_worker_dataset_fn,
         warm_up=lambda: job.dataset_fn(DataContext(0, num_workers, batch_size, SEED)),
