@@ -64,20 +64,29 @@ def make_epoch_train_fn(trainer: Trainer) -> Any:
     replica_step = trainer._make_replica_step()
     global_step, strategy = trainer.global_step, trainer.strategy
 
-    @tf.function
+    # No autograph (see local_step.py): the loop is the tf.while_loop it would make, ending
+    # early at the end of the data.
+    @tf.function(autograph=False)
     def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
-        started = tf.timestamp()
-        steps = tf.constant(0, tf.int64)
-        examples = tf.constant(0, tf.int64)
-        with tf.control_dependencies([started]):
-            for _ in tf.range(num_steps):
-                batch = iterator.get_next_as_optional()
-                if not batch.has_value():
-                    break
+        def step(steps: tf.Tensor, examples: tf.Tensor, _: tf.Tensor) -> tuple[Any, ...]:
+            batch = iterator.get_next_as_optional()
+
+            def run() -> tuple[Any, ...]:
                 value = batch.get_value()
                 strategy.run(replica_step, args=(value,))
-                steps += 1
-                examples += tf.cast(tf.shape(value[1])[0], tf.int64)
+                n = tf.cast(tf.shape(value[1])[0], tf.int64)
+                return steps + 1, examples + n, tf.constant(False)
+
+            return tf.cond(batch.has_value(), run, lambda: (steps, examples, tf.constant(True)))
+
+        started = tf.timestamp()
+        zero = tf.constant(0, tf.int64)
+        with tf.control_dependencies([started]):
+            steps, examples, _ = tf.while_loop(
+                lambda steps, _, ended: tf.logical_and(steps < num_steps, tf.logical_not(ended)),
+                step,
+                (zero, zero, tf.constant(False)),
+            )
         done = global_step.assign_add(steps)
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
         micros = tf.cast(seconds_since(started, after=done) * 1e6, tf.int64)
