@@ -430,8 +430,12 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         ("raw_tf_best/psctl_best tta after start-up", "after_start_s", every_raw),
         ("raw_tf_best/psctl_best tta", "median_s", every_raw),
     ):
+        if not raw_modes & every_raw and label != "raw_tf_best/psctl_best tta":
+            continue  # not run (--modes); the line is always printed
         value = ratio(rows, key, raw_modes)
         text = "n/a (a mode never reached the target)" if value is None else f"{value:.2f}"
+        if not raw_modes & every_raw:
+            text = "n/a (no raw mode was run)"
         lines.append(f"{label} = {text}")
     return lines
 
