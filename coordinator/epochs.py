@@ -33,8 +33,9 @@ from cluster import ports
 from cluster.dataservice import require_dispatcher
 from cluster.errors import ConfigError
 from cluster.spec import split_host_port
+from coordinator.graph_ops import seconds_since
 from coordinator.progress import Progress
-from coordinator.trainer import _InFlight, _Loop, seconds_since
+from coordinator.trainer import _InFlight, _Loop
 
 if TYPE_CHECKING:
     from coordinator.trainer import Trainer

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from cluster.errors import ConfigError
-from coordinator.trainer import _is_done, _only_workers_failed, sum_count
+from coordinator.graph_ops import sum_count
+from coordinator.trainer import _is_done, _only_workers_failed
 
 if TYPE_CHECKING:
     from coordinator.trainer import Trainer

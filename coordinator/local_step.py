@@ -30,6 +30,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from coordinator.graph_ops import seconds_since, sum_count
+
 log = logging.getLogger(__name__)
 
 
@@ -102,7 +104,6 @@ def make_local_train_fn(
     other_metrics: Sequence[Any],
     global_step: Any,
     scale: float,
-    row: Callable[[Any], tf.Tensor],
 ) -> Any:
     """The scheduled function of local-step mode: ``train_fn(iterator, num_steps)`` runs
     ``num_steps`` local steps and returns the seconds it ran on its worker, like the default
@@ -140,7 +141,8 @@ def make_local_train_fn(
                     loss += tf.add_n(losses)
             grads = tape.gradient(loss, params)
             params, state = local.update(i, lr, params, grads, state)
-            rows = [row(loss)] + [row(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+            rows = [sum_count(loss)]
+            rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
             for metric in other_metrics:
                 metric.update_state(y, predictions)
             return i + 1, params, state, list(new_stats), sums + tf.stack(rows)
@@ -167,7 +169,6 @@ def make_local_train_fn(
         updates.append(mean_sums.assign_add(sums))
         with tf.control_dependencies(updates):
             done = global_step.assign_add(num_steps)
-        with tf.control_dependencies([done]):
-            return tf.timestamp() - started
+        return seconds_since(started, after=done)
 
     return train_fn

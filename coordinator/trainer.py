@@ -30,6 +30,7 @@ from tensorflow.core.framework import summary_pb2
 
 from cluster.spec import ClusterConfig
 from coordinator.control import JobControl, State
+from coordinator.graph_ops import seconds_since, sum_count
 from coordinator.job import DataContext, Job
 from coordinator.local_step import make_local_train_fn
 from coordinator.metric_objects import make_eval_step, metric_factories
@@ -99,21 +100,6 @@ def _resolver(cluster: ClusterConfig) -> Any:
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster.as_dict()), task_type="chief", task_id=0, rpc_layer="grpc"
     )
-
-
-def seconds_since(started: tf.Tensor, *, after: tf.Tensor) -> tf.Tensor:
-    """Seconds from ``started`` (a ``tf.timestamp()``) until ``after`` has run, in a
-    scheduled function. tf.timestamp is not ordered with the other ops by itself (seen: ~3 us
-    per 20-step call), so the caller also runs its steps under
-    ``tf.control_dependencies([started])``."""
-    with tf.control_dependencies([after]):
-        return tf.timestamp() - started
-
-
-def sum_count(values: tf.Tensor) -> tf.Tensor:
-    """[sum, count] of a tensor's values, float64: a row of a mean metric's state."""
-    values = tf.cast(values, tf.float64)
-    return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
 
 
 def _scalar(value: Any) -> float:
@@ -295,7 +281,6 @@ class Trainer:
                 other_metrics=self.other_metrics,
                 global_step=self.global_step,
                 scale=self.settings.local_scale,
-                row=sum_count,
             )
         replica_step = self._make_replica_step()
         global_step, strategy = self.global_step, self.strategy

@@ -11,11 +11,6 @@ import tensorflow as tf
 from coordinator.local_step import make_local_train_fn
 
 
-def row(values: tf.Tensor) -> tf.Tensor:
-    values = tf.cast(values, tf.float64)
-    return tf.stack([tf.reduce_sum(values), tf.cast(tf.size(values), tf.float64)])
-
-
 def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
     return keras.losses.sparse_categorical_crossentropy(labels, predictions, from_logits=True)
 
@@ -49,7 +44,6 @@ def build(model: keras.Model, optimizer: keras.optimizers.Optimizer, scale: floa
         other_metrics=[],
         global_step=global_step,
         scale=scale,
-        row=row,
     )
     return fn, mean_sums, global_step
 
