@@ -18,12 +18,14 @@ seconds the probe scores its newest snapshot at once, to end the run at the targ
 
 Each mode runs ``--repeats`` times (order rotated per round), each run in a fresh
 coordinator process against the same servers. Printed: per-run lines, a table with min and
-median, the peak RSS of every process, and last ``raw_tf_best/psctl_best tta = R.RR`` (the
-median TTA of the best raw mode over that of the best psctl mode). Written to the results
-folder (default ``bench/results/tta-<time>/``): ``tta.png`` (eval accuracy and loss against
-training seconds, every mode), ``table.md`` and ``results.json``.
+median, the peak RSS of every process, then ``raw@1/psctl_best tta``, ``raw_tf_best/psctl_best
+tta after start-up`` (medians of TTA minus the first snapshot with a step on the ps) and
+last ``raw_tf_best/psctl_best tta = R.RR`` (the median TTA of the best raw mode over that of
+the best psctl mode). Written to the results folder (default ``bench/results/tta-<time>/``):
+``tta.png`` (eval accuracy and loss against seconds from the first ``schedule()``, every
+mode and repeat), ``table.md`` and ``results.json``.
 
-    .venv/bin/python bench/tta.py            # ~6 minutes on 2 cores
+    .venv/bin/python bench/tta.py            # ~3-4 minutes on 2 cores
     .venv/bin/python bench/tta.py --quick    # one round, lower target: a smoke test
 """
 
