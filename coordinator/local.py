@@ -176,6 +176,7 @@ class LocalCluster:
         self._budgets: dict[str, RestartBudget] = {}
         self._restart_due: dict[str, float] = {}
         self.counters = Counters()  # shared with the training supervisor
+        self._tasks_written = False
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -250,11 +251,13 @@ class LocalCluster:
                 }
             )
             targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
-        self.tasks_file.write_text(json.dumps(tasks, indent=2))
-        # Written whole then renamed: Prometheus may read the file at any moment.
-        tmp = self.targets_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(targets, indent=2))
-        os.replace(tmp, self.targets_file)
+        # Each written whole then renamed: Prometheus and training processes may read them at
+        # any moment; a restarted server rewrites them (its new pid).
+        for path, body in ((self.tasks_file, tasks), (self.targets_file, targets)):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(body, indent=2))
+            os.replace(tmp, path)
+        self._tasks_written = True
 
     def wait_serving(self, *, timeout: float) -> None:
         """Bounded wait for every server's health; a failed server shows its last log lines."""
@@ -312,6 +315,8 @@ class LocalCluster:
                     server.metrics_port,
                 )
                 log.info("%s restarted (pid %d)", server.name, self.servers[i].proc.pid)
+                if self._tasks_written:
+                    self.write_tasks()
 
     def stop(self) -> None:
         stop_processes([s.proc for s in self.servers])

@@ -8,6 +8,7 @@ the final eval accuracy. `make chaos` runs this file alone.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -156,9 +157,14 @@ def test_worker_sigkill(job):
 def test_ps_sigkill(job):
     j = job(7000)
     step, fault_at, baseline = fault(j, 800)
-    os.kill(j.pid_of(r"ps_server\.main"), signal.SIGKILL)
+    killed = j.pid_of(r"ps_server\.main")
+    os.kill(killed, signal.SIGKILL)
     to_step = j.sampler.first_new_step(fault_at)
     returned = j.sampler.wait_serving("ps:0", after=fault_at)
+    # tasks.json names the restarted server's pid (read by status and operators).
+    tasks = json.loads((j.workdir / "tasks.json").read_text())
+    ps_pid = next(t["pid"] for t in tasks if t["type"] == "ps")
+    assert ps_pid != killed and ps_pid == j.pid_of(r"ps_server\.main")
     summary = j.finish()
     restored = restored_step(j.log())
     assert restored is not None, "the new training process did not restore a checkpoint"
