@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster import ports
 from cluster.dataservice import dispatcher_address, require_dispatcher
-from cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from cluster.errors import ConfigError
 from cluster.spec import (
     ClusterConfig,
     TaskConfig,
@@ -91,7 +91,8 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
 
 
 class Unreachable(Exception):
-    exit_status = EXIT_UNAVAILABLE
+    """Servers still not listening after --connect-timeout: the training process exits
+    EXIT_RESTART so that its supervisor retries within the crash-loop budget."""
 
 
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
