@@ -372,29 +372,34 @@ class Trainer:
         assert self.manager is not None
         previous = self.control.state
         self.control.set_state(State.CHECKPOINTING)
+        try:
+            return self._write_checkpoint()
+        finally:
+            # Unless the loop moved on meanwhile (a background save): its state stands.
+            if previous != State.CHECKPOINTING and self.control.state == State.CHECKPOINTING:
+                self.control.set_state(previous)
+
+    def _write_checkpoint(self) -> str:
+        assert self.manager is not None
         started = time.monotonic()
         step = int(self.global_step.numpy())
         values = [source.numpy() for source, _ in self._mirror_pairs]
         for (source, _), value in zip(self._mirror_pairs, values, strict=True):
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 # Never write it: with --keep-checkpoints the good ones would be deleted.
-                if previous != State.CHECKPOINTING:
-                    self.control.set_state(previous)
                 raise RestartFromCheckpoint(
                     f"{source.name} is not finite at global step {step}: checkpoint refused"
                 )
         self.saved_step.assign(step)
         for (_, copy), value in zip(self._mirror_pairs, values, strict=True):
             copy.assign(value)
-        path = self.manager.save(checkpoint_number=step)
+        path: str = self.manager.save(checkpoint_number=step)
         seconds = time.monotonic() - started
         log.info("checkpoint %s (%.2fs)", path, seconds)
         now = time.time()
         self.control.update(checkpoint_path=path, checkpoint_step=step, checkpoint_time=now)
         if self.metrics is not None:
             self.metrics.observe_checkpoint(seconds=seconds, step=step, timestamp=now)
-        if previous != State.CHECKPOINTING and self.control.state == State.CHECKPOINTING:
-            self.control.set_state(previous)
         return path
 
     def _serve_checkpoint_requests(self) -> None:
