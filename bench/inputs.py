@@ -36,6 +36,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+
 MODES = ("memory", "files", "service-files", "service-memory")
 
 
@@ -43,8 +45,8 @@ def write_files(directory: Path, count: int) -> tuple[str, int]:
     """The mlp job's training data as ``count`` CSV files; returns (glob, examples)."""
     import numpy as np
 
-    from coordinator.data import write_csv
-    from jobs.mlp import make_data
+    from psctl.coordinator.data import write_csv
+    from psctl.jobs.mlp import make_data
 
     x, y, _, _ = make_data()
     directory.mkdir(parents=True, exist_ok=True)
@@ -58,10 +60,7 @@ def run_mode(
     mode: str, args: argparse.Namespace, pattern: str, examples: int, workdir: Path
 ) -> dict[str, Any]:
     out = workdir / "summary.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "coordinator.cli",
+    argv = psctl_argv(
         "local",
         "--workdir",
         str(workdir),
@@ -79,7 +78,7 @@ def run_mode(
         "30",
         "--summary-json",
         str(out),
-    ]
+    )
     if mode.startswith("service"):
         argv += ["--epochs", str(args.epochs)]
     else:

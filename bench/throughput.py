@@ -5,7 +5,7 @@ batch per worker, and report training steps per second (one step = one batch of
 ``--batch-size`` examples on one worker, so steps/s x batch = examples/s in every mode):
 
 ``psctl``
-    ``coordinator.trainer.Trainer(...).run()`` on the cluster at K steps per scheduled call;
+    psctl's ``Trainer(...).run()`` on the cluster at K steps per scheduled call;
     the rate is the ``Summary``'s ``steps_per_sec``.
 ``raw``
     The TensorFlow parameter-server tutorial loop
@@ -35,9 +35,10 @@ around the Trainer's calls into its ``ClusterCoordinator`` and the results' ``fe
 
 Each TF coordinator can connect to a cluster only once per process, so every measured run is a
 fresh subprocess (``--run-mode``) that prints one JSON line; the parent starts one local
-cluster (``coordinator.local.LocalCluster``) that serves all runs, runs the modes interleaved
-(``--repeats`` rounds, the order rotated each round), and prints the medians. The last line of
-output is ``psctl/raw_tf = R.RR``: psctl over raw TF steps/s at the same steps per call.
+cluster (``LocalCluster``, psctl.coordinator.launch.local) that serves all runs, runs the
+modes interleaved (``--repeats`` rounds, the order rotated each round), and prints the
+medians. The last line of output is ``psctl/raw_tf = R.RR``: psctl over raw TF steps/s at
+the same steps per call.
 
 ``--metrics-overhead`` runs only psctl, with the coordinator's metrics off (``metrics=None``,
 the ``psctl`` mode) and on (``psctl-metrics``: a ``CoordinatorMetrics`` on its own
@@ -121,12 +122,12 @@ def _new_trainer(job: Any, cluster: Any, settings: Any, metrics: Any = None) -> 
     and ``metrics=`` (wired to the control's state as ``psctl train`` does) when given."""
     import inspect
 
-    from coordinator.trainer import Trainer
+    from psctl.coordinator.training.trainer import Trainer
 
     params = inspect.signature(Trainer).parameters
     kwargs: dict[str, Any] = {}
     if "control" in params:
-        from coordinator.control import JobControl
+        from psctl.coordinator.control.service import JobControl
 
         kwargs["control"] = JobControl(
             job=JOB,
@@ -156,9 +157,9 @@ class _StampedRemote:
 
 def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
     """psctl's own loop as `psctl train` runs it (no checkpoints); its Summary's rate."""
-    from cluster.spec import load_cluster_file
-    from coordinator.job import load_job
-    from coordinator.settings import TrainSettings
+    from psctl.cluster.spec import load_cluster_file
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.settings import TrainSettings
 
     settings = TrainSettings(
         job=JOB,
@@ -247,7 +248,7 @@ def build_raw(cluster_file: str, *, batch_size: int, k: int, job_name: str = JOB
     import keras
     import tensorflow as tf
 
-    from coordinator.job import DataContext, load_job
+    from psctl.coordinator.job import DataContext, load_job
 
     job = load_job(job_name)
     cluster = json.loads(Path(cluster_file).read_text())["cluster"]
@@ -347,7 +348,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
-    from coordinator.job import DataContext, load_job
+    from psctl.coordinator.job import DataContext, load_job
 
     job = load_job(JOB)
     k = args.steps_per_execution
@@ -398,13 +399,13 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
     """``run_psctl`` with the coordinator's metrics on, as ``psctl train --metrics-port`` has
-    them (``coordinator.run.start_metrics``): a ``CoordinatorMetrics`` on its own registry,
-    served on /metrics; the parent scrapes it every second while this runs."""
+    them (``start_metrics``, psctl.coordinator.launch.train): a ``CoordinatorMetrics`` on its own
+    registry, served on /metrics; the parent scrapes it every second while this runs."""
     from prometheus_client import CollectorRegistry
 
-    from cluster.metrics import serve_metrics
-    from cluster.spec import load_cluster_file
-    from coordinator.metrics import CoordinatorMetrics
+    from psctl.cluster.metrics import serve_metrics
+    from psctl.cluster.spec import load_cluster_file
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
 
     cluster = load_cluster_file(args.cluster)
     registry = CollectorRegistry()
@@ -427,8 +428,8 @@ def run_dispatch(args: argparse.Namespace) -> dict[str, Any]:
     (it returns a constant; no variable, no data), then ``join()``."""
     import tensorflow as tf
 
-    from cluster.spec import load_cluster_file
-    from coordinator.trainer import _resolver
+    from psctl.cluster.spec import load_cluster_file
+    from psctl.coordinator.training.trainer import _resolver
 
     cluster = load_cluster_file(args.cluster)
     strategy = tf.distribute.experimental.ParameterServerStrategy(_resolver(cluster))
@@ -830,8 +831,8 @@ def print_overhead(
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from cluster.logs import quiet_tensorflow
-    from coordinator.local import ServerFailed
+    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()  # inherited by the servers and every child
     k = args.steps_per_execution
@@ -1002,8 +1003,8 @@ def open_bench(
 ) -> tuple[Any, int]:
     """The benchmarks' one local cluster (not started yet) and its chief port; prints what
     will run and the machine's load, and turns SIGINT/SIGTERM into KeyboardInterrupt."""
-    from cluster.spec import split_host_port
-    from coordinator.local import LocalCluster
+    from psctl.cluster.spec import split_host_port
+    from psctl.coordinator.launch.local import LocalCluster
 
     logs.mkdir(parents=True, exist_ok=True)
     local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)

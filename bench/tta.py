@@ -12,7 +12,7 @@ seconds the probe scores its newest snapshot at once, to end the run at the targ
     The TF tutorial loop (``bench/throughput.py``'s ``build_raw``) at 1 and K steps per
     call; ``raw_tf_best`` is the fastest of them.
 ``psctl``
-    ``coordinator.trainer.Trainer`` in its default mode, ``--steps-per-execution auto``.
+    psctl's ``Trainer`` in its default mode, ``--steps-per-execution auto``.
 ``psctl-local``
     ``Trainer`` with ``--update-mode local --local-steps 50``.
 
@@ -91,8 +91,8 @@ class Probe(threading.Thread):
         import keras
         import tensorflow as tf
 
-        from coordinator.job import DataContext
-        from coordinator.metric_objects import make_eval_step, metric_factories
+        from psctl.coordinator.job import DataContext
+        from psctl.coordinator.training.metric_objects import make_eval_step, metric_factories
 
         if job.eval_dataset_fn is None:
             raise SystemExit(f"tta: job {job.name} has no eval_dataset_fn")
@@ -228,8 +228,8 @@ class Probe(threading.Thread):
 
 
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
-    from coordinator.job import load_job
-    from coordinator.trainer import _is_done
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.training.trainer import _is_done
 
     raw = throughput.build_raw(
         args.cluster, batch_size=args.batch_size, k=args.steps_per_execution, job_name=args.job
@@ -259,10 +259,10 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
 def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     """psctl's own loop in-process (a subclass that tells the probe when the first call is
     done and stops at the probe's word; instrumentation only)."""
-    from cluster.spec import load_cluster_file
-    from coordinator import trainer as trainer_module
-    from coordinator.job import load_job
-    from coordinator.settings import TrainSettings
+    from psctl.cluster.spec import load_cluster_file
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.settings import TrainSettings
+    from psctl.coordinator.training import trainer as trainer_module
 
     local = args.run_mode == "psctl-local"
     settings = TrainSettings(
@@ -503,8 +503,8 @@ def plot(runs: list[dict[str, Any]], modes: list[Mode], target: float, path: Pat
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from cluster.logs import quiet_tensorflow
-    from coordinator.local import ServerFailed
+    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()
     raw_ks = sorted({int(k) for k in args.raw_k.split(",")} | {1})

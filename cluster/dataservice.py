@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster.errors import ConfigError
-from cluster.spec import split_host_port
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import split_host_port
 
 log = logging.getLogger(__name__)
 

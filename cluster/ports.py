@@ -6,7 +6,7 @@ import contextlib
 import errno
 import socket
 
-from cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError
 
 # With no explicit port, a server's side ports sit at fixed offsets from its TF port, so that
 # `psctl health --cluster FILE` can find every health service from the cluster file alone.

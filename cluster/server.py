@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from cluster import ports, sdnotify
-from cluster.dataservice import dispatcher_address, start_data_worker
-from cluster.errors import EXIT_FAILURE, ConfigError
-from cluster.logs import configure_logging, quiet_tensorflow
-from cluster.spec import TaskConfig, resolve_task, split_host_port
+from psctl.cluster import ports, sdnotify
+from psctl.cluster.dataservice import dispatcher_address, start_data_worker
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.logs import configure_logging, quiet_tensorflow
+from psctl.cluster.spec import TaskConfig, resolve_task, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,8 @@ def _start_tf_server(opts: ServerOptions) -> object:
 def serve(opts: ServerOptions, stop: _Stop) -> int:
     from prometheus_client import CollectorRegistry
 
-    from cluster.health import HealthService
-    from cluster.metrics import ProcessMetrics, serve_metrics
+    from psctl.cluster.health import HealthService
+    from psctl.cluster.metrics import ProcessMetrics, serve_metrics
 
     task = opts.task
     name = f"{task.task_type}:{task.task_index}"

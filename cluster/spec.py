@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError
 
 TASK_TYPES: tuple[str, ...] = ("chief", "worker", "ps", "evaluator")
 

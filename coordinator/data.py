@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError
 
 if TYPE_CHECKING:
-    from coordinator.job import DataContext
+    from psctl.coordinator.job import DataContext
 
 CSV_SUFFIXES = (".csv",)
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")

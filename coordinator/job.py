@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError
 
 REQUIRED = ("create_model", "create_optimizer", "loss_fn", "dataset_fn")
 BUILTIN_PACKAGE = "jobs"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

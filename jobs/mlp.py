@@ -18,8 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from coordinator import data
-from coordinator.job import DataContext
+from psctl.job import DataContext, data
 
 NUM_FEATURES = 32
 NUM_CLASSES = 10

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from psctl.coordinator.launch import argv as launch_argv
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -25,7 +27,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def psctl_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", *args]
+    return launch_argv.psctl_argv(*args)
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster import server
+from psctl.cluster import server
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ports import free_ports
+from psctl.cluster.ports import free_ports
 from tests.chaos import status_feed
 from tests.chaos.conftest import RUNNING, Sampler, before_fault, full_speed_after, record
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
@@ -179,7 +179,7 @@ def test_ps_sigkill(job):
 def test_coordinator_sigkill(job):
     j = job(7000)
     step, fault_at, baseline = fault(j, 800)
-    os.kill(j.pid_of(r"coordinator\.cli train .*--once"), signal.SIGKILL)
+    os.kill(j.pid_of(r"-m psctl train .*--once"), signal.SIGKILL)
     to_step = j.sampler.first_new_step(fault_at)
     # The coordinator is back once a new training process answers with its tasks.
     returned = j.sampler.wait_serving("ps:0", after=fault_at)
@@ -228,7 +228,7 @@ def test_coordinator_killed_during_checkpoints(job):
         if status and status["state"] == "JOB_STATE_CHECKPOINTING":
             time.sleep(rng.uniform(0.0, 0.3))
             try:
-                os.kill(j.pid_of(r"coordinator\.cli train .*--once"), signal.SIGKILL)
+                os.kill(j.pid_of(r"-m psctl train .*--once"), signal.SIGKILL)
                 kills += 1
             except (AssertionError, ProcessLookupError):
                 pass

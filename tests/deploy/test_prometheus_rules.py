@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.metrics import CoordinatorMetrics
+from psctl.coordinator.control.metrics import CoordinatorMetrics
 from tests.conftest import REPO
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

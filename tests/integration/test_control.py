@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.ports import free_ports
+from psctl.cluster.ports import free_ports
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import data
-from jobs import mlp
+from psctl.coordinator import data
+from psctl.jobs import mlp
 from tests.conftest import processes_mentioning, psctl_argv, read_json
 
 pytestmark = pytest.mark.integration

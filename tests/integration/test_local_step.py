@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local import LocalCluster
+from psctl.coordinator.launch.local import LocalCluster
 from tests.conftest import psctl_argv, read_json
 
 pytestmark = pytest.mark.integration

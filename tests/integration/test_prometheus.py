@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cluster.ports import free_ports
-from coordinator.metrics import CoordinatorMetrics
+from psctl.cluster.ports import free_ports
+from psctl.coordinator.control.metrics import CoordinatorMetrics
 from tests.conftest import REPO, child_env, psctl_argv
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,8 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.health import wait_serving
-from cluster.ports import free_ports
+from psctl.cluster.health import wait_serving
+from psctl.cluster.ports import free_ports
+from psctl.coordinator.launch import argv as launch_argv
 from tests.conftest import child_env
 
 pytestmark = pytest.mark.integration
@@ -32,11 +32,8 @@ def write_cluster(path: Path, ps_port: int, worker_port: int) -> Path:
 
 
 def server_argv(kind: str, cluster: Path, health: int, metrics: int) -> list[str]:
-    module = "ps_server.main" if kind == "ps" else "worker_server.main"
     return [
-        sys.executable,
-        "-m",
-        module,
+        *launch_argv.server_argv(kind),
         "--cluster",
         str(cluster),
         "--index",
@@ -166,7 +163,7 @@ BAD_TF_CONFIGS = {
 def test_bad_tf_config_is_one_line_and_status_78(case):
     tf_config, field = BAD_TF_CONFIGS[case]
     proc = subprocess.run(
-        [sys.executable, "-m", "ps_server.main"],
+        launch_argv.server_argv("ps"),
         env=child_env(TF_CONFIG=tf_config),
         capture_output=True,
         text=True,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from coordinator.job import DataContext
-from jobs import mlp
-from jobs.mlp import create_model, create_optimizer, eval_dataset_fn, loss_fn, metrics
+from psctl.job import DataContext
+from psctl.jobs import mlp
+from psctl.jobs.mlp import create_model, create_optimizer, eval_dataset_fn, loss_fn, metrics
 
 __all__ = [
     "create_model",

@@ -14,7 +14,7 @@ import os
 import keras
 import tensorflow as tf
 
-from coordinator.job import DataContext
+from psctl.job import DataContext
 
 NUM_IDS = int(os.environ.get("VISIT_IDS", "1001"))
 VISITS = "visits"

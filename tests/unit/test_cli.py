@@ -91,7 +91,7 @@ def test_help_is_fast_and_does_not_import_tensorflow():
     assert proc.returncode == 0
     assert "local" in proc.stdout and "train" in proc.stdout
     assert time.monotonic() - started < 5
-    code = "import coordinator.cli, sys; print('tensorflow' in sys.modules)"
+    code = "import psctl.coordinator.cli.main, sys; print('tensorflow' in sys.modules)"
     probe = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=child_env()
     )

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from psctl.control.v1 import control_pb2, control_pb2_grpc
 
-from coordinator.control import ControlServer, JobControl, State, TaskInfo
+from psctl.control.v1 import control_pb2, control_pb2_grpc
+from psctl.coordinator.control.service import ControlServer, JobControl, State, TaskInfo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,7 +154,7 @@ def test_health_and_reflection_are_served(stub):
 
 
 def test_control_address_in_use_is_a_clear_error(stub):
-    from cluster.errors import ConfigError
+    from psctl.cluster.errors import ConfigError
 
     _, address = stub
     with pytest.raises(ConfigError, match="--control-address"):

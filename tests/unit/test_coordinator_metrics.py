@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from coordinator.metrics import STATES, CoordinatorMetrics
+from psctl.coordinator.control.metrics import STATES, CoordinatorMetrics
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cluster.errors import ConfigError
-from coordinator import data
-from coordinator.job import DataContext
-from jobs import mlp
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator import data
+from psctl.coordinator.job import DataContext
+from psctl.jobs import mlp
 
 
 @pytest.fixture(autouse=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.dataservice import ENV_DISPATCHER, dispatcher_address, require_dispatcher
-from cluster.errors import ConfigError
-from coordinator.settings import resolve_settings
+from psctl.cluster.dataservice import ENV_DISPATCHER, dispatcher_address, require_dispatcher
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.settings import resolve_settings
 from tests.conftest import child_env
 from tests.unit.test_cli import CLUSTER, run
 

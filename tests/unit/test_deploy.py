@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster import server as server_cli
-from cluster.errors import EXIT_CONFIG
-from cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
-from cluster.spec import parse_tf_config
-from coordinator import cli, deploy
+from psctl.cluster import server as server_cli
+from psctl.cluster.errors import EXIT_CONFIG
+from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
+from psctl.cluster.spec import parse_tf_config
+from psctl.coordinator.cli import main as cli
+from psctl.coordinator.launch import deploy
 from tests.conftest import REPO
 from tests.integration.netns_hosts import (
     Unit,
@@ -234,10 +235,11 @@ def test_systemd_analyze_verify_passes_on_every_rendered_unit(rendered: Path):
 
 
 def test_deploy_systemd_is_the_renderer_output(tmp_path: Path):
-    """deploy/systemd/ is rendered for /opt/psctl/venv: `python -m coordinator.deploy`."""
+    """deploy/systemd/ is rendered for /opt/psctl/venv
+    (python -m psctl.coordinator.launch.deploy)."""
     for name, content in deploy.reference_files().items():
         assert (SYSTEMD_DIR / name).read_text() == content, (
-            f"deploy/systemd/{name} is stale: run python -m coordinator.deploy"
+            f"deploy/systemd/{name} is stale: run python -m psctl.coordinator.launch.deploy"
         )
     # The same units verify once their binaries exist (here: this checkout's).
     for name in deploy.reference_files():
@@ -270,7 +272,7 @@ def test_render_refuses_ports_that_collide_on_one_host(tmp_path: Path):
 def test_psctl_deploy_does_not_import_tensorflow(tmp_path: Path):
     (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
     code = (
-        "import sys; from coordinator import cli; "
+        "import sys; from psctl.coordinator.cli import main as cli; "
         f"rc = cli.main(['deploy', 'render', '--cluster', {str(tmp_path / 'c.json')!r}, "
         f"'--out', {str(tmp_path / 'out')!r}, '--bin-dir', {BIN_DIR!r}]); "
         "assert rc == 0, rc; assert 'tensorflow' not in sys.modules, 'tensorflow imported'"

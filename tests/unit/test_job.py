@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.errors import ConfigError
-from coordinator.job import load_job
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.job import load_job
 
 GOOD = """
 metrics = ["accuracy"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from coordinator.local_step import make_local_train_fn
+from psctl.coordinator.training.local_step import make_local_train_fn
 
 
 def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.errors import ConfigError
-from coordinator.packing import MAX_K, Packer, choose_k, packer_for
-from coordinator.settings import TrainSettings, resolve_settings
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.settings import TrainSettings, resolve_settings
+from psctl.coordinator.training.packing import MAX_K, Packer, choose_k, packer_for
 
 
 def test_choose_k_keeps_overhead_under_target():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.errors import ConfigError
-from coordinator.settings import TrainSettings, resolve_settings
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.settings import TrainSettings, resolve_settings
 
 
 def test_defaults():

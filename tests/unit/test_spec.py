@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cluster.errors import ConfigError
-from cluster.spec import (
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import (
     TASK_TYPES,
     ClusterConfig,
     TaskConfig,

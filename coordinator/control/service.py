@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from psctl.control.v1 import control_pb2, control_pb2_grpc
 
-from cluster import health as health_check
-from cluster.errors import ConfigError
-from cluster.spec import split_host_port
+from psctl.cluster import health as health_check
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import split_host_port
+from psctl.control.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,9 @@ class JobControl:
                     type=task.type,
                     index=task.index,
                     address=task.address,
-                    health=healths.get(key, control_pb2.TASK_HEALTH_UNKNOWN),
+                    health=cast(
+                        control_pb2.TaskHealth, healths.get(key, control_pb2.TASK_HEALTH_UNKNOWN)
+                    ),
                     health_address=task.health_address,
                     failures=failures.get(key, 0),
                     metrics_url=task.metrics_url,
@@ -363,9 +365,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.StopResponse(state=state)
 
     @staticmethod
-    def _do(action: Any, context: grpc.ServicerContext) -> int:
+    def _do(action: Any, context: grpc.ServicerContext) -> control_pb2.JobState:
         try:
-            return int(action().value)
+            return cast(control_pb2.JobState, int(action().value))
         except Rejected as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
             raise  # unreachable: abort raises

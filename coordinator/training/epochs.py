@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from cluster import ports
-from cluster.dataservice import require_dispatcher
-from cluster.errors import ConfigError
-from cluster.spec import split_host_port
-from coordinator.graph_ops import seconds_since
-from coordinator.progress import Progress
-from coordinator.trainer import _InFlight, _Loop
+from psctl.cluster import ports
+from psctl.cluster.dataservice import require_dispatcher
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import split_host_port
+from psctl.coordinator.training.graph_ops import seconds_since
+from psctl.coordinator.training.progress import Progress
+from psctl.coordinator.training.trainer import _InFlight, _Loop
 
 if TYPE_CHECKING:
-    from coordinator.trainer import Trainer
+    from psctl.coordinator.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster import ports
-from cluster.dataservice import dispatcher_address, require_dispatcher
-from cluster.errors import ConfigError
-from cluster.spec import (
+from psctl.cluster import ports
+from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import (
     ClusterConfig,
     TaskConfig,
     load_cluster_file,
@@ -26,9 +26,9 @@ from cluster.spec import (
     require_chief,
     split_host_port,
 )
-from coordinator.control import ControlServer, JobControl, State, TaskInfo
-from coordinator.settings import TrainSettings, resolve_settings
-from coordinator.supervisor import (
+from psctl.coordinator.control.service import ControlServer, JobControl, State, TaskInfo
+from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.launch.supervisor import (
     EXIT_RESTART,
     Counters,
     RestartFromCheckpoint,
@@ -36,10 +36,11 @@ from coordinator.supervisor import (
     TrainingSupervisor,
     forward_stop_signals,
 )
+from psctl.coordinator.settings import TrainSettings, resolve_settings
 
 if TYPE_CHECKING:
-    from coordinator.job import Job
-    from coordinator.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.job import Job
 
 log = logging.getLogger("psctl.train")
 _KEEP_ALIVE: list[object] = []
@@ -115,7 +116,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         print(f"psctl: error: {err}", file=sys.stderr)
         return EXIT_RESTART  # the supervisor retries within its budget
 
-    from coordinator.job import load_job
+    from psctl.coordinator.job import load_job
 
     job = load_job(settings.job)
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
@@ -205,7 +206,7 @@ def recover(control: JobControl, err: BaseException, *, timeout: float) -> int:
 
 def supervise_train(args: argparse.Namespace) -> int:
     """`psctl train` without --once: run the training process under the restart policy."""
-    argv = [sys.executable, "-m", "coordinator.cli", *args.raw_argv, "--once"]
+    argv = psctl_argv(*args.raw_argv, "--once")
 
     def start(counters: Counters) -> subprocess.Popen[bytes]:
         return subprocess.Popen([*argv, "--supervisor-counters", json.dumps(asdict(counters))])
@@ -223,8 +224,8 @@ def start_metrics(
         return None
     from prometheus_client import CollectorRegistry
 
-    from cluster.metrics import serve_metrics
-    from coordinator.metrics import CoordinatorMetrics
+    from psctl.cluster.metrics import serve_metrics
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
 
     ports.check_port_free(port, field="--metrics-port")
     registry = CollectorRegistry()
@@ -250,7 +251,12 @@ def _train(
     counters: Counters,
     dispatcher: str | None = None,
 ) -> int:
-    from coordinator.trainer import Trainer, install_stop_signals, print_summary, write_summary
+    from psctl.coordinator.training.trainer import (
+        Trainer,
+        install_stop_signals,
+        print_summary,
+        write_summary,
+    )
 
     install_stop_signals(control)
     log.info(

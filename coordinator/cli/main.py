@@ -9,16 +9,16 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.errors import EXIT_FAILURE, ConfigError
-from cluster.logs import configure_logging, quiet_tensorflow
-from coordinator.settings import parse_steps_per_execution
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.logs import configure_logging, quiet_tensorflow
+from psctl.coordinator.settings import parse_steps_per_execution
 
 log = logging.getLogger("psctl")
 
 DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
 DEFAULT_METRICS_PORT = 9400
 
-# (flag, type, help) for every run setting; the names match coordinator.settings.TrainSettings.
+# (flag, type, help) for every run setting; the names match settings.TrainSettings.
 TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
     ("--steps", int, "train until this global step (default 1500)"),
@@ -175,20 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a cluster file (or $TF_CONFIG) and print it as a table",
     )
     check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
-    from coordinator.client import add_client_commands
+    from psctl.coordinator.control.client import add_client_commands
 
     CLIENT_COMMANDS.update(add_client_commands(sub, DEFAULT_CONTROL_ADDRESS))
-    from coordinator.deploy import add_deploy_commands
+    from psctl.coordinator.launch.deploy import add_deploy_commands
 
     CLIENT_COMMANDS.update(add_deploy_commands(sub))
-    from coordinator.evaluate import add_evaluate_command  # TF only when it runs
+    from psctl.coordinator.training.evaluate import add_evaluate_command  # TF only when it runs
 
     COMMANDS.update(add_evaluate_command(sub))
     return parser
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from cluster.spec import format_table, resolve_cluster
+    from psctl.cluster.spec import format_table, resolve_cluster
 
     cluster, source = resolve_cluster(cluster_file=args.file, environ=os.environ)
     print(format_table(cluster, source=source))
@@ -196,7 +196,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from coordinator.run import train_main
+    from psctl.coordinator.launch.train import train_main
 
     return train_main(args, train_flag_values(args))
 
@@ -207,7 +207,7 @@ def one_line(err: BaseException) -> str:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from coordinator.local import local_main
+    from psctl.coordinator.launch.local import local_main
 
     return local_main(args, train_flag_values(args))
 
@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run one command; every error a user can meet ends in one line and its status."""
-    from coordinator.client import ControlError
+    from psctl.coordinator.control.client import ControlError
 
     try:
         return int({**COMMANDS, **CLIENT_COMMANDS}[args.command](args))

@@ -24,11 +24,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from cluster import health, ports
-from cluster.errors import EXIT_FAILURE, ConfigError
-from cluster.spec import ClusterConfig, format_table, split_host_port
-from coordinator.settings import resolve_settings
-from coordinator.supervisor import (
+from psctl.cluster import health, ports
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.spec import ClusterConfig, format_table, split_host_port
+from psctl.coordinator.launch.argv import psctl_argv, server_argv
+from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
     RestartPolicy,
@@ -36,6 +36,7 @@ from coordinator.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
+from psctl.coordinator.settings import resolve_settings
 
 log = logging.getLogger("psctl.local")
 
@@ -203,22 +204,22 @@ class LocalCluster:
         self, task_type: str, index: int, address: str, health_port: int, metrics_port: int
     ) -> ServerProcess:
         log_path = self.workdir / "logs" / f"{task_type}-{index}.log"
-        module = "ps_server.main" if task_type == "ps" else "worker_server.main"
-        argv = [
-            sys.executable,
-            "-m",
-            module,
-            "--cluster",
-            str(self.cluster_file),
-            "--index",
-            str(index),
-            "--health-port",
-            str(health_port),
-            "--metrics-port",
-            str(metrics_port),
-            "--bind-host",
-            "127.0.0.1",
-        ] + (["--verbose"] if self.verbose else [])
+        argv = (
+            server_argv(task_type)
+            + [
+                "--cluster",
+                str(self.cluster_file),
+                "--index",
+                str(index),
+                "--health-port",
+                str(health_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--bind-host",
+                "127.0.0.1",
+            ]
+            + (["--verbose"] if self.verbose else [])
+        )
         if task_type == "worker" and index in self._data_ports:
             argv += ["--data-port", str(self._data_ports[index])]
         proc = spawn(argv, log_path=log_path, nice=SERVER_NICE)
@@ -336,10 +337,7 @@ def default_workdir() -> Path:
 
 
 def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "coordinator.cli",
+    argv = psctl_argv(
         "train",
         "--cluster",
         str(local.cluster_file),
@@ -352,7 +350,7 @@ def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namesp
         "--recovery-timeout",
         str(args.recovery_timeout),
         "--once",
-    ]
+    )
     if args.config:
         argv += ["--config", args.config]
     for name, value in flags.items():

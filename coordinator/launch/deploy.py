@@ -4,7 +4,7 @@ every host answers. No TensorFlow here.
 `render` writes one directory per host (env files, units, a README with the commands to run
 and the ports to open); `check` tries every server's TF port and health service from here.
 The unit templates live here, once; deploy/systemd/ holds them rendered for /opt/psctl/venv
-(`python -m coordinator.deploy` rewrites it, and a test fails when it is stale).
+(`python -m psctl.coordinator.launch.deploy` rewrites it, and a test fails when it is stale).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.errors import EXIT_UNAVAILABLE, ConfigError
-from cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
-from cluster.spec import ClusterConfig, load_cluster_file, require_chief, split_host_port
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
+from psctl.cluster.spec import ClusterConfig, load_cluster_file, require_chief, split_host_port
 
 DEFAULT_CONFIG_DIR = "/etc/psctl"
 REFERENCE_BIN_DIR = "/opt/psctl/venv/bin"
@@ -504,7 +504,7 @@ def render(
     force: bool = False,
 ) -> list[HostPlan]:
     """Write OUT/README.md and OUT/<host>/ for every host of the cluster; returns the plan."""
-    from coordinator.client import _explicit_health_addresses
+    from psctl.coordinator.control.client import _explicit_health_addresses
 
     bin_dir = _absolute_dir(bin_dir, "--bin-dir")
     config_dir = _absolute_dir(config_dir, "--config-dir")
@@ -604,8 +604,8 @@ def _tcp_open(host: str, port: int, timeout: float) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     """`psctl health`'s table of every health service, then every server's TF port tried
     from here (the coordinator host needs them all)."""
-    from cluster.spec import resolve_cluster
-    from coordinator.client import _explicit_health_addresses, cmd_health
+    from psctl.cluster.spec import resolve_cluster
+    from psctl.coordinator.control.client import _explicit_health_addresses, cmd_health
 
     cluster, _ = resolve_cluster(cluster_file=args.cluster, environ=os.environ)
     plans = plan_hosts(cluster, _explicit_health_addresses(args.cluster))

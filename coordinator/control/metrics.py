@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from cluster.metrics import ProcessMetrics
+from psctl.cluster.metrics import ProcessMetrics
 
 STATES = [
     "starting",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
-from cluster.errors import EXIT_FAILURE
+from psctl.cluster.errors import EXIT_FAILURE
 
 log = logging.getLogger(__name__)
 

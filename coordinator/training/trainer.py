@@ -28,20 +28,21 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from cluster.spec import ClusterConfig
-from coordinator.control import JobControl, State
-from coordinator.graph_ops import seconds_since, sum_count
-from coordinator.job import DataContext, Job
-from coordinator.local_step import make_local_train_fn
-from coordinator.metric_objects import make_eval_step, metric_factories
-from coordinator.packing import packer_for
-from coordinator.progress import Progress
-from coordinator.settings import TrainSettings
-from coordinator.supervisor import RestartFromCheckpoint
+from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.control.service import JobControl, State
+from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.launch.supervisor import RestartFromCheckpoint
+from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.graph_ops import seconds_since, sum_count
+from psctl.coordinator.training.local_step import make_local_train_fn
+from psctl.coordinator.training.metric_objects import make_eval_step, metric_factories
+from psctl.coordinator.training.packing import packer_for
+from psctl.coordinator.training.progress import Progress
 
 if TYPE_CHECKING:
-    from coordinator.inline_eval import InlineEval
-    from coordinator.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.training.inline_eval import InlineEval
 
 log = logging.getLogger(__name__)
 
@@ -452,7 +453,7 @@ class Trainer:
         wall_started = time.monotonic()
         start_step = self.restore()
         if s.epochs:
-            from coordinator.epochs import EpochLoop
+            from psctl.coordinator.training.epochs import EpochLoop
 
             loop: _Loop = EpochLoop(self, start_step)
         else:
@@ -536,10 +537,7 @@ class Trainer:
         registers each on every worker and waits for the frozen one (seen)."""
         s = self.settings
         out = Path(checkpoint).parent / "final-eval.json"
-        argv = [
-            sys.executable,
-            "-m",
-            "coordinator.cli",
+        argv = psctl_argv(
             "evaluate",
             "--checkpoint-dir",
             str(Path(checkpoint).parent),
@@ -555,7 +553,7 @@ class Trainer:
             s.label_column,
             "--summary-json",
             str(out),
-        ]
+        )
         if s.eval_data:
             argv += ["--eval-data", s.eval_data]
         log.info("a task is frozen: evaluating %s in a separate process", checkpoint)
@@ -649,7 +647,7 @@ class _Loop:
         self.progress = Progress(total=s.steps, start=start_step, stream=sys.stderr)
         self.evals: InlineEval | None = None
         if s.eval_every:
-            from coordinator.inline_eval import InlineEval
+            from psctl.coordinator.training.inline_eval import InlineEval
 
             self.evals = InlineEval(trainer, every=s.eval_every, start_step=start_step)
         self.last_values: dict[str, float] = {}

@@ -30,7 +30,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from coordinator.graph_ops import seconds_since, sum_count
+from psctl.coordinator.training.graph_ops import seconds_since, sum_count
 
 log = logging.getLogger(__name__)
 

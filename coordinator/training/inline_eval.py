@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from cluster.errors import ConfigError
-from coordinator.graph_ops import sum_count
-from coordinator.trainer import _is_done, _only_workers_failed
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.training.graph_ops import sum_count
+from psctl.coordinator.training.trainer import _is_done, _only_workers_failed
 
 if TYPE_CHECKING:
-    from coordinator.trainer import Trainer
+    from psctl.coordinator.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

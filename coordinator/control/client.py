@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import grpc
-from psctl.control.v1 import control_pb2, control_pb2_grpc
 
-from cluster import health
-from cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
-from cluster.ports import HEALTH_PORT_OFFSET
-from cluster.spec import resolve_cluster, split_host_port
+from psctl.cluster import health
+from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
+from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.cluster.spec import resolve_cluster, split_host_port
+from psctl.control.v1 import control_pb2, control_pb2_grpc
 
 RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from coordinator.settings import TrainSettings
+    from psctl.coordinator.settings import TrainSettings
 
 INITIAL_K = 20  # the first window runs at the old fixed default
 MIN_K = 8  # a window that sees no overhead (noise) must not drop K to 1-2 (seen)

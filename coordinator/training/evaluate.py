@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 
 if TYPE_CHECKING:
-    from coordinator.job import Job
-    from coordinator.settings import TrainSettings
+    from psctl.coordinator.job import Job
+    from psctl.coordinator.settings import TrainSettings
 
 log = logging.getLogger("psctl.evaluate")
 
@@ -125,7 +125,7 @@ class EvaluateSummary:
 
 def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
     """--steps, else PSCTL_STEPS, else the config file's steps (as for training)."""
-    from coordinator.settings import ENV_PREFIX, load_toml
+    from psctl.coordinator.settings import ENV_PREFIX, load_toml
 
     env = os.environ if environ is None else environ
     value: Any = args.steps
@@ -146,7 +146,7 @@ def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
 
 
 def resolve(args: argparse.Namespace) -> tuple[TrainSettings, int | None]:
-    from coordinator.settings import resolve_settings
+    from psctl.coordinator.settings import resolve_settings
 
     flags = {
         flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
@@ -168,7 +168,7 @@ def resolve(args: argparse.Namespace) -> tuple[TrainSettings, int | None]:
 
 def evaluate_main(args: argparse.Namespace) -> int:
     settings, final_step = resolve(args)
-    from coordinator.job import load_job
+    from psctl.coordinator.job import load_job
 
     job = load_job(settings.job)
     if job.eval_dataset_fn is None:
@@ -258,8 +258,8 @@ class SidecarEvaluator:
         import keras
         import tensorflow as tf
 
-        from coordinator.job import DataContext
-        from coordinator.metric_objects import make_eval_step, metric_factories
+        from psctl.coordinator.job import DataContext
+        from psctl.coordinator.training.metric_objects import make_eval_step, metric_factories
 
         self.job = job
         self.settings = settings

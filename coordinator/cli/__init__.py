@@ -1,0 +1,1 @@
+"""The `psctl` command line: thin argparse front-ends over the coordinator's rooms."""

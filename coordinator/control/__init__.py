@@ -1,0 +1,1 @@
+"""The job's control plane: state, the Control gRPC service and client, metrics."""

@@ -1,0 +1,1 @@
+"""The training process: strategy, loop, step programs, checkpoints, evaluation."""
