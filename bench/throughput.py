@@ -117,42 +117,69 @@ def _timing(
     }
 
 
-def _new_trainer(job: Any, cluster: Any, settings: Any, metrics: Any = None) -> Any:
-    """``Trainer(job=, cluster=, settings=)``, plus a ``JobControl`` where the Trainer takes one,
-    and ``metrics=`` (wired to the control's state as ``psctl train`` does) when given."""
-    import inspect
-
+def _new_trainer(
+    job: Any, cluster: Any, settings: Any, metrics: Any = None, hooks: Any = None
+) -> Any:
+    """``Trainer`` as ``psctl train`` builds it (a ``JobControl``, ``metrics=`` wired to the
+    control's state when given), with the bench's ``hooks``."""
+    from psctl.coordinator.control.service import JobControl
     from psctl.coordinator.training.trainer import Trainer
 
-    params = inspect.signature(Trainer).parameters
-    kwargs: dict[str, Any] = {}
-    if "control" in params:
-        from psctl.coordinator.control.service import JobControl
-
-        kwargs["control"] = JobControl(
-            job=JOB,
-            target_steps=settings.steps,
-            steps_per_execution=settings.steps_per_execution,
-            tasks=[],
-            can_checkpoint=False,
-            on_state=metrics.set_state if metrics is not None else None,
-        )
-    if metrics is not None:
-        if "metrics" not in params:
-            raise RuntimeError("this Trainer takes no metrics=; cannot measure their overhead")
-        kwargs["metrics"] = metrics
-    return Trainer(job=job, cluster=cluster, settings=settings, **kwargs)
+    control = JobControl(
+        job=JOB,
+        target_steps=settings.steps,
+        steps_per_execution=settings.steps_per_execution,
+        tasks=[],
+        can_checkpoint=False,
+        on_state=metrics.set_state if metrics is not None else None,
+    )
+    return Trainer(
+        job=job, cluster=cluster, settings=settings, control=control, metrics=metrics, hooks=hooks
+    )
 
 
-class _StampedRemote:
-    """A RemoteValue whose ``fetch()`` is time-stamped; everything else passes through."""
+def _stamp_hooks(
+    calls: dict[str, list[tuple[float, float]]], cpu: dict[str, list[tuple[float, float]]]
+) -> Any:
+    """The Trainer's public loop hooks, time-stamping its dataset creation, schedules, fetches
+    and join: wall time, and this process's CPU seconds (every thread: TF's, the loop's, a
+    /metrics server's), less skewed by other load than wall time."""
+    from psctl.coordinator.training.hooks import LoopHooks
 
-    def __init__(self, remote: Any, stamped: Any) -> None:
-        self._remote = remote
-        self.fetch = stamped(remote.fetch, "fetch")
+    open_: dict[str, tuple[float, float]] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._remote, name)
+    def begin(name: str) -> None:
+        open_[name] = (time.monotonic(), time.process_time())
+
+    def end(name: str) -> None:
+        started, cpu_started = open_.pop(name, (time.monotonic(), time.process_time()))
+        calls[name].append((started, time.monotonic()))
+        cpu[name].append((cpu_started, time.process_time()))
+
+    class Stamps(LoopHooks):
+        def before_dataset(self) -> None:
+            begin("data")
+
+        def after_dataset(self) -> None:
+            end("data")
+
+        def before_schedule(self, steps: int) -> None:
+            begin("schedule")
+
+        def after_schedule(self, steps: int) -> None:
+            end("schedule")
+
+        def after_call(self, steps: int, seconds: float) -> None:
+            begin("fetch")
+            end("fetch")
+
+        def before_join(self) -> None:
+            begin("join")
+
+        def after_join(self) -> None:
+            end("join")
+
+    return Stamps()
 
 
 def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
@@ -169,36 +196,19 @@ def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
         checkpoint_dir="",
         seed=SEED,
     )
-    trainer = _new_trainer(load_job(JOB), load_cluster_file(args.cluster), settings, metrics)
     # Instrumentation only, to check the Summary's window against the bench's and to split
-    # out set-up: time stamps around the Trainer's calls into its ClusterCoordinator.
-    coordinator = trainer.coordinator
+    # out set-up: time stamps from the Trainer's public loop hooks.
     calls: dict[str, list[tuple[float, float]]] = {
         "data": [],
         "schedule": [],
         "fetch": [],
         "join": [],
     }
-
-    # This process's CPU seconds (every thread: TF's, the loop's, a /metrics server's) at
-    # the same stamps: less skewed by other load than wall time.
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
-
-    def stamped(fn: Any, name: str) -> Any:
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            started, cpu_started = time.monotonic(), time.process_time()
-            try:
-                result = fn(*a, **kw)
-            finally:
-                calls[name].append((started, time.monotonic()))
-                cpu[name].append((cpu_started, time.process_time()))
-            return _StampedRemote(result, stamped) if name == "schedule" else result
-
-        return wrapper
-
-    coordinator.create_per_worker_dataset = stamped(coordinator.create_per_worker_dataset, "data")
-    coordinator.schedule = stamped(coordinator.schedule, "schedule")
-    coordinator.join = stamped(coordinator.join, "join")
+    hooks = _stamp_hooks(calls, cpu)
+    trainer = _new_trainer(
+        load_job(JOB), load_cluster_file(args.cluster), settings, metrics, hooks=hooks
+    )
     summary = trainer.run()
     trained = summary.global_step - summary.start_step
     first, join = calls["schedule"][0], calls["join"][-1]
@@ -429,10 +439,10 @@ def run_dispatch(args: argparse.Namespace) -> dict[str, Any]:
     import tensorflow as tf
 
     from psctl.cluster.spec import load_cluster_file
-    from psctl.coordinator.training.trainer import _resolver
+    from psctl.coordinator.training.strategy import cluster_resolver
 
     cluster = load_cluster_file(args.cluster)
-    strategy = tf.distribute.experimental.ParameterServerStrategy(_resolver(cluster))
+    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster_resolver(cluster))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
 
     @tf.function

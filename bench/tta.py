@@ -229,7 +229,7 @@ class Probe(threading.Thread):
 
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.coordinator.job import load_job
-    from psctl.coordinator.training.trainer import _is_done
+    from psctl.coordinator.training.inflight import remote_done
 
     raw = throughput.build_raw(
         args.cluster, batch_size=args.batch_size, k=args.steps_per_execution, job_name=args.job
@@ -246,7 +246,7 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     probe.begin()
     while not probe.done():
         in_flight.append(coordinator.schedule(raw.train_fn, args=(iterator,)))
-        if _is_done(in_flight[0]):
+        if remote_done(in_flight[0]):
             probe.first_call_done()
         if len(in_flight) > bound:
             in_flight.popleft().fetch()
@@ -257,12 +257,12 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
-    """psctl's own loop in-process (a subclass that tells the probe when the first call is
-    done and stops at the probe's word; instrumentation only)."""
+    """psctl's own loop in-process; the Trainer's public loop hooks tell the probe when the
+    first call is scheduled and done, and stop the loop at the probe's word."""
     from psctl.cluster.spec import load_cluster_file
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training import trainer as trainer_module
+    from psctl.coordinator.training.hooks import LoopHooks
 
     local = args.run_mode == "psctl-local"
     settings = TrainSettings(
@@ -277,28 +277,27 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
         log_every=1e9,
     )
     job = load_job(args.job)
-    trainer = throughput._new_trainer(job, load_cluster_file(args.cluster), settings)
-    probe = Probe(job, trainer.model.variables, trainer.optimizer.iterations, args)
-    schedule = trainer.coordinator.schedule
+    probe: Probe | None = None
 
-    def first_schedule(*a: Any, **kw: Any) -> Any:
-        probe.begin()
-        return schedule(*a, **kw)
+    class Probing(LoopHooks):
+        def before_schedule(self, steps: int) -> None:
+            assert probe is not None
+            probe.begin()
 
-    trainer.coordinator.schedule = first_schedule
-
-    class ProbedLoop(trainer_module._Loop):
-        def _retire(self, entry: Any) -> None:
-            super()._retire(entry)
+        def after_call(self, steps: int, seconds: float) -> None:
+            assert probe is not None
             probe.first_call_done()
 
-        def _watch_for_stall(self) -> None:
-            super()._watch_for_stall()
+        def on_poll(self, controller: Any) -> None:
+            assert probe is not None
             if probe.done():
                 probe.stop()
-                self.t.control.stop_requested.set()
+                controller.request_stop()
 
-    trainer_module._Loop = ProbedLoop  # type: ignore[misc]
+    trainer = throughput._new_trainer(
+        job, load_cluster_file(args.cluster), settings, hooks=Probing()
+    )
+    probe = Probe(job, trainer.model.variables, trainer.optimizer.iterations, args)
     summary = trainer.run()  # its final eval comes after the probe has stopped
     return {**probe.result(), "k": summary.steps_per_execution}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import split_host_port
+from psctl.cluster.spec import Address, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,9 @@ def require_dispatcher(address: str | None) -> str:
     return address
 
 
-def start_data_worker(
-    *, dispatcher: str, worker_address: str, worker_port: int
-) -> threading.Thread:
-    """Host a tf.data service worker in this process, registered with ``dispatcher``.
+def start_data_worker(*, dispatcher: str, worker: Address) -> threading.Thread:
+    """Host a tf.data service worker on ``worker`` (this task's host, the data port) in this
+    process, registered with ``dispatcher``.
 
     In a thread that first waits for the dispatcher's port to accept connections: the
     dispatcher starts with the coordinator, usually later, and TensorFlow's worker start
@@ -86,7 +85,7 @@ def start_data_worker(
 
     def run() -> None:
         config = tf.data.experimental.service.WorkerConfig(
-            dispatcher_address=dispatcher, worker_address=worker_address, port=worker_port
+            dispatcher_address=dispatcher, worker_address=str(worker), port=worker.port
         )
         while True:
             try:
@@ -97,7 +96,7 @@ def start_data_worker(
                 log.debug("data worker waits for dispatcher %s: %s", dispatcher, err)
                 time.sleep(1.0)
         _DATA_WORKERS.append(server)  # never collected: it serves until the process exits
-        log.info("data worker %s registered with dispatcher %s", worker_address, dispatcher)
+        log.info("data worker %s registered with dispatcher %s", worker, dispatcher)
 
     thread = threading.Thread(target=run, name="data-worker", daemon=True)
     thread.start()

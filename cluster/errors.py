@@ -1,4 +1,8 @@
-"""Errors a user can cause, and the exit statuses psctl uses for them."""
+"""Errors a user can cause, and the exit statuses psctl uses for them.
+
+The training process's other statuses (EXIT_RESTART, EXIT_INTERRUPTED), and which status
+each failure decision ends with, are in psctl.coordinator.failures.
+"""
 
 from __future__ import annotations
 

@@ -22,9 +22,11 @@ from psctl.cluster import ports, sdnotify
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
-from psctl.cluster.spec import TaskConfig, resolve_task, split_host_port
+from psctl.cluster.spec import TaskConfig, resolve_task
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BIND_HOST = "0.0.0.0"  # where the health and metrics ports listen
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,14 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, help="grpc.health.v1 port")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
     parser.add_argument(
-        "--bind-host", help="address the health and metrics ports listen on (default 0.0.0.0)"
+        "--bind-host",
+        help=f"address the health and metrics ports listen on (default {DEFAULT_BIND_HOST})",
     )
     parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=1.0,
-        help="seconds health reports NOT_SERVING before exit (default 1.0; at most 4)",
+        help="seconds health reports NOT_SERVING before exit (default %(default)s; at most 4)",
     )
     parser.add_argument(
         "--inter-op-threads",
@@ -155,7 +158,7 @@ def resolve_options(
         task=task,
         data_dispatcher=dispatcher if data_port else None,
         data_port=data_port,
-        bind_host=args.bind_host or environ.get("PSCTL_BIND_HOST") or "0.0.0.0",
+        bind_host=args.bind_host or environ.get("PSCTL_BIND_HOST") or DEFAULT_BIND_HOST,
         health_port=health,
         metrics_port=metrics,
         shutdown_grace=args.shutdown_grace,
@@ -217,12 +220,8 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     if stop.event.is_set():
         return 0
     if opts.data_dispatcher:
-        host, _ = split_host_port(task.address, field="task address")
-        host = f"[{host}]" if ":" in host else host
         start_data_worker(
-            dispatcher=opts.data_dispatcher,
-            worker_address=f"{host}:{opts.data_port}",
-            worker_port=opts.data_port,
+            dispatcher=opts.data_dispatcher, worker=task.task_address.with_port(opts.data_port)
         )
         log.info("%s data worker :%d, dispatcher %s", name, opts.data_port, opts.data_dispatcher)
     health.set_serving(True)

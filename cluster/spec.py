@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from psctl.cluster.errors import ConfigError
@@ -171,24 +172,66 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
     return host, port
 
 
-def _address_key(address: str, field: str) -> tuple[str, int]:
+@dataclass(frozen=True)
+class Address:
+    """A parsed ``host:port``: the host without IPv6 brackets, and the port."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, *, field: str, allow_port_zero: bool = False) -> Address:
+        """``split_host_port``'s checks and error lines, as an Address."""
+        return cls(*split_host_port(text, field=field, allow_port_zero=allow_port_zero))
+
+    def __str__(self) -> str:
+        """``host:port``, an IPv6 host in brackets (``[::1]:2222``)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def with_port(self, port: int) -> Address:
+        """The same host on another port (a side port)."""
+        return Address(self.host, port)
+
+
+def _endpoint(address: Address) -> tuple[str, int]:
     """What makes two addresses the same endpoint (host names are case-insensitive)."""
-    host, port = split_host_port(address, field=field)
-    return host.lower(), port
+    return address.host.lower(), address.port
+
+
+def _parse_job(task_type: str, texts: Sequence[str]) -> tuple[Address, ...]:
+    return tuple(
+        Address.parse(text, field=f"cluster.{task_type}[{index}]")
+        for index, text in enumerate(texts)
+    )
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """A validated cluster: task type -> task addresses, only non-empty types, stable order."""
+    """A validated cluster: task type -> task addresses, only non-empty types, stable order.
+
+    Every address is parsed once, here: ``task_addresses()`` and ``task_address()`` hand
+    out the parsed form; ``jobs`` keeps the text as written (what TensorFlow is given).
+    """
 
     jobs: dict[str, tuple[str, ...]]
+    # The parsed addresses when the caller already has them (the validation below).
+    parsed: InitVar[Mapping[str, Sequence[Address]] | None] = None
+    _addresses: dict[str, tuple[Address, ...]] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, parsed: Mapping[str, Sequence[Address]] | None) -> None:
         unknown = [t for t in self.jobs if t not in _ORDER]
         if unknown:
             raise ValueError(f"unknown task types {unknown}; allowed: {_ALLOWED}")
         ordered = {t: tuple(self.jobs[t]) for t in _ORDER if self.jobs.get(t)}
         object.__setattr__(self, "jobs", ordered)
+        given = parsed or {}
+        addresses = {
+            task_type: tuple(given.get(task_type) or _parse_job(task_type, texts))
+            for task_type, texts in ordered.items()
+        }
+        object.__setattr__(self, "_addresses", addresses)
 
     def __hash__(self) -> int:
         return hash(tuple(self.jobs.items()))
@@ -219,8 +262,8 @@ class ClusterConfig:
     def num_ps(self) -> int:
         return len(self.ps)
 
-    def address(self, task_type: str, index: int) -> str:
-        """The address of one task; ConfigError if the cluster has no such task."""
+    def _check_task(self, task_type: str, index: int) -> None:
+        """ConfigError if the cluster has no such task."""
         field = f"cluster.{task_type}[{index}]"
         addresses = self.jobs.get(task_type, ())
         if not addresses:
@@ -235,13 +278,30 @@ class ClusterConfig:
                 f"index {_show(index)} is out of range for {_plural(len(addresses), task_type)}",
                 f"use an index in {_index_range(len(addresses))}",
             )
-        return addresses[index]
+
+    def address(self, task_type: str, index: int) -> str:
+        """The address of one task, as written; ConfigError if the cluster has no such task."""
+        self._check_task(task_type, index)
+        return self.jobs[task_type][index]
+
+    def task_address(self, task_type: str, index: int) -> Address:
+        """The parsed address of one task; ConfigError if the cluster has no such task."""
+        self._check_task(task_type, index)
+        return self._addresses[task_type][index]
 
     def tasks(self) -> list[tuple[str, int, str]]:
         """Every task as (type, index, address), chief, ps, worker, evaluator in order."""
         return [
             (task_type, index, address)
             for task_type, addresses in self.jobs.items()
+            for index, address in enumerate(addresses)
+        ]
+
+    def task_addresses(self) -> list[tuple[str, int, Address]]:
+        """Every task as (type, index, parsed address), in the order of ``tasks()``."""
+        return [
+            (task_type, index, address)
+            for task_type, addresses in self._addresses.items()
             for index, address in enumerate(addresses)
         ]
 
@@ -252,9 +312,9 @@ class ClusterConfig:
     def with_chief(self, address: str) -> ClusterConfig:
         """This cluster with its chief set (added or replaced) to ``address``."""
         field = "cluster.chief[0]"
-        key = _address_key(address, field)
-        for task_type, index, other in self.tasks():
-            if task_type != "chief" and _address_key(other, field) == key:
+        chief = Address.parse(address, field=field)
+        for task_type, index, other in self.task_addresses():
+            if task_type != "chief" and _endpoint(other) == _endpoint(chief):
                 raise _error(
                     field,
                     f"address {json.dumps(address)} is also used by cluster.{task_type}[{index}]",
@@ -262,7 +322,7 @@ class ClusterConfig:
                 )
         jobs = dict(self.jobs)
         jobs["chief"] = (address,)
-        return ClusterConfig(jobs)
+        return ClusterConfig(jobs, {**self._addresses, "chief": (chief,)})
 
 
 @dataclass(frozen=True)
@@ -281,10 +341,12 @@ class TaskConfig:
         return self.cluster.address(self.task_type, self.task_index)
 
     @property
+    def task_address(self) -> Address:
+        return self.cluster.task_address(self.task_type, self.task_index)
+
+    @property
     def port(self) -> int:
-        return split_host_port(self.address, field=f"cluster.{self.task_type}[{self.task_index}]")[
-            1
-        ]
+        return self.task_address.port
 
     def tf_config(self) -> str:
         """This task's TF_CONFIG, as a JSON string."""
@@ -342,22 +404,29 @@ def _top_object(obj: object, source: str) -> Mapping[str, object]:
     return obj
 
 
-def _cluster_section(top: Mapping[str, object], source: str) -> Mapping[str, object]:
-    field = _field(source, "cluster")
-    if "cluster" not in top:
-        raise _error(
-            field,
-            "is missing",
-            'add "cluster": {"ps": ["host:port", ...], "worker": ["host:port", ...]}',
-        )
-    section = top["cluster"]
-    if not isinstance(section, Mapping):
-        raise _error(
-            field,
-            f"is {_kind(section)}, not an object",
-            'make it an object like {"ps": ["host:port"], "worker": ["host:port"]}',
-        )
-    return section
+def _object_member(
+    top: Mapping[str, object], key: str, source: str, *, add: str, rewrite: str
+) -> Mapping[str, object]:
+    """``top[key]``, a JSON object; the fix is ``add`` when it is missing, else ``rewrite``."""
+    field = _field(source, key)
+    if key not in top:
+        raise _error(field, "is missing", add)
+    member = top[key]
+    if not isinstance(member, Mapping):
+        raise _error(field, f"is {_kind(member)}, not an object", rewrite)
+    return member
+
+
+def _wrapped_cluster(top: Mapping[str, object], source: str) -> ClusterConfig:
+    """The cluster of ``{"cluster": {...}, ...}``."""
+    section = _object_member(
+        top,
+        "cluster",
+        source,
+        add='add "cluster": {"ps": ["host:port", ...], "worker": ["host:port", ...]}',
+        rewrite='make it an object like {"ps": ["host:port"], "worker": ["host:port"]}',
+    )
+    return _validate_jobs(section, source, "cluster")
 
 
 def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> ClusterConfig:
@@ -370,6 +439,7 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
             raise _error(field, f"unknown task type {json.dumps(key)}", f"use one of {_ALLOWED}")
 
     jobs: dict[str, tuple[str, ...]] = {}
+    parsed: dict[str, tuple[Address, ...]] = {}
     seen: dict[tuple[str, int], str] = {}
     for task_type in _ORDER:
         if task_type not in section:
@@ -396,6 +466,7 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
                 f"keep a single {task_type} address",
             )
         addresses: list[str] = []
+        parsed_addresses: list[Address] = []
         for index, address in enumerate(value):
             task_path = f"{job_path}[{index}]"
             task_field = _field(source, task_path)
@@ -405,7 +476,8 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
                     f"is {_kind(address)} ({_show(address)}), not a host:port string",
                     'write the address as a string, e.g. "10.0.0.5:2222"',
                 )
-            endpoint = _address_key(address, task_field)
+            parsed_address = Address.parse(address, field=task_field)
+            endpoint = _endpoint(parsed_address)
             if endpoint in seen:
                 raise _error(
                     task_field,
@@ -414,8 +486,10 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
                 )
             seen[endpoint] = task_path
             addresses.append(address)
+            parsed_addresses.append(parsed_address)
         if addresses:
             jobs[task_type] = tuple(addresses)
+            parsed[task_type] = tuple(parsed_addresses)
 
     for task_type in _REQUIRED:
         if task_type not in jobs:
@@ -426,14 +500,14 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
                 f"{problem}: a parameter-server cluster needs at least one {task_type} task",
                 f'add "{task_type}": ["host:port"]',
             )
-    return ClusterConfig(jobs)
+    return ClusterConfig(jobs, parsed)
 
 
 def parse_cluster(obj: object, *, source: str) -> ClusterConfig:
     """Validate decoded JSON: ``{"cluster": {...}, ...}`` or a bare ``{"ps": [...], ...}``."""
     top = _top_object(obj, source)
     if "cluster" in top:
-        return _validate_jobs(_cluster_section(top, source), source, "cluster")
+        return _wrapped_cluster(top, source)
     if any(key in TASK_TYPES or key == "master" for key in top):
         return _validate_jobs(top, source, "")
     raise _error(
@@ -514,17 +588,14 @@ def _check_task_index(
 def parse_tf_config(text: str, *, source: str = "TF_CONFIG") -> TaskConfig:
     """Parse a TF_CONFIG: ``{"cluster": {...}, "task": {"type": T, "index": I}}``."""
     top = _top_object(_decode(text, source), source)
-    cluster = _validate_jobs(_cluster_section(top, source), source, "cluster")
-    task_field = _field(source, "task")
-    if "task" not in top:
-        raise _error(task_field, "is missing", 'add "task": {"type": "worker", "index": 0}')
-    task = top["task"]
-    if not isinstance(task, Mapping):
-        raise _error(
-            task_field,
-            f"is {_kind(task)}, not an object",
-            'write "task": {"type": "worker", "index": 0}',
-        )
+    cluster = _wrapped_cluster(top, source)
+    task = _object_member(
+        top,
+        "task",
+        source,
+        add='add "task": {"type": "worker", "index": 0}',
+        rewrite='write "task": {"type": "worker", "index": 0}',
+    )
     type_field = _field(source, "task.type")
     if "type" not in task:
         raise _error(type_field, "is missing", f'add "type": one of {_ALLOWED}')
@@ -603,7 +674,7 @@ def resolve_cluster(
             "set TF_CONFIG or pass --cluster FILE",
         )
     top = _top_object(_decode(text, "TF_CONFIG"), "TF_CONFIG")
-    return _validate_jobs(_cluster_section(top, "TF_CONFIG"), "TF_CONFIG", "cluster"), "TF_CONFIG"
+    return _wrapped_cluster(top, "TF_CONFIG"), "TF_CONFIG"
 
 
 def require_chief(cluster: ClusterConfig, *, source: str) -> str:

@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError
 
+if TYPE_CHECKING:
+    from psctl.coordinator.settings import TrainSettings
+
 REQUIRED = ("create_model", "create_optimizer", "loss_fn", "dataset_fn")
-BUILTIN_PACKAGE = "jobs"
+BUILTIN_PACKAGE = "psctl.jobs"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,21 @@ class DataContext:
     # batch; no sharding, the context says worker 0 of 1). psctl repeats it and the tf.data
     # service hands its pieces to the workers, so every example is read once per epoch.
     one_pass: bool = False
+
+    @classmethod
+    def from_settings(
+        cls, settings: TrainSettings, *, worker_index: Any, num_workers: int, batch_size: int
+    ) -> DataContext:
+        """The context a run's settings give (seed, data files, label column)."""
+        return cls(
+            worker_index=worker_index,
+            num_workers=num_workers,
+            batch_size=batch_size,
+            seed=settings.seed,
+            train_data=settings.train_data,
+            eval_data=settings.eval_data,
+            label_column=settings.label_column,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +114,9 @@ def _import_module(spec: str) -> ModuleType:
 
 
 def builtin_jobs() -> list[str]:
-    pkg = Path(__file__).resolve().parent.parent / BUILTIN_PACKAGE
-    return sorted(p.stem for p in pkg.glob("*.py") if not p.stem.startswith("_"))
+    package = importlib.import_module(BUILTIN_PACKAGE)
+    names = (info.name for info in pkgutil.iter_modules(package.__path__))
+    return sorted(name for name in names if not name.startswith("_"))
 
 
 def load_job(spec: str) -> Job:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,25 @@ else:  # pragma: no cover
 ENV_PREFIX = "PSCTL_"
 UPDATE_MODES = ("default", "local")
 AUTO = "auto"  # --steps-per-execution auto, stored as 0
+IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
+# The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
+DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
+DEFAULT_METRICS_PORT = 9400
+
+
+def flag_for(name: str) -> str:
+    """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
+    return f"--{name.replace('_', '-')}"
+
+
+def setting_name(flag: str) -> str:
+    """The setting of a command-line flag: ``--batch-size`` -> ``batch_size``."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def flag_values(args: argparse.Namespace, flags: Iterable[str]) -> dict[str, Any]:
+    """What ``flags`` hold in ``args``, by setting name (None where not given)."""
+    return {setting_name(flag): getattr(args, setting_name(flag)) for flag in flags}
 
 
 def parse_steps_per_execution(value: Any) -> int:
@@ -28,6 +48,11 @@ def parse_steps_per_execution(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError(value)
     return int(value)
+
+
+def show_steps_per_execution(value: int) -> str:
+    """How --steps-per-execution reads: ``auto`` for 0."""
+    return str(value) if value else AUTO
 
 
 @dataclass(frozen=True)
@@ -49,7 +74,7 @@ class TrainSettings:
     log_every: float = 5.0  # seconds between progress lines
     max_shards: int = 1  # >1 partitions large variables over the ps tasks
     min_shard_bytes: int = 256 << 10
-    max_in_flight: int = 0  # scheduled calls not yet finished; 0 = 4 per worker
+    max_in_flight: int = 0  # scheduled calls not yet finished; 0 = IN_FLIGHT_PER_WORKER
     summary_json: str = ""
     stall_timeout: float = 60.0  # seconds without a finished step before the watchdog acts
     logdir: str = ""  # TensorBoard scalar summaries; "" = none
@@ -73,9 +98,7 @@ class TrainSettings:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')}", f"got {value!r}", "give a whole number >= 1"
-                )
+                raise ConfigError(flag_for(name), f"got {value!r}", "give a whole number >= 1")
         if not self.stall_timeout > 0:
             raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}", "give seconds > 0")
         if not self.log_every > 0:
@@ -107,6 +130,12 @@ class TrainSettings:
 
 
 _TYPES = {f.name: f.type for f in fields(TrainSettings)}
+DEFAULTS = TrainSettings()
+
+
+def default_help(name: str, show: Callable[[Any], str] = str) -> str:
+    """``(default 1500)``: a setting's default as help text shows it, from TrainSettings."""
+    return f"(default {show(getattr(DEFAULTS, name))})"
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:
@@ -162,5 +191,5 @@ def resolve_settings(
             merged[name] = _coerce(name, env[key], key)
     for name, value in flags.items():
         if value is not None and name in _TYPES:
-            merged[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+            merged[name] = _coerce(name, value, flag_for(name))
     return TrainSettings(**merged)

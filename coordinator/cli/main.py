@@ -11,63 +11,97 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
-from psctl.coordinator.settings import parse_steps_per_execution
+from psctl.coordinator.settings import (
+    DEFAULT_CONTROL_ADDRESS,
+    DEFAULT_METRICS_PORT,
+    DEFAULTS,
+    IN_FLIGHT_PER_WORKER,
+    default_help,
+    flag_values,
+    parse_steps_per_execution,
+    show_steps_per_execution,
+)
 
 log = logging.getLogger("psctl")
 
-DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
-DEFAULT_METRICS_PORT = 9400
 
-# (flag, type, help) for every run setting; the names match settings.TrainSettings.
+def _seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+def _in_flight(value: int) -> str:
+    return str(value) if value else f"{IN_FLIGHT_PER_WORKER} per worker"
+
+
+# (flag, type, help) for every run setting; the names match settings.TrainSettings, and
+# the defaults shown are its own.
 TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
-    ("--job", str, "job: built-in name (mlp), module (pkg.job) or file (job.py); default mlp"),
-    ("--steps", int, "train until this global step (default 1500)"),
+    (
+        "--job",
+        str,
+        f"job: built-in name (mlp), module (pkg.job) or file (job.py); default {DEFAULTS.job}",
+    ),
+    ("--steps", int, f"train until this global step {default_help('steps')}"),
     (
         "--epochs",
         int,
         "instead of --steps: every example exactly N times, through the tf.data service "
         "(dynamic sharding over the workers)",
     ),
-    ("--batch-size", int, "examples per step per worker (default 64)"),
+    ("--batch-size", int, f"examples per step per worker {default_help('batch_size')}"),
     (
         "--steps-per-execution",
         parse_steps_per_execution,
         "steps packed into one scheduled function, or auto: measured at start and re-checked "
-        "so the per-call overhead stays under 10%% (default auto)",
+        "so the per-call overhead stays under 10%% "
+        + default_help("steps_per_execution", show_steps_per_execution),
     ),
     (
         "--update-mode",
         str,
         "default: the ps optimizer updates the variables every step; local: each call runs "
-        "--local-steps steps on the worker and pushes the change (default default)",
+        f"--local-steps steps on the worker and pushes the change {default_help('update_mode')}",
     ),
-    ("--local-steps", int, "--update-mode local: steps per call (default 50)"),
-    ("--local-scale", float, "--update-mode local: factor on each call's change (default 1.0)"),
+    ("--local-steps", int, f"--update-mode local: steps per call {default_help('local_steps')}"),
+    (
+        "--local-scale",
+        float,
+        f"--update-mode local: factor on each call's change {default_help('local_scale')}",
+    ),
     ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
-    ("--checkpoint-every", int, "steps between checkpoints (default 500)"),
-    ("--keep-checkpoints", int, "checkpoints kept (default 3)"),
-    ("--eval-batch-size", int, "batch size of evaluations (default 1024)"),
+    ("--checkpoint-every", int, f"steps between checkpoints {default_help('checkpoint_every')}"),
+    ("--keep-checkpoints", int, f"checkpoints kept {default_help('keep_checkpoints')}"),
+    ("--eval-batch-size", int, f"batch size of evaluations {default_help('eval_batch_size')}"),
     (
         "--eval-every",
         int,
         "also evaluate every N steps, on the workers, over the whole eval set once",
     ),
-    ("--seed", int, "seed given to dataset functions (default 42)"),
-    ("--log-every", float, "seconds between progress lines (default 5)"),
+    ("--seed", int, f"seed given to dataset functions {default_help('seed')}"),
+    ("--log-every", float, f"seconds between progress lines {default_help('log_every', _seconds)}"),
     ("--max-shards", int, "partition each large variable into up to N shards over the ps"),
-    ("--min-shard-bytes", int, "smallest variable shard when partitioning (default 256 KiB)"),
-    ("--max-in-flight", int, "scheduled calls not yet finished (default 4 per worker)"),
+    (
+        "--min-shard-bytes",
+        int,
+        "smallest variable shard when partitioning "
+        + default_help("min_shard_bytes", lambda n: f"{n >> 10} KiB"),
+    ),
+    (
+        "--max-in-flight",
+        int,
+        f"scheduled calls not yet finished {default_help('max_in_flight', _in_flight)}",
+    ),
     (
         "--stall-timeout",
         float,
         "seconds without a finished step before the stall watchdog "
-        "reports and reschedules stuck calls (default 60)",
+        f"reports and reschedules stuck calls {default_help('stall_timeout', _seconds)}",
     ),
     ("--summary-json", str, "write the final summary as JSON to this path"),
     ("--logdir", str, "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
     ("--train-data", str, "training files (glob) for the job, e.g. 'data/train-*.csv'"),
     ("--eval-data", str, "evaluation files (glob) for the job"),
-    ("--label-column", str, "CSV label column (default label)"),
+    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
 ]
 
 
@@ -84,13 +118,14 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=int,
         default=10,
-        help="restarts of the training process within 10 minutes before the job FAILS (default 10)",
+        help="restarts of the training process within 10 minutes before the job FAILS "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--recovery-timeout",
         type=float,
         default=300.0,
-        help="seconds to wait for failed ps tasks before restarting anyway (default 300)",
+        help="seconds to wait for failed ps tasks before restarting anyway (default %(default)g)",
     )
 
 
@@ -99,15 +134,12 @@ def add_control_address(parser: argparse.ArgumentParser) -> None:
         "--control-address",
         default=DEFAULT_CONTROL_ADDRESS,
         metavar="HOST:PORT",
-        help=f"psctl's control API (default {DEFAULT_CONTROL_ADDRESS}; port 0 picks a free one)",
+        help="psctl's control API (default %(default)s; port 0 picks a free one)",
     )
 
 
 def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, _, _ in TRAIN_FLAGS
-    }
+    return flag_values(args, (flag for flag, _, _ in TRAIN_FLAGS))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,14 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a whole cluster on this machine and train a job on it",
         description="Start ps and worker servers on loopback, train, then stop every server.",
     )
-    local.add_argument("--ps", type=int, default=1, help="ps servers (default 1)")
-    local.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
+    local.add_argument("--ps", type=int, default=1, help="ps servers (default %(default)s)")
+    local.add_argument(
+        "--workers", type=int, default=2, help="worker servers (default %(default)s)"
+    )
     local.add_argument("--workdir", help="run directory (default ./psctl-work/local-TIME)")
     local.add_argument(
         "--start-timeout",
         type=float,
         default=120.0,
-        help="seconds to wait for every server to be SERVING (default 120)",
+        help="seconds to wait for every server to be SERVING (default %(default)g)",
     )
     add_control_address(local)
     add_recovery_arguments(local)
@@ -160,13 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=DEFAULT_METRICS_PORT,
-        help=f"coordinator's Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off)",
+        help="coordinator's Prometheus /metrics port (default %(default)s; 0: off)",
     )
     train.add_argument(
         "--connect-timeout",
         type=float,
         default=120.0,
-        help="seconds to wait for every server's TF port (default 120)",
+        help="seconds to wait for every server's TF port (default %(default)g)",
     )
     add_train_arguments(train)
 

@@ -1,1 +1,2 @@
-"""The job's control plane: state, the Control gRPC service and client, metrics."""
+"""The job's control plane: states and their transitions, the Control gRPC service and
+client, metrics."""

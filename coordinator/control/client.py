@@ -16,7 +16,8 @@ from psctl.cluster import health
 from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
 from psctl.cluster.ports import HEALTH_PORT_OFFSET
 from psctl.cluster.spec import resolve_cluster, split_host_port
-from psctl.control.v1 import control_pb2, control_pb2_grpc
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.control.stubs import control_stub
 
 RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
 
@@ -43,7 +44,7 @@ def _describe(err: grpc.RpcError, address: str) -> ControlError:
 
 def call(address: str, method: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
     with grpc.insecure_channel(address) as channel:
-        stub = control_pb2_grpc.ControlStub(channel)
+        stub = control_stub(channel)
         try:
             return getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as err:
@@ -51,19 +52,22 @@ def call(address: str, method: str, request: Any, *, timeout: float = RPC_TIMEOU
 
 
 def state_name(value: int) -> str:
-    return control_pb2.JobState.Name(value).removeprefix("JOB_STATE_")
+    name: str = control_pb2.JobState.Name(value)
+    return name.removeprefix("JOB_STATE_")
 
 
 def health_name(value: int) -> str:
-    return control_pb2.TaskHealth.Name(value).removeprefix("TASK_HEALTH_")
+    name: str = control_pb2.TaskHealth.Name(value)
+    return name.removeprefix("TASK_HEALTH_")
 
 
 def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     from google.protobuf import json_format  # only --json needs it
 
-    return json_format.MessageToDict(
+    as_dict: dict[str, Any] = json_format.MessageToDict(
         status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    return as_dict
 
 
 def _num(value: float, fmt: str = ".4f") -> str:
@@ -129,7 +133,7 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     request = control_pb2.WatchStatusRequest(interval_seconds=args.interval)
     tty = out.isatty()
     with grpc.insecure_channel(args.address) as channel:
-        stub = control_pb2_grpc.ControlStub(channel)
+        stub = control_stub(channel)
         # The stream lives as long as the job: its deadline is --duration (or a day).
         deadline = args.duration or 86400.0
         try:
@@ -200,7 +204,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     """Like grpc_health_probe over every server of the cluster; non-zero if any is not
     SERVING."""
     cluster, source = resolve_cluster(cluster_file=args.cluster, environ=_environ())
-    explicit = _explicit_health_addresses(args.cluster)
+    explicit = explicit_health_addresses(args.cluster)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
     bad = 0
     for task_type, index, address in cluster.tasks():
@@ -216,14 +220,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if bad == 0 else EXIT_UNAVAILABLE
 
 
-def _explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], str]:
+def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], str]:
     """A cluster file may name health addresses in an optional "health" section shaped like
     "cluster" (psctl local writes one); other tasks use TF port + offset."""
     if not cluster_file:
         return {}
     with open(cluster_file) as f:
         section = json.load(f).get("health", {})
-    found = {}
+    found: dict[tuple[str, int], str] = {}
     for task_type, addresses in section.items() if isinstance(section, dict) else ():
         for index, address in enumerate(addresses if isinstance(addresses, list) else []):
             split_host_port(address, field=f"{cluster_file}: health.{task_type}[{index}]")

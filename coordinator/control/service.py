@@ -7,13 +7,13 @@ the servicer only reads snapshots and files requests, never touches TensorFlow.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -25,27 +25,37 @@ from psctl.cluster import health as health_check
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import split_host_port
 from psctl.control.v1 import control_pb2, control_pb2_grpc
+from psctl.coordinator.control.state import (
+    ACTIVITIES,
+    ACTIVITY_HOST_STATES,
+    CHECKPOINT_STATES,
+    FINAL_STATES,
+    SCHEDULING_STATES,
+    InvalidTransition,
+    State,
+    check_transition,
+)
+from psctl.coordinator.control.stubs import add_control_servicer
+
+# State, FINAL_STATES and InvalidTransition are re-exported for the callers that import
+# them from here; new code imports them from psctl.coordinator.control.state.
+__all__ = [
+    "FINAL_STATES",
+    "Board",
+    "CheckpointRequest",
+    "ControlServer",
+    "ControlServicer",
+    "InvalidTransition",
+    "JobControl",
+    "Rejected",
+    "State",
+    "TaskInfo",
+]
 
 log = logging.getLogger(__name__)
 
 WATCH_MIN_INTERVAL, WATCH_MAX_INTERVAL = 0.1, 60.0
 HEALTH_POLL_SECONDS = 2.0
-
-
-class State(enum.Enum):
-    STARTING = control_pb2.JOB_STATE_STARTING
-    RUNNING = control_pb2.JOB_STATE_RUNNING
-    PAUSED = control_pb2.JOB_STATE_PAUSED
-    CHECKPOINTING = control_pb2.JOB_STATE_CHECKPOINTING
-    RECOVERING = control_pb2.JOB_STATE_RECOVERING
-    STOPPING = control_pb2.JOB_STATE_STOPPING
-    DONE = control_pb2.JOB_STATE_DONE
-    FAILED = control_pb2.JOB_STATE_FAILED
-
-
-FINAL_STATES = (State.DONE, State.FAILED)
-# States in which the loop schedules steps, or will: pause and resume make sense there.
-_SCHEDULING_STATES = (State.STARTING, State.RUNNING, State.PAUSED, State.CHECKPOINTING)
 
 
 class Rejected(Exception):
@@ -87,6 +97,13 @@ class CheckpointRequest:
 
 
 class JobControl:
+    """The job's state, progress board, task health and pending operator requests.
+
+    ``state`` is the life-cycle state (``set_state`` moves it along ``TRANSITIONS``);
+    ``reported_state`` is what GetStatus and the ``on_state`` callback see: the state, or
+    CHECKPOINTING while a "checkpointing" activity runs beside RUNNING, PAUSED or STOPPING.
+    """
+
     def __init__(
         self,
         *,
@@ -105,6 +122,7 @@ class JobControl:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._state = State.STARTING
+        self._activities: dict[str, int] = {}
         self._board = Board()
         self._health: dict[tuple[str, int], int] = {}
         self._failures: dict[tuple[str, int], int] = {}
@@ -112,6 +130,8 @@ class JobControl:
         self._checkpoints: list[CheckpointRequest] = []
         self.stop_requested = threading.Event()
         self._on_state = on_state  # e.g. the coordinator_state metric
+        # Held while the callback runs, so that the last call reports the latest state.
+        self._notify_lock = threading.Lock()
         self.on_task_failure: Callable[[str], None] | None = None
         self.on_recovery: Callable[[], None] | None = None
         self.recoveries = 0
@@ -120,17 +140,84 @@ class JobControl:
 
     @property
     def state(self) -> State:
+        """The life-cycle state (never CHECKPOINTING because of an activity)."""
         with self._lock:
             return self._state
 
-    def set_state(self, state: State, message: str = "") -> None:
+    @property
+    def reported_state(self) -> State:
+        """The state GetStatus, Pause/Resume/Stop and ``on_state`` report."""
         with self._lock:
-            if self._state != state:
-                log.debug("state %s -> %s", self._state.name, state.name)
+            return self._reported()
+
+    def _reported(self) -> State:  # under self._lock
+        if self._state in ACTIVITY_HOST_STATES:
+            for name, shown in ACTIVITIES.items():
+                if self._activities.get(name):
+                    return shown
+        return self._state
+
+    def set_state(self, state: State, message: str = "") -> None:
+        """Move to ``state`` and set the status message.
+
+        The same state again only sets the message. A transition ``TRANSITIONS`` does not
+        allow is logged and raises ``InvalidTransition``; state and message stay as they
+        were.
+        """
+        with self._lock:
+            old = self._state
+            try:
+                check_transition(old, state)
+            except InvalidTransition as err:
+                log.error("%s", err)
+                raise
+            if old is not state:
+                log.debug("state %s -> %s", old.name, state.name)
             self._state = state
             self._board.message = message
-        if self._on_state is not None:
-            self._on_state(state.name.lower())
+        self._notify()
+
+    def begin_activity(self, name: str) -> None:
+        """Start ``name`` (a key of ``ACTIVITIES``, e.g. "checkpointing") beside the current
+        state: while any such activity runs in RUNNING, PAUSED or STOPPING, the reported
+        state is the activity's (CHECKPOINTING) and ``state`` does not change. Activities
+        nest: each begin needs its end_activity."""
+        self._check_activity(name)
+        with self._lock:
+            self._activities[name] = self._activities.get(name, 0) + 1
+        self._notify()
+
+    def end_activity(self, name: str) -> None:
+        """End one ``begin_activity(name)``. An end without a begin is logged, not raised:
+        it runs in ``finally`` blocks, where it must not hide the real error."""
+        self._check_activity(name)
+        with self._lock:
+            running = self._activities.get(name, 0)
+            if running <= 0:
+                log.error("end_activity(%r) without begin_activity", name)
+                return
+            self._activities[name] = running - 1
+        self._notify()
+
+    @contextmanager
+    def activity(self, name: str) -> Iterator[None]:
+        """``with control.activity("checkpointing"): save()``."""
+        self.begin_activity(name)
+        try:
+            yield
+        finally:
+            self.end_activity(name)
+
+    @staticmethod
+    def _check_activity(name: str) -> None:
+        if name not in ACTIVITIES:
+            raise ValueError(f"unknown activity {name!r}; one of {sorted(ACTIVITIES)}")
+
+    def _notify(self) -> None:
+        if self._on_state is None:
+            return
+        with self._notify_lock:
+            self._on_state(self.reported_state.name.lower())
 
     def set_message(self, message: str) -> None:
         with self._lock:
@@ -165,10 +252,27 @@ class JobControl:
             return taken
 
     def finish(self, state: State, message: str = "") -> None:
-        """DONE or FAILED; pending checkpoint requests are answered with an error."""
+        """DONE or FAILED; pending checkpoint requests are answered with an error.
+
+        Finishing again with the other final state (FAILED after DONE) is logged and
+        ignored: the first outcome stands, and the caller, often an error handler, goes on.
+        Any other transition the table refuses raises ``InvalidTransition``.
+        """
+        if not state.final:
+            raise ValueError(f"finish() takes DONE or FAILED, not {state.name}")
+        current = self.state
+        if current.final and current is not state:
+            log.error("job already %s: finish(%s) ignored (%s)", current.name, state.name, message)
+            return
+        check_transition(current, state)
         for request in self.take_checkpoint_requests():
             request.future.set_exception(Rejected(f"the job ended ({state.name})"))
-        self.set_state(state, message)
+        try:
+            self.set_state(state, message)
+        except InvalidTransition:
+            if not self.state.final:
+                raise
+            # Another thread finished the job meanwhile (set_state logged it): that stands.
 
     # -- the operators' side (RPC threads) -----------------------------------------------
 
@@ -180,17 +284,17 @@ class JobControl:
 
     def _set_pause(self, paused: bool, verb: str) -> State:
         with self._lock:
-            if self._state not in _SCHEDULING_STATES:
+            if self._state not in SCHEDULING_STATES:
                 raise Rejected(f"cannot {verb} while {self._state.name}")
             self._pause_requested = paused
-            return self._state
+            return self._reported()
 
     def request_stop(self) -> State:
         with self._lock:
             if self._state in FINAL_STATES:
                 raise Rejected(f"the job is already {self._state.name}")
             self.stop_requested.set()
-            return self._state
+            return self._reported()
 
     def request_checkpoint(self) -> CheckpointRequest:
         with self._lock:
@@ -198,7 +302,7 @@ class JobControl:
                 raise Rejected(
                     "the job has no checkpoint directory; restart it with --checkpoint-dir"
                 )
-            if self._state not in (State.RUNNING, State.PAUSED, State.CHECKPOINTING):
+            if self._state not in CHECKPOINT_STATES:
                 raise Rejected(
                     f"cannot checkpoint while {self._state.name}; try again when "
                     "the job is RUNNING or PAUSED"
@@ -209,7 +313,7 @@ class JobControl:
 
     def snapshot(self) -> control_pb2.Status:
         with self._lock:
-            board, state = replace(self._board), self._state
+            board, state = replace(self._board), self._reported()
             healths, failures = dict(self._health), dict(self._failures)
         status = control_pb2.Status(
             job=self.job,
@@ -365,9 +469,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.StopResponse(state=state)
 
     @staticmethod
-    def _do(action: Any, context: grpc.ServicerContext) -> control_pb2.JobState:
+    def _do(action: Callable[[], State], context: grpc.ServicerContext) -> control_pb2.JobState:
         try:
-            return cast(control_pb2.JobState, int(action().value))
+            return action().value
         except Rejected as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
             raise  # unreachable: abort raises
@@ -381,7 +485,7 @@ class ControlServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)]
         )
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(control), self.server)
+        add_control_servicer(ControlServicer(control), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (

@@ -21,16 +21,24 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
-from psctl.cluster.spec import ClusterConfig, load_cluster_file, require_chief, split_host_port
+from psctl.cluster.spec import (
+    Address,
+    ClusterConfig,
+    load_cluster_file,
+    require_chief,
+    split_host_port,
+)
+from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT, DEFAULTS
 
 DEFAULT_CONFIG_DIR = "/etc/psctl"
 REFERENCE_BIN_DIR = "/opt/psctl/venv/bin"
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/psctl"  # StateDirectory=psctl
 SERVER_ROLES = ("ps", "worker")
-# The coordinator's own ports; the same defaults as `psctl train` (coordinator/cli.py).
-COORDINATOR_METRICS_PORT = 9400
-CONTROL_ADDRESS = "127.0.0.1:7070"
+# The coordinator's own ports: `psctl train`'s defaults.
+COORDINATOR_METRICS_PORT = DEFAULT_METRICS_PORT
+CONTROL_ADDRESS = DEFAULT_CONTROL_ADDRESS
+_CONTROL_PORT = Address.parse(CONTROL_ADDRESS, field="control address").port
 TARGET = "psctl.target"
 COORDINATOR_UNIT = "psctl-coordinator.service"
 # Where a unit's paths may not reach under DynamicUser= and ProtectHome=.
@@ -48,11 +56,17 @@ class ServerTask:
 
     task_type: str
     index: int
-    address: str
-    host: str
-    tf_port: int
+    address: Address
     health_port: int
     metrics_port: int
+
+    @property
+    def host(self) -> str:
+        return self.address.host
+
+    @property
+    def tf_port(self) -> int:
+        return self.address.port
 
     @property
     def name(self) -> str:
@@ -98,26 +112,24 @@ def plan_hosts(
     """
     explicit = health_addresses or {}
     hosts: dict[str, list[ServerTask]] = {}
-    chief_host = chief_port = None
-    if cluster.chief is not None:
-        chief_host, chief_port = split_host_port(cluster.chief, field="cluster.chief[0]")
-        hosts[chief_host] = []
-    for task_type, index, address in cluster.tasks():
+    chief = cluster.task_address("chief", 0) if cluster.chief is not None else None
+    if chief is not None:
+        hosts[chief.host] = []
+    for task_type, index, address in cluster.task_addresses():
         if task_type not in SERVER_ROLES:
             continue
         field = f"cluster.{task_type}[{index}]"
-        host, tf_port = split_host_port(address, field=field)
         if (task_type, index) in explicit:
             _, health_port = split_host_port(
                 explicit[(task_type, index)], field=f"health.{task_type}[{index}]"
             )
         else:
-            health_port = side_port(tf_port, HEALTH_PORT_OFFSET, field=f"{field} health port")
-        metrics_port = side_port(tf_port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
-        task = ServerTask(task_type, index, address, host, tf_port, health_port, metrics_port)
-        hosts.setdefault(host, []).append(task)
+            health_port = side_port(address.port, HEALTH_PORT_OFFSET, field=f"{field} health port")
+        metrics_port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
+        task = ServerTask(task_type, index, address, health_port, metrics_port)
+        hosts.setdefault(address.host, []).append(task)
     plans = [
-        HostPlan(host, tuple(tasks), chief_port if host == chief_host else None)
+        HostPlan(host, tuple(tasks), chief.port if chief and host == chief.host else None)
         for host, tasks in hosts.items()
     ]
     for plan in plans:
@@ -129,11 +141,10 @@ def _check_host_ports(plan: HostPlan) -> None:
     used: dict[int, str] = {}
     claims: list[tuple[int, str]] = []
     if plan.chief_port is not None:
-        _, control_port = split_host_port(CONTROL_ADDRESS, field="control address")
         claims += [
             (plan.chief_port, "chief TF port"),
             (COORDINATOR_METRICS_PORT, "coordinator metrics port"),
-            (control_port, "coordinator control port"),
+            (_CONTROL_PORT, "coordinator control port"),
         ]
     for s in plan.servers:
         claims += [
@@ -148,7 +159,7 @@ def _check_host_ports(plan: HostPlan) -> None:
                 f"{what} {port} is also the {used[port]}",
                 f"space TF ports on one host apart from the side ports (TF port + "
                 f"{HEALTH_PORT_OFFSET} and + {METRICS_PORT_OFFSET}) and from "
-                f"{COORDINATOR_METRICS_PORT} and 7070",
+                f"{COORDINATOR_METRICS_PORT} and {_CONTROL_PORT}",
             )
         used[port] = what
 
@@ -191,23 +202,38 @@ _WORKER_DEVICES = (
 )
 
 
-def _server_unit(role: str, *, bin_dir: str, config_dir: str) -> str:
-    script = f"{role}-server"
-    devices = _WORKER_DEVICES if role == "worker" else _PRIVATE_DEVICES
+def _unit(*, head: str, description: str, start_limit: str, service: str, devices: str) -> str:
+    """A psctl unit: its ``head`` comment, then what every psctl unit has around its own
+    start limit and [Service] lines (``devices``: the hardening's device line)."""
     return f"""\
-# psctl {role} server: one TensorFlow {role} task. The instance (%i) is the task's index in
-# the cluster file: `systemctl enable --now {unit_name(role).replace("@", "@0")}` runs
-# cluster.{role}[0]. Written by `psctl deploy render`; see docs/deploy.md.
-[Unit]
-Description=psctl {role} server (task %i)
+{head}[Unit]
+Description={description}
 After=network-online.target
 Wants=network-online.target
 PartOf={TARGET}
-# At most 10 starts in 5 minutes; then `systemctl reset-failed` before trying again.
-StartLimitIntervalSec=300
-StartLimitBurst=10
+{start_limit}StartLimitBurst=10
 
 [Service]
+{service}LimitNOFILE=65536
+
+{_HARDENING.format(private_devices=devices)}
+[Install]
+WantedBy={TARGET}
+"""
+
+
+def _server_unit(role: str, *, bin_dir: str, config_dir: str) -> str:
+    script = f"{role}-server"
+    head = f"""\
+# psctl {role} server: one TensorFlow {role} task. The instance (%i) is the task's index in
+# the cluster file: `systemctl enable --now {unit_name(role).replace("@", "@0")}` runs
+# cluster.{role}[0]. Written by `psctl deploy render`; see docs/deploy.md.
+"""
+    start_limit = """\
+# At most 10 starts in 5 minutes; then `systemctl reset-failed` before trying again.
+StartLimitIntervalSec=300
+"""
+    service = f"""\
 # READY=1 comes once the TF server, the health service and /metrics all listen.
 Type=notify
 NotifyAccess=main
@@ -224,28 +250,23 @@ TimeoutStartSec=180
 # On SIGTERM health turns NOT_SERVING and the server exits 0 after --shutdown-grace (1 s).
 TimeoutStopSec=20
 SyslogIdentifier=psctl-{role}-%i
-LimitNOFILE=65536
-
-{_HARDENING.format(private_devices=devices)}
-[Install]
-WantedBy={TARGET}
 """
+    return _unit(
+        head=head,
+        description=f"psctl {role} server (task %i)",
+        start_limit=start_limit,
+        service=service,
+        devices=_WORKER_DEVICES if role == "worker" else _PRIVATE_DEVICES,
+    )
 
 
 def _coordinator_unit(*, bin_dir: str, config_dir: str) -> str:
-    return f"""\
+    head = f"""\
 # psctl coordinator: `psctl train`, the TensorFlow chief task that drives the job.
 # Started by hand once the servers are up (`systemctl start {COORDINATOR_UNIT}`);
 # enable it only to start training at boot. Written by `psctl deploy render`.
-[Unit]
-Description=psctl coordinator (psctl train, task chief)
-After=network-online.target
-Wants=network-online.target
-PartOf={TARGET}
-StartLimitIntervalSec=600
-StartLimitBurst=10
-
-[Service]
+"""
+    service = f"""\
 # psctl train waits for every server's TF port itself (exit 69 after --connect-timeout).
 Type=exec
 EnvironmentFile={config_dir}/psctl.env
@@ -267,12 +288,14 @@ TimeoutStopSec=300
 # Checkpoints and the summary: {STATE_DIR}.
 StateDirectory=psctl
 SyslogIdentifier=psctl-coordinator
-LimitNOFILE=65536
-
-{_HARDENING.format(private_devices=_PRIVATE_DEVICES)}
-[Install]
-WantedBy={TARGET}
 """
+    return _unit(
+        head=head,
+        description="psctl coordinator (psctl train, task chief)",
+        start_limit="StartLimitIntervalSec=600\n",
+        service=service,
+        devices=_PRIVATE_DEVICES,
+    )
 
 
 _TARGET_UNIT = f"""\
@@ -336,8 +359,8 @@ def coordinator_env() -> str:
 # psctl train settings (EnvironmentFile of {COORDINATOR_UNIT}). Any training flag works as
 # PSCTL_<FLAG> (e.g. PSCTL_BATCH_SIZE=128); a job file via PSCTL_CONFIG is not read: put
 # its [train] values here instead. Written by `psctl deploy render`.
-PSCTL_JOB=mlp
-PSCTL_STEPS=1500
+PSCTL_JOB={DEFAULTS.job}
+PSCTL_STEPS={DEFAULTS.steps}
 PSCTL_CHECKPOINT_DIR={STATE_DIR}/checkpoints
 PSCTL_SUMMARY_JSON={STATE_DIR}/summary.json
 # psctl's control API (psctl status/stop/...): no authentication, keep it on loopback.
@@ -361,11 +384,10 @@ def reference_files() -> dict[str, str]:
 def _port_rows(plan: HostPlan) -> list[tuple[str, str, str, str]]:
     rows = []
     if plan.chief_port is not None:
-        _, control_port = split_host_port(CONTROL_ADDRESS, field="control address")
         rows += [
             ("chief", str(plan.chief_port), "TensorFlow gRPC (coordinator)", "the servers"),
             ("chief", str(COORDINATOR_METRICS_PORT), "Prometheus /metrics", "Prometheus"),
-            ("chief", str(control_port), "psctl control API (loopback)", "nobody: do not open"),
+            ("chief", str(_CONTROL_PORT), "psctl control API (loopback)", "nobody: do not open"),
         ]
     for s in plan.servers:
         rows += [
@@ -504,13 +526,13 @@ def render(
     force: bool = False,
 ) -> list[HostPlan]:
     """Write OUT/README.md and OUT/<host>/ for every host of the cluster; returns the plan."""
-    from psctl.coordinator.control.client import _explicit_health_addresses
+    from psctl.coordinator.control.client import explicit_health_addresses
 
     bin_dir = _absolute_dir(bin_dir, "--bin-dir")
     config_dir = _absolute_dir(config_dir, "--config-dir")
     cluster = load_cluster_file(cluster_file)
     require_chief(cluster, source=cluster_file)
-    plans = plan_hosts(cluster, _explicit_health_addresses(cluster_file))
+    plans = plan_hosts(cluster, explicit_health_addresses(cluster_file))
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConfigError(
             "--out", f"{out} exists and is not empty", "give a new directory or pass --force"
@@ -605,10 +627,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     """`psctl health`'s table of every health service, then every server's TF port tried
     from here (the coordinator host needs them all)."""
     from psctl.cluster.spec import resolve_cluster
-    from psctl.coordinator.control.client import _explicit_health_addresses, cmd_health
+    from psctl.coordinator.control.client import cmd_health, explicit_health_addresses
 
     cluster, _ = resolve_cluster(cluster_file=args.cluster, environ=os.environ)
-    plans = plan_hosts(cluster, _explicit_health_addresses(args.cluster))
+    plans = plan_hosts(cluster, explicit_health_addresses(args.cluster))
     health = cmd_health(
         argparse.Namespace(
             cluster=args.cluster, health_port_offset=HEALTH_PORT_OFFSET, timeout=args.timeout
@@ -695,5 +717,5 @@ def write_reference(directory: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for written_path in write_reference(Path(__file__).resolve().parent.parent / "deploy/systemd"):
+    for written_path in write_reference(Path(__file__).resolve().parents[2] / "deploy/systemd"):
         print(written_path)

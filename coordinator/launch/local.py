@@ -8,8 +8,6 @@ gets a parent-death signal, so none outlives the launcher, even if it is SIGKILL
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -18,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -26,7 +23,9 @@ from typing import Any
 
 from psctl.cluster import health, ports
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
-from psctl.cluster.spec import ClusterConfig, format_table, split_host_port
+from psctl.cluster.files import write_json_atomic
+from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.spec import Address, ClusterConfig, format_table
 from psctl.coordinator.launch.argv import psctl_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,
@@ -36,30 +35,13 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
-from psctl.coordinator.settings import resolve_settings
+from psctl.coordinator.settings import flag_for, resolve_settings
 
 log = logging.getLogger("psctl.local")
 
-_PR_SET_PDEATHSIG = 1
-STOP_TIMEOUT = 5.0
 # TensorFlow's many busy threads in every server would starve the coordinator and the
 # operator's shell on a small machine (seen: `psctl status` took 2-4 s on 2 cores).
 SERVER_NICE = 10
-
-
-def _die_with_parent(sig: int, nice: int = 0) -> Callable[[], None]:
-    """A preexec_fn: the child gets ``sig`` when the launcher dies, even by SIGKILL."""
-    parent = os.getpid()
-
-    def arm() -> None:  # runs in the child between fork and exec
-        if nice:
-            os.nice(nice)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return arm
 
 
 @dataclass
@@ -86,49 +68,6 @@ class ServerProcess:
         except OSError:
             return "(no log)"
         return "\n".join("    " + line for line in lines[-count:])
-
-
-def spawn(
-    argv: list[str],
-    *,
-    log_path: Path | None = None,
-    env: dict[str, str] | None = None,
-    death_signal: int = signal.SIGTERM,
-    nice: int = 0,
-) -> subprocess.Popen[bytes]:
-    """Start a child in its own session (the terminal's Ctrl-C goes to the launcher only)."""
-    out: Any = None
-    if log_path is not None:
-        out = log_path.open("ab")
-    try:
-        return subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent(death_signal, nice),
-            env=env,
-        )
-    finally:
-        if out is not None:
-            out.close()
-
-
-def stop_processes(procs: list[subprocess.Popen[bytes]], *, timeout: float = STOP_TIMEOUT) -> None:
-    """SIGTERM, wait, then SIGKILL whatever is left. Never leaves a child behind."""
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
 
 
 class LocalCluster:
@@ -194,7 +133,7 @@ class LocalCluster:
         body: dict[str, Any] = {"cluster": self.cluster.as_dict(), "health": health}
         if self.dispatcher:
             body["data_service"] = {"dispatcher": self.dispatcher}
-        self.cluster_file.write_text(json.dumps(body, indent=2))
+        write_json_atomic(self.cluster_file, body)
         for task_type, index, address, health_port, metrics_port in plan:
             self.servers.append(
                 self._start_server(task_type, index, address, health_port, metrics_port)
@@ -254,10 +193,8 @@ class LocalCluster:
             targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
         # Each written whole then renamed: Prometheus and training processes may read them at
         # any moment; a restarted server rewrites them (its new pid).
-        for path, body in ((self.tasks_file, tasks), (self.targets_file, targets)):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(body, indent=2))
-            os.replace(tmp, path)
+        write_json_atomic(self.tasks_file, tasks)
+        write_json_atomic(self.targets_file, targets)
         self._tasks_written = True
 
     def wait_serving(self, *, timeout: float) -> None:
@@ -355,7 +292,7 @@ def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namesp
         argv += ["--config", args.config]
     for name, value in flags.items():
         if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+            argv += [flag_for(name), str(value)]
     if args.verbose:
         argv.append("--verbose")
     return argv
@@ -368,14 +305,12 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         flags["checkpoint_dir"] = str(workdir / "checkpoints")
     if not flags.get("logdir") and not os.environ.get("PSCTL_LOGDIR"):
         flags["logdir"] = str(workdir / "tensorboard")
-    host, port = split_host_port(
-        args.control_address, field="--control-address", allow_port_zero=True
-    )
-    if port == 0:
-        port = ports.free_ports(1, host)[0]
+    control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
+    if control.port == 0:
+        control = control.with_port(ports.free_ports(1, control.host)[0])
     else:  # fail before starting any server
-        ports.check_port_free(port, host=host, field="--control-address")
-    args.control_address = f"{host}:{port}"
+        ports.check_port_free(control.port, host=control.host, field="--control-address")
+    args.control_address = str(control)
     settings = resolve_settings(flags=flags, config_file=args.config)  # bad input: fail now
     local = LocalCluster(
         num_ps=args.ps,

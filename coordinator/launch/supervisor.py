@@ -5,7 +5,8 @@ process exits with EXIT_RESTART once the ps tasks are back, and the supervisor s
 fresh one, which restores the latest checkpoint. A training process killed by a signal
 (it crashed, or someone killed it) is restarted too, with backoff and jitter, within a
 crash-loop budget; then the job is FAILED. Any other non-zero status (configuration error,
-the job's code raising) is permanent and ends the job at once.
+the job's code raising) is permanent and ends the job at once. What each exit status means
+and what to do about it come from psctl.coordinator.failures.
 """
 
 from __future__ import annotations
@@ -21,19 +22,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
-from psctl.cluster.errors import EXIT_FAILURE
+from psctl.coordinator.failures import (
+    RESTARTS,
+    Decision,
+    Failure,
+    FailurePolicy,
+    Scope,
+    classify_exit,
+    exit_status,
+)
 
 log = logging.getLogger(__name__)
-
-EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back, the model went NaN)
-
-
-class RestartFromCheckpoint(Exception):
-    """Raised in the training process when only a fresh one can go on: it exits with
-    EXIT_RESTART, and the supervisor starts a new one that restores the latest checkpoint."""
-
-
-EXIT_INTERRUPTED = 130
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,11 @@ def describe_exit(code: int) -> str:
 
 
 class TrainingSupervisor:
-    """Runs the training process until it finishes, restarting it when it should."""
+    """Runs the training process until it finishes, restarting it when it should.
+
+    ``start`` returns a Popen-like child (``wait(timeout)``, ``poll``, ``send_signal``);
+    ``clock`` and ``sleep`` are time.monotonic and time.sleep unless a test scripts them.
+    """
 
     def __init__(
         self,
@@ -94,12 +97,18 @@ class TrainingSupervisor:
         policy: RestartPolicy,
         tick: Callable[[], None] | None = None,
         counters: Counters | None = None,
+        failures: FailurePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.start = start
         self.policy = policy
         self.budget = RestartBudget(policy)
         self.tick = tick or (lambda: None)
         self.counters = counters or Counters()
+        self.failures = failures or FailurePolicy()
+        self.clock = clock
+        self.sleep = sleep
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping = False
 
@@ -108,29 +117,34 @@ class TrainingSupervisor:
         while True:
             self.child = self.start(self.counters)
             code = self._wait(self.child)
-            if code == 0 or self.stopping:
-                return code if code >= 0 else EXIT_INTERRUPTED
-            if code > 0 and code != EXIT_RESTART:
-                # A configuration error (78), a bad command line (2) or the job's own code
-                # raising (1): permanent, restarting cannot help. Fail fast.
-                return code
-            if code == EXIT_RESTART:
-                consecutive_crashes = 0
-                delay = 0.5
-                reason = "the training process asked for a fresh start"
-            else:
+            failure = classify_exit(code)
+            if failure is None:
+                return code  # finished, or stopped gracefully after a checkpoint
+            if self.stopping:
+                failure = Failure.STOP_SIGNAL  # the operator's: never restart after it
+            decision = self.failures.decide(failure, scope=Scope.PROCESS)
+            if decision not in RESTARTS:
+                # A configuration error (78), a bad command line (2), the job's own code
+                # raising (1) or a stop: restarting cannot help. The child's status is the
+                # job's; one killed by a signal ends it with the decision's.
+                return code if code >= 0 else exit_status(decision)
+            if decision is Decision.RESTART_WITH_BACKOFF:
                 self.counters.coordinator_failures += 1
                 consecutive_crashes += 1
                 delay = self.policy.delay(consecutive_crashes)
                 reason = f"the training process ended with {describe_exit(code)}"
-            if not self.budget.allow():
+            else:
+                consecutive_crashes = 0
+                delay = 0.5
+                reason = "the training process asked for a fresh start"
+            if not self.budget.allow(self.clock()):
                 log.error(
                     "%s; %d restarts within %.0fs: giving up (job FAILED)",
                     reason,
                     self.policy.max_restarts,
                     self.policy.window,
                 )
-                return EXIT_FAILURE
+                return exit_status(Decision.FAIL)
             self.counters.restarts += 1
             log.warning(
                 "%s: restarting it in %.1fs from the latest checkpoint (restart %d)",
@@ -139,7 +153,7 @@ class TrainingSupervisor:
                 self.counters.restarts,
             )
             if self._sleep(delay):
-                return EXIT_INTERRUPTED
+                return exit_status(Decision.ABORT)
 
     def _wait(self, child: subprocess.Popen[bytes]) -> int:
         while True:
@@ -150,10 +164,10 @@ class TrainingSupervisor:
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep while ticking; True if a stop was requested meanwhile."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not self.stopping:
+        deadline = self.clock() + seconds
+        while self.clock() < deadline and not self.stopping:
             self.tick()
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            self.sleep(min(0.2, max(0.0, deadline - self.clock())))
         return self.stopping
 
     def request_stop(self, signum: int) -> None:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,14 +25,19 @@ from psctl.cluster.spec import (
     load_cluster_file,
     parse_tf_config,
     require_chief,
-    split_host_port,
 )
 from psctl.coordinator.control.service import ControlServer, JobControl, State, TaskInfo
+from psctl.coordinator.failures import (
+    Decision,
+    FailurePolicy,
+    Scope,
+    Unreachable,
+    classify,
+    exit_status,
+)
 from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.launch.supervisor import (
-    EXIT_RESTART,
     Counters,
-    RestartFromCheckpoint,
     RestartPolicy,
     TrainingSupervisor,
     forward_stop_signals,
@@ -68,14 +74,13 @@ def resolve_chief_cluster(cluster_file: str | None) -> tuple[ClusterConfig, str]
 def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
     """Bounded wait until every ps and worker accepts TCP connections on its TF port."""
     deadline = time.monotonic() + timeout
-    pending = [(t, i, a) for t, i, a in cluster.tasks() if t in ("ps", "worker")]
+    pending = [(t, i, a) for t, i, a in cluster.task_addresses() if t in ("ps", "worker")]
     announced = False
     while pending:
         still = []
         for task_type, index, address in pending:
-            host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
             try:
-                with socket.create_connection((host, port), timeout=1.0):
+                with socket.create_connection((address.host, address.port), timeout=1.0):
                     pass
             except OSError:
                 still.append((task_type, index, address))
@@ -91,11 +96,6 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
         time.sleep(0.5)
 
 
-class Unreachable(Exception):
-    """Servers still not listening after --connect-timeout: the training process exits
-    EXIT_RESTART so that its supervisor retries within the crash-loop budget."""
-
-
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     cluster, source = resolve_chief_cluster(args.cluster)
     settings = resolve_settings(flags=flags, config_file=args.config)
@@ -106,15 +106,16 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         )
     if not args.once:
         return supervise_train(args)
-    chief = require_chief(cluster, source=source)
-    _, chief_port = split_host_port(chief, field="cluster.chief[0]")
+    require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
-    ports.check_port_free(chief_port, field="cluster.chief[0] port")
+    ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
+    failures = FailurePolicy()
     try:
         wait_for_tf_ports(cluster, timeout=args.connect_timeout)
     except Unreachable as err:
         print(f"psctl: error: {err}", file=sys.stderr)
-        return EXIT_RESTART  # the supervisor retries within its budget
+        # RESTART: the supervisor retries within its budget.
+        return exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
 
     from psctl.coordinator.job import load_job
 
@@ -139,19 +140,11 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     server = ControlServer(control, args.control_address)
     server.start()
     try:
-        return _train(job, cluster, source, settings, control, metrics, counters, dispatcher)
-    except RestartFromCheckpoint as err:
-        log.error("%s: restarting the training process from the latest checkpoint", err)
-        control.set_state(State.RECOVERING, str(err))
-        return EXIT_RESTART
-    except Exception as err:
-        if not is_cluster_failure(err):
-            control.finish(State.FAILED, one_line(err))
-            raise
-        return recover(control, err, timeout=args.recovery_timeout)
+        return _train(
+            job, cluster, source, settings, control, metrics, counters, dispatcher, failures
+        )
     except BaseException as err:
-        control.finish(State.FAILED, one_line(err))
-        raise
+        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
     finally:
         server.stop()
 
@@ -161,37 +154,46 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def is_cluster_failure(err: BaseException) -> bool:
-    """A task became unreachable (a ps, or the links to it): recoverable by a new
-    coordinator. Worker failures never get here: TensorFlow retries their closures."""
-    import tensorflow as tf
+def end_on_error(
+    err: BaseException,
+    control: JobControl,
+    failures: FailurePolicy,
+    *,
+    recovery_timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """The training process's exit status after ``err`` ended its run, as the policy
+    decides; a permanent failure marks the job FAILED and raises ``err`` again, for the
+    CLI's one-line report and its exit status (the same as ``exit_status(decision)``)."""
+    decision = failures.decide(classify(err), scope=Scope.PROCESS)
+    if decision is Decision.WAIT_FOR_PS_THEN_RESTART:
+        return recover(control, err, timeout=recovery_timeout, clock=clock, sleep=sleep)
+    if decision is Decision.RESTART:
+        log.error("%s: restarting the training process from the latest checkpoint", err)
+        control.set_state(State.RECOVERING, str(err))
+        return exit_status(decision)
+    control.finish(State.FAILED, one_line(err))
+    raise err
 
-    if isinstance(
-        err,
-        tf.errors.UnavailableError
-        | tf.errors.AbortedError
-        | tf.errors.CancelledError
-        | tf.errors.DeadlineExceededError,
-    ):
-        return True
-    original = getattr(err, "original_exception", None)  # ClosureInputError/AbortedError
-    if original is not None and original is not err:
-        return is_cluster_failure(original)
-    return isinstance(err, tf.errors.InvalidArgumentError) and (
-        "unknown device" in str(err).lower()
-    )
 
-
-def recover(control: JobControl, err: BaseException, *, timeout: float) -> int:
+def recover(
+    control: JobControl,
+    err: BaseException,
+    *,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """RECOVERING: wait with backoff until every ps is SERVING again, then ask the
     supervisor for a fresh training process (the only recovery TensorFlow supports)."""
     log.error("cluster failure: %s", one_line(err))
     control.set_state(State.RECOVERING, f"waiting for the ps tasks: {one_line(err)}")
     failed = [t for t in control.unhealthy_tasks() if t.startswith("ps:")]
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     delay = 0.5
-    while time.monotonic() < deadline:
-        time.sleep(delay + random.uniform(0, delay / 2))
+    while clock() < deadline:
+        sleep(delay + random.uniform(0, delay / 2))
         if control.all_ps_serving():
             break
         delay = min(delay * 2, 5.0)
@@ -201,7 +203,7 @@ def recover(control: JobControl, err: BaseException, *, timeout: float) -> int:
         "restarting the training process from the latest checkpoint (ps down: %s)",
         ", ".join(failed) or "unknown",
     )
-    return EXIT_RESTART
+    return exit_status(Decision.WAIT_FOR_PS_THEN_RESTART)
 
 
 def supervise_train(args: argparse.Namespace) -> int:
@@ -250,13 +252,11 @@ def _train(
     metrics: CoordinatorMetrics | None,
     counters: Counters,
     dispatcher: str | None = None,
+    policy: FailurePolicy | None = None,
 ) -> int:
-    from psctl.coordinator.training.trainer import (
-        Trainer,
-        install_stop_signals,
-        print_summary,
-        write_summary,
-    )
+    from psctl.coordinator.training.controller import install_stop_signals
+    from psctl.coordinator.training.summary import print_summary, write_summary
+    from psctl.coordinator.training.trainer import Trainer
 
     install_stop_signals(control)
     log.info(
@@ -276,6 +276,7 @@ def _train(
         control=control,
         metrics=metrics,
         data_dispatcher=dispatcher,
+        policy=policy,
     )
     # Never collected before the process exits: destroying its per-worker resources sends
     # ops to every worker and waits on a frozen one (seen). The process ends by os._exit.
@@ -312,16 +313,15 @@ def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]
             ) from None
         return [replace(t, pid=os.getpid()) if t.type == "chief" else t for t in tasks]
     tasks = []
-    for task_type, index, address in cluster.tasks():
-        host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
+    for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
         if task_type in ("ps", "worker"):
-            health_port = port + ports.HEALTH_PORT_OFFSET
-            metrics_port = port + ports.METRICS_PORT_OFFSET
+            health_port = address.port + ports.HEALTH_PORT_OFFSET
+            metrics_port = address.port + ports.METRICS_PORT_OFFSET
             if health_port < 65536:
-                health_address = f"{host}:{health_port}"
+                health_address = str(address.with_port(health_port))
             if metrics_port < 65536:
-                metrics_url = f"http://{host}:{metrics_port}/metrics"
+                metrics_url = f"http://{address.with_port(metrics_port)}/metrics"
         pid = os.getpid() if task_type == "chief" else 0
-        tasks.append(TaskInfo(task_type, index, address, health_address, metrics_url, pid))
+        tasks.append(TaskInfo(task_type, index, str(address), health_address, metrics_url, pid))
     return tasks

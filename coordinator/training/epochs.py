@@ -17,7 +17,7 @@ nothing is left unread and nothing waits on uneven shards.
 Failures: ``schedule`` is at-least-once and the service hands each piece out once, so a
 worker that dies loses the batches it had taken (in its call, its iterator buffer and its
 data worker's pieces): an epoch can then miss examples, it does not repeat them. See
-README ("Exactly-once epochs").
+docs/data.md ("Exactly-once epochs").
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -34,11 +35,7 @@ from psctl.cluster.dataservice import require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import split_host_port
 from psctl.coordinator.training.graph_ops import seconds_since
-from psctl.coordinator.training.progress import Progress
-from psctl.coordinator.training.trainer import _InFlight, _Loop
-
-if TYPE_CHECKING:
-    from psctl.coordinator.training.trainer import Trainer
+from psctl.coordinator.training.programs import Runtime, make_replica_step
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +54,16 @@ def start_dispatcher(address: str) -> Any:
     return dispatcher
 
 
-def make_epoch_train_fn(trainer: Trainer) -> Any:
+def make_epoch_train_fn(rt: Runtime) -> Any:
     """The scheduled function: up to ``num_steps`` steps, stopping at the end of the data.
 
     Returns [steps run, examples, worker index, microseconds] (int64).
     """
-    replica_step = trainer._make_replica_step()
-    global_step, strategy = trainer.global_step, trainer.strategy
+    replica_step = make_replica_step(rt.state, rt.job.loss_fn)
+    global_step, strategy = rt.state.global_step, rt.strategy
 
     # No autograph (see local_step.py): the loop is the tf.while_loop it would make, ending
     # early at the end of the data.
-    @tf.function(autograph=False)
     def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
         def step(steps: tf.Tensor, examples: tf.Tensor, _: tf.Tensor) -> tuple[Any, ...]:
             batch = iterator.get_next_as_optional()
@@ -78,7 +74,8 @@ def make_epoch_train_fn(trainer: Trainer) -> Any:
                 n = tf.cast(tf.shape(value[1])[0], tf.int64)
                 return steps + 1, examples + n, tf.constant(False)
 
-            return tf.cond(batch.has_value(), run, lambda: (steps, examples, tf.constant(True)))
+            ended = (steps, examples, tf.constant(True))
+            return tuple(tf.cond(batch.has_value(), run, lambda: ended))
 
         started = tf.timestamp()
         zero = tf.constant(0, tf.int64)
@@ -93,39 +90,47 @@ def make_epoch_train_fn(trainer: Trainer) -> Any:
         micros = tf.cast(seconds_since(started, after=done) * 1e6, tf.int64)
         return tf.stack([steps, examples, tf.cast(index, tf.int64), micros])
 
-    return train_fn
+    return tf.function(train_fn, autograph=False)
 
 
-class EpochLoop(_Loop):
-    """The scheduling loop of ``--epochs``: runs until every worker saw the end of the data."""
+class EpochProgram:
+    """The step program of ``--epochs``: runs until every worker saw the end of the data."""
 
-    def __init__(self, trainer: Trainer, start_step: int) -> None:
-        super().__init__(trainer, start_step)
-        s = trainer.settings
-        self.address = require_dispatcher(trainer.data_dispatcher)
-        self.target = 2**62  # unknown in advance; the end of the data ends the loop
-        self.progress = Progress(total=0, start=start_step, stream=self.progress.stream)
+    target = 2**62  # unknown in advance; the end of the data ends the loop
+    progress_total = 0
+
+    def __init__(
+        self, rt: Runtime, *, dispatcher: str | None, worker_failures: Callable[[], int]
+    ) -> None:
+        s = rt.settings
+        self.rt = rt
+        self.address = require_dispatcher(dispatcher)
+        self.worker_failures = worker_failures  # seen by the health checks so far
         self.finished_workers: set[int] = set()
         self.examples = 0
-        self.context = dataclasses.replace(trainer._context(0, 1, s.batch_size), one_pass=True)
-        dataset = trainer.job.dataset_fn(self.context)
+        self.context = dataclasses.replace(rt.data_context(0, 1, s.batch_size), one_pass=True)
+        dataset = rt.job.dataset_fn(self.context)
         if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
             raise ConfigError(
                 "--epochs",
-                f"the job's dataset_fn ({trainer.job.name}) returns an endless dataset",
+                f"the job's dataset_fn ({rt.job.name}) returns an endless dataset",
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )
         start_dispatcher(self.address)
-        self.failures_seen = trainer.control.failure_counts().get("worker", 0)
+        self.failures_seen = worker_failures()
         self.makeup_passes = 0
-        self._old_iterators: list[Any] = []  # never collected (see _Loop.run)
+        self.function: Any = None
+        self.iterator: Any = None
+        self._old_iterators: list[Any] = []  # never collected (see Controller.run)
+        self._settle: Callable[[], None] = lambda: None
 
-    def _make_fn(self) -> Any:
-        return make_epoch_train_fn(self.t)
+    def start(self, settle: Callable[[], None]) -> None:
+        self._settle = settle
+        self.function = make_epoch_train_fn(self.rt)
+        self.iterator = self._make_iterator(self.rt.settings.epochs)
 
-    def _make_iterator(self, passes: int = 0) -> Any:
-        t, ctx, dataset_fn = self.t, self.context, self.t.job.dataset_fn
-        epochs = passes or t.settings.epochs
+    def _make_iterator(self, epochs: int) -> Any:
+        rt, ctx, dataset_fn = self.rt, self.context, self.rt.job.dataset_fn
         # One service job per iterator; a new coordinator starts new jobs too.
         job_name = f"psctl-epochs-{uuid.uuid4().hex[:12]}"
         service = f"grpc://{self.address}"
@@ -143,20 +148,20 @@ class EpochLoop(_Loop):
                     .prefetch(tf.data.AUTOTUNE)
                 )
 
-            return t.strategy.distribute_datasets_from_function(make)
+            return rt.strategy.distribute_datasets_from_function(make)
 
         log.info("%d pass(es) through the tf.data service (%s, job %s)", epochs, service, job_name)
-        return iter(t.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
-    def _wants_more(self, target: int) -> bool:
-        if len(self.finished_workers) < self.t.num_workers:
+    def wants_more(self, scheduled: int) -> bool:
+        if len(self.finished_workers) < self.rt.num_workers:
             return True
         return self._start_makeup_passes()
 
     def _start_makeup_passes(self) -> bool:
         """At-least-once: a worker that failed lost the batches it held, so every worker
         failure seen (health checks) since the passes started earns one more full pass."""
-        failures = self.t.control.failure_counts().get("worker", 0)
+        failures = self.worker_failures()
         if failures <= self.failures_seen:
             return False
         passes = failures - self.failures_seen
@@ -167,30 +172,29 @@ class EpochLoop(_Loop):
             "training %d make-up pass(es) so that every example is trained at least %d times",
             passes,
             passes,
-            self.t.settings.epochs,
+            self.rt.settings.epochs,
         )
         # Calls still in flight read the old iterator: let them end first, so that their
         # end-of-data reports don't count for the new one.
-        self.drain()
-        self.ended = None
-        self._old_iterators.append(self.t.iterator)
-        self.t.iterator = self._make_iterator(passes)
+        self._settle()
+        self._old_iterators.append(self.iterator)
+        self.iterator = self._make_iterator(passes)
         self.finished_workers = set()
         return True
 
-    def _result(self, entry: _InFlight, value: Any) -> tuple[int, float]:
-        steps, examples, worker, micros = (int(v) for v in value)
+    def result(self, steps: int, value: Any) -> tuple[int, float]:
+        ran, examples, worker, micros = (int(v) for v in value)
         self.examples += examples
-        if steps < entry.steps and worker not in self.finished_workers:
+        if ran < steps and worker not in self.finished_workers:
             self.finished_workers.add(worker)
             log.info(
                 "worker %d: end of the data (%d of %d workers); %d examples trained so far",
                 worker,
                 len(self.finished_workers),
-                self.t.num_workers,
+                self.rt.num_workers,
                 self.examples,
             )
-        return steps, micros / 1e6
+        return ran, micros / 1e6
 
     def stopped_early(self, final_step: int) -> bool:
-        return len(self.finished_workers) < self.t.num_workers
+        return len(self.finished_workers) < self.rt.num_workers

@@ -19,23 +19,29 @@ TensorFlow is imported only when the command runs, so ``psctl --help`` stays lig
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.files import write_json_atomic
+from psctl.coordinator.settings import (
+    ENV_PREFIX,
+    TrainSettings,
+    default_help,
+    flag_values,
+    load_toml,
+    resolve_settings,
+)
+from psctl.coordinator.training.report import eval_line
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import Job
-    from psctl.coordinator.settings import TrainSettings
 
 log = logging.getLogger("psctl.evaluate")
 
@@ -44,12 +50,12 @@ DEFAULT_TIMEOUT = 3600.0
 
 # Run settings shared with training (flags > PSCTL_* environment > --config [train] table).
 SHARED_FLAGS: list[tuple[str, type, str]] = [
-    ("--job", str, "the job that trained the checkpoints (default mlp)"),
+    ("--job", str, f"the job that trained the checkpoints {default_help('job')}"),
     ("--checkpoint-dir", str, "the training run's checkpoint directory (required)"),
     ("--eval-data", str, "evaluation files (glob) for the job; default: the job's own"),
-    ("--label-column", str, "CSV label column (default label)"),
-    ("--eval-batch-size", int, "evaluation batch size (default 1024)"),
-    ("--seed", int, "seed given to the dataset function (default 42)"),
+    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
+    ("--eval-batch-size", int, f"evaluation batch size {default_help('eval_batch_size')}"),
+    ("--seed", int, f"seed given to the dataset function {default_help('seed')}"),
 ]
 
 
@@ -125,8 +131,6 @@ class EvaluateSummary:
 
 def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
     """--steps, else PSCTL_STEPS, else the config file's steps (as for training)."""
-    from psctl.coordinator.settings import ENV_PREFIX, load_toml
-
     env = os.environ if environ is None else environ
     value: Any = args.steps
     where = "--steps"
@@ -146,12 +150,7 @@ def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
 
 
 def resolve(args: argparse.Namespace) -> tuple[TrainSettings, int | None]:
-    from psctl.coordinator.settings import resolve_settings
-
-    flags = {
-        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-        for flag, *_ in SHARED_FLAGS
-    }
+    flags = flag_values(args, (flag for flag, *_ in SHARED_FLAGS))
     settings = resolve_settings(flags=flags, config_file=args.config)
     if not settings.checkpoint_dir:
         raise ConfigError(
@@ -235,79 +234,55 @@ def _record(summary: EvaluateSummary, result: Evaluation) -> None:
 
 def _line(result: Evaluation) -> str:
     values = {"loss": result.loss, **result.metrics}
-    shown = " | ".join(f"{k}: {v:.4f}" for k, v in values.items())
-    return (
-        f"eval | step: {result.step:6d} | {shown} | "
-        f"{result.examples} examples in {result.seconds:.2f}s"
-    )
+    return eval_line(result.step, values, examples=result.examples, seconds=result.seconds)
 
 
 def write_json(summary: EvaluateSummary, path: str) -> None:
     """Atomically, so a reader never sees half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(summary), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, target)
+    write_json_atomic(path, asdict(summary), sort_keys=True, newline=True)
 
 
 class SidecarEvaluator:
     """The job's model and optimizer in this process, restored from each checkpoint."""
 
     def __init__(self, job: Job, settings: TrainSettings, *, logdir: str = "") -> None:
-        import keras
         import tensorflow as tf
 
         from psctl.coordinator.job import DataContext
-        from psctl.coordinator.training.metric_objects import make_eval_step, metric_factories
+        from psctl.coordinator.training.evaluation import DatasetEvaluator
+        from psctl.coordinator.training.model import JobModel
+        from psctl.coordinator.training.tensorboard import ScalarWriter
 
         self.job = job
         self.settings = settings
         # Evaluation's context, as the trainer gives it: worker 0 of 1, the whole split.
-        ctx = DataContext(
-            worker_index=0,
-            num_workers=1,
-            batch_size=settings.eval_batch_size,
-            seed=settings.seed,
-            train_data=settings.train_data,
-            eval_data=settings.eval_data,
-            label_column=settings.label_column,
+        ctx = DataContext.from_settings(
+            settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
         )
         assert job.eval_dataset_fn is not None
         self.dataset = job.eval_dataset_fn(ctx)  # checks --eval-data files now, before waiting
         x_spec, y_spec = self.dataset.element_spec[0], self.dataset.element_spec[1]
-        self.model = job.create_model()
-        if not self.model.built:
-            self.model.build(x_spec.shape)
-        self.optimizer = job.create_optimizer()
-        self.optimizer.build(self.model.trainable_variables)
-        pred_shape = self.model.compute_output_spec(
-            keras.KerasTensor(x_spec.shape, dtype=x_spec.dtype)
-        ).shape
-        factories = metric_factories(job.metrics, label_shape=y_spec.shape, pred_shape=pred_shape)
-        self.loss = keras.metrics.Mean(name="loss")
-        self.metrics = [make() for make in factories]
+        built = JobModel(job, x_spec, y_spec)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         # The trainer's checkpoint: the same object names, so every variable matches.
-        self.checkpoint = tf.train.Checkpoint(
-            model=self.model, optimizer=self.optimizer, global_step=self.step
+        self.checkpoint = built.checkpoint(self.step)
+        self.evaluator = DatasetEvaluator(
+            built.model, job.loss_fn, built.metric_factories, compiled=True
         )
-        self.writer = tf.summary.create_file_writer(logdir) if logdir else None
-        eval_step = tf.function(make_eval_step(self.model, job.loss_fn, self.loss, self.metrics))
-
-        self._eval_step = eval_step
+        self.writer = ScalarWriter(logdir) if logdir else None
         # Trace the step and start the input pipeline now, while no checkpoint is waiting.
         for batch in self.dataset.take(1):
-            eval_step(batch[0], batch[1])
+            self.evaluator.step(batch[0], batch[1])
 
     def latest_checkpoint(self) -> str | None:
         import tensorflow as tf
 
         try:
-            return tf.train.latest_checkpoint(self.settings.checkpoint_dir)
+            path: str | None = tf.train.latest_checkpoint(self.settings.checkpoint_dir)
         except tf.errors.OpError as err:  # e.g. a half-written state file on some file systems
             log.debug("cannot read checkpoint state: %s", err)
             return None
+        return path
 
     def evaluate_checkpoint(self, path: str) -> Evaluation | None:
         """Restore ``path`` and evaluate; None if it vanished first (rotated away)."""
@@ -332,18 +307,13 @@ class SidecarEvaluator:
         status.expect_partial()
         step = int(self.step.numpy())
         started = time.monotonic()
-        self.loss.reset_state()
-        for metric in self.metrics:
-            metric.reset_state()
-        examples = 0
-        for batch in self.dataset:
-            self._eval_step(batch[0], batch[1])
-            examples += int(batch[1].shape[0])
+        values, examples = self.evaluator.run(self.dataset)
+        loss = values.pop("loss")
         result = Evaluation(
             step=step,
             checkpoint=path,
-            loss=_scalar(self.loss.result()),
-            metrics={m.name: _scalar(m.result()) for m in self.metrics},
+            loss=loss,
+            metrics=values,
             examples=examples,
             seconds=time.monotonic() - started,
             timestamp=time.time(),
@@ -352,24 +322,5 @@ class SidecarEvaluator:
         return result
 
     def _summarize(self, result: Evaluation) -> None:
-        if self.writer is None:
-            return
-        import tensorflow as tf
-        from tensorflow.core.framework import summary_pb2
-
-        scalar = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-        )
-        with self.writer.as_default(step=result.step):
-            for name, value in {"loss": result.loss, **result.metrics}.items():
-                if not math.isnan(value):
-                    tf.summary.write(
-                        f"eval/{name}", tf.constant(value, tf.float32), metadata=scalar
-                    )
-        self.writer.flush()
-
-
-def _scalar(value: Any) -> float:
-    import keras
-
-    return float(keras.ops.convert_to_numpy(value))
+        if self.writer is not None:
+            self.writer.write("eval", result.step, {"loss": result.loss, **result.metrics})

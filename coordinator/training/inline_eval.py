@@ -20,33 +20,44 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.graph_ops import sum_count
-from psctl.coordinator.training.trainer import _is_done, _only_workers_failed
-
-if TYPE_CHECKING:
-    from psctl.coordinator.training.trainer import Trainer
+from psctl.coordinator.training.inflight import remote_done
+from psctl.coordinator.training.programs import Runtime
+from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.report import eval_line
 
 log = logging.getLogger(__name__)
 
 
 class InlineEval:
-    def __init__(self, trainer: Trainer, *, every: int, start_step: int) -> None:
-        if trainer.job.eval_dataset_fn is None:
+    def __init__(
+        self,
+        rt: Runtime,
+        publisher: Publisher,
+        policy: FailurePolicy,
+        *,
+        every: int,
+        start_step: int,
+    ) -> None:
+        if rt.job.eval_dataset_fn is None:
             raise ConfigError(
                 "--eval-every",
-                f"the job {trainer.job.name} has no eval_dataset_fn",
+                f"the job {rt.job.name} has no eval_dataset_fn",
                 "define eval_dataset_fn(ctx) in the job, or drop --eval-every",
             )
-        self.t = trainer
+        self.rt = rt
+        self.publisher = publisher
+        self.policy = policy
         self.every = every
-        self.num_shards = trainer.num_workers
+        self.num_shards = rt.num_workers
         self.next_step = (start_step // every + 1) * every
-        self.names = ["loss"] + [name for name, _, _ in trainer.mean_metrics]
+        self.names = rt.state.mean_names
         self.fn: Any = None
         self.pending: dict[int, Any] = {}  # shard -> RemoteValue
         self.results: dict[int, Any] = {}  # shard -> [[sum, count], ...]
@@ -55,14 +66,13 @@ class InlineEval:
         self.last: dict[str, float] = {}
 
     def _make_fn(self) -> Any:
-        t, shards = self.t, self.num_shards
-        model, loss_fn, eval_dataset_fn = t.model, t.job.loss_fn, t.job.eval_dataset_fn
-        mean_metrics, batch_size = t.mean_metrics, t.settings.eval_batch_size
+        rt, shards = self.rt, self.num_shards
+        model, loss_fn, eval_dataset_fn = rt.state.model, rt.job.loss_fn, rt.job.eval_dataset_fn
+        mean_metrics, batch_size = rt.state.mean_metrics, rt.settings.eval_batch_size
         assert eval_dataset_fn is not None  # checked in __init__
 
-        @tf.function
         def eval_fn(shard: tf.Tensor) -> tf.Tensor:
-            dataset = eval_dataset_fn(t._context(shard, shards, batch_size))
+            dataset = eval_dataset_fn(rt.data_context(shard, shards, batch_size))
             sums = tf.zeros([1 + len(mean_metrics), 2], tf.float64)
             for batch in dataset:
                 x, y = batch[0], batch[1]
@@ -72,11 +82,11 @@ class InlineEval:
                 sums += tf.stack(rows)
             return sums
 
-        return eval_fn
+        return tf.function(eval_fn)
 
     def _schedule(self, shard: int) -> None:
         index = tf.constant(shard, tf.int64)
-        self.pending[shard] = self.t.coordinator.schedule(self.fn, args=(index,))
+        self.pending[shard] = self.rt.coordinator.schedule(self.fn, args=(index,))
 
     def tick(self, completed: int) -> None:
         """Called by the loop: collect finished shards; start an evaluation when due."""
@@ -85,7 +95,7 @@ class InlineEval:
             self.next_step = (completed // self.every + 1) * self.every
             if self.fn is None:
                 self.fn = self._make_fn()
-            self.step = int(self.t.global_step.numpy())
+            self.step = self.rt.state.step()
             self.started = time.monotonic()
             self.results = {}
             for shard in range(self.num_shards):
@@ -93,13 +103,13 @@ class InlineEval:
 
     def poll(self) -> None:
         for shard, remote in list(self.pending.items()):
-            if not _is_done(remote):
+            if not remote_done(remote):
                 continue
             del self.pending[shard]
             try:
                 self.results[shard] = remote.fetch()
-            except (tf.errors.UnavailableError, tf.errors.AbortedError) as err:
-                if not _only_workers_failed(err):
+            except BaseException as err:
+                if self.policy.decide(classify(err)) is not Decision.RESCHEDULE:
                     raise
                 log.warning("eval shard %d failed with its worker: scheduled again", shard)
                 self._schedule(shard)
@@ -114,13 +124,10 @@ class InlineEval:
             for name, (total, count) in zip(self.names, totals, strict=True)
         }
         examples = int(totals[0][1])
+        where = f"{self.num_shards} shards on the workers"
+        seconds = time.monotonic() - self.started
         log.info(
-            "eval | step: %6d | %s | %d examples in %.2fs (%d shards on the workers)",
-            self.step,
-            " | ".join(f"{k}: {v:.4f}" for k, v in values.items()),
-            examples,
-            time.monotonic() - self.started,
-            self.num_shards,
+            "%s", eval_line(self.step, values, examples=examples, seconds=seconds, where=where)
         )
         self.last = values
-        self.t.report_eval(values, step=self.step)
+        self.publisher.evaluation(values, step=self.step)

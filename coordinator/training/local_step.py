@@ -6,7 +6,7 @@ functional optimizer on tensors), then pushes ``scale * (local - start)`` back t
 trainable variable with ``assign_add``. The default mode instead reads and updates the ps
 variables on every step, so its cost is a round trip per step.
 
-Policies (see README, "Local-step mode"):
+Policies (see docs/performance.md, "Local-step mode"):
 
 - Optimizer state: each call starts a fresh worker-local state (Adam moments or SGD
   momentum at zero) with the job optimizer's hyper-parameters; the learning rate is read
@@ -118,7 +118,6 @@ def make_local_train_fn(
     # No autograph: its source transformation of this function and everything it calls
     # (Keras layers included) was ~80% of the first call's tracing (cProfile); the loop is
     # written as the tf.while_loop autograph would have made of it.
-    @tf.function(autograph=False)
     def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
         started = tf.timestamp()
         with tf.control_dependencies([started]):  # timestamps are not ordered by themselves
@@ -171,4 +170,4 @@ def make_local_train_fn(
             done = global_step.assign_add(num_steps)
         return seconds_since(started, after=done)
 
-    return train_fn
+    return tf.function(train_fn, autograph=False)

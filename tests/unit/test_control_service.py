@@ -11,7 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.control.service import ControlServer, JobControl, State, TaskInfo
+from psctl.coordinator.control.service import ControlServer, JobControl, TaskInfo
+from psctl.coordinator.control.state import State
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,6 +78,7 @@ def test_watch_streams_updates_and_ends_with_the_job(control, stub):
         seen.append(status.global_step)
         control.update(global_step=len(seen))
         if len(seen) == 3:
+            control.set_state(State.STOPPING)
             control.finish(State.DONE)
     assert seen[:3] == [0, 1, 2]
     assert len(seen) <= 5
@@ -97,7 +99,7 @@ def test_pause_resume_stop_preconditions(control, stub):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "RECOVERING" in details
     client.Stop(control_pb2.StopRequest(), timeout=5)
     assert control.stop_requested.is_set()
-    control.finish(State.DONE)
+    control.finish(State.FAILED)  # RECOVERING ends this process; DONE comes from STOPPING
     code, _ = code_of(client.Stop, control_pb2.StopRequest())
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
@@ -179,3 +181,29 @@ def test_generated_code_matches_the_protos():
     )
     assert proc.returncode == 0, proc.stderr
     assert "up to date" in proc.stdout
+
+
+def test_a_checkpoint_activity_is_reported_over_grpc(control, stub):
+    client, _ = stub
+    control.set_state(State.RUNNING)
+    with control.activity("checkpointing"):
+        status = client.GetStatus(control_pb2.GetStatusRequest(), timeout=5)
+        assert status.state == control_pb2.JOB_STATE_CHECKPOINTING
+        # Pause/Resume/Stop answer the reported state, as when CHECKPOINTING was written.
+        paused = client.Pause(control_pb2.PauseRequest(), timeout=5)
+        assert paused.state == control_pb2.JOB_STATE_CHECKPOINTING
+        assert control.state is State.RUNNING
+    status = client.GetStatus(control_pb2.GetStatusRequest(), timeout=5)
+    assert status.state == control_pb2.JOB_STATE_RUNNING
+
+
+def test_a_job_finished_during_an_activity_reports_the_final_state(control, stub):
+    client, _ = stub
+    control.set_state(State.RUNNING)
+    control.set_state(State.STOPPING)
+    control.begin_activity("checkpointing")
+    control.finish(State.DONE)
+    status = client.GetStatus(control_pb2.GetStatusRequest(), timeout=5)
+    assert status.state == control_pb2.JOB_STATE_DONE
+    code, _ = code_of(client.Stop, control_pb2.StopRequest())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION

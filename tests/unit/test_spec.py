@@ -12,6 +12,7 @@ import pytest
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import (
     TASK_TYPES,
+    Address,
     ClusterConfig,
     TaskConfig,
     format_table,
@@ -231,6 +232,67 @@ def test_format_table_plurals() -> None:
 )
 def test_split_host_port(address: str, host: str, port: int) -> None:
     assert split_host_port(address, field="f") == (host, port)
+    parsed = Address.parse(address, field="f")
+    assert (parsed.host, parsed.port) == (host, port)
+    assert str(parsed) == address  # IPv6 back in brackets
+
+
+def test_address_with_port_keeps_ipv6_brackets() -> None:
+    assert str(Address("::1", 2222).with_port(3222)) == "[::1]:3222"
+    assert str(Address("h", 1).with_port(2)) == "h:2"
+
+
+def test_address_parse_errors_are_split_host_port_errors() -> None:
+    err = config_error(Address.parse, "::1:2222", field="--addr")
+    assert err.field == "--addr"
+    assert "unbracketed IPv6" in err.problem
+    assert Address.parse("h:0", field="f", allow_port_zero=True).port == 0
+
+
+# --- parsed task addresses --------------------------------------------------------------
+
+
+def test_task_addresses_are_parsed_once_in_task_order() -> None:
+    cluster = parse_cluster(
+        {"chief": ["c:1"], "ps": ["[::1]:2"], "worker": ["W0:3", "w1:4"]}, source="x"
+    )
+    assert cluster.task_addresses() == [
+        ("chief", 0, Address("c", 1)),
+        ("ps", 0, Address("::1", 2)),
+        ("worker", 0, Address("W0", 3)),
+        ("worker", 1, Address("w1", 4)),
+    ]
+    assert [(t, i) for t, i, _ in cluster.task_addresses()] == [
+        (t, i) for t, i, _ in cluster.tasks()
+    ]
+    assert cluster.task_address("ps", 0) == Address("::1", 2)
+    task = TaskConfig(cluster, "worker", 1)
+    assert task.task_address == Address("w1", 4)
+    assert task.port == 4
+
+
+def test_direct_construction_parses_too() -> None:
+    cluster = ClusterConfig({"ps": ("p:1",), "worker": ("w:2",)})
+    assert cluster.task_address("worker", 0) == Address("w", 2)
+    err = config_error(ClusterConfig, {"ps": ("p",), "worker": ("w:2",)})
+    assert err.field == "cluster.ps[0]"
+
+
+def test_with_chief_parses_the_chief() -> None:
+    cluster = parse_cluster({"ps": ["p:1"], "worker": ["w:1"]}, source="x").with_chief("[::1]:9")
+    assert cluster.task_address("chief", 0) == Address("::1", 9)
+    assert cluster.task_addresses()[1:] == [
+        ("ps", 0, Address("p", 1)),
+        ("worker", 0, Address("w", 1)),
+    ]
+
+
+def test_task_address_lookup_errors_match_address() -> None:
+    cluster = parse_cluster(CLUSTER, source="x")
+    for task_type, index in (("evaluator", 0), ("worker", 2), ("ps", True)):
+        a = config_error(cluster.address, task_type, index)
+        b = config_error(cluster.task_address, task_type, index)
+        assert str(a) == str(b)
 
 
 # --- resolve_task / resolve_cluster ------------------------------------------------------

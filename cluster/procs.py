@@ -1,0 +1,82 @@
+"""Child processes of a launcher (psctl local, the benchmarks, tests): each gets a
+parent-death signal, so none outlives its launcher, even one killed by SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_TIMEOUT = 5.0
+
+
+def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when its parent dies, even by SIGKILL.
+
+    The kernel sends it when the *thread* that started the child ends: start children from
+    a thread that lives as long as they should. ``nice`` lowers the child's priority.
+    """
+    parent = os.getpid()
+
+    def arm() -> None:  # runs in the child between fork and exec
+        if nice:
+            os.nice(nice)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return arm
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    death_signal: int = signal.SIGTERM,
+    nice: int = 0,
+) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (the terminal's Ctrl-C goes to the launcher only),
+    with ``death_signal`` when the launcher dies; its output appended to ``log_path``."""
+    out: Any = None
+    if log_path is not None:
+        out = log_path.open("ab")
+    try:
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(death_signal, nice=nice),
+            env=env,
+        )
+    finally:
+        if out is not None:
+            out.close()
+
+
+def stop_processes(
+    procs: Sequence[subprocess.Popen[bytes]], *, timeout: float = STOP_TIMEOUT
+) -> None:
+    """SIGTERM, wait, then SIGKILL whatever is left. Never leaves a child behind."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()

@@ -1,0 +1,223 @@
+"""What went wrong, and what psctl does about it: ``classify(error)`` names the failure, a
+``FailurePolicy`` decides, and one table gives the exit status of each decision.
+
+Pure Python: TensorFlow's errors are recognised by their attributes, so this module (and
+its tests) never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
+
+__all__ = [
+    "CALL_DECISIONS",
+    "EXIT_INTERRUPTED",
+    "EXIT_RESTART",
+    "EXIT_STATUS",
+    "PROCESS_DECISIONS",
+    "RESTARTS",
+    "Decision",
+    "Failure",
+    "FailurePolicy",
+    "RestartFromCheckpoint",
+    "Scope",
+    "Unreachable",
+    "classify",
+    "classify_exit",
+    "exit_status",
+]
+
+EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back, the model went NaN)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by the operator without finishing
+
+
+class RestartFromCheckpoint(Exception):
+    """Raised in the training process when only a fresh one can go on: it exits with
+    EXIT_RESTART, and the supervisor starts a new one that restores the latest checkpoint."""
+
+
+class Unreachable(Exception):
+    """Servers still not listening after --connect-timeout: the training process exits
+    EXIT_RESTART so that its supervisor retries within the crash-loop budget."""
+
+
+class Failure(enum.Enum):
+    """What happened."""
+
+    WORKER_LOST = "worker_lost"  # a scheduled call failed with its worker
+    PS_LOST = "ps_lost"  # a ps, or the link to it: only a new coordinator recovers
+    STOP_SIGNAL = "stop_signal"  # the operator's stop signal (a second one: KeyboardInterrupt)
+    NON_FINITE = "non_finite"  # the loss or a variable is not finite: RestartFromCheckpoint
+    JOB_ERROR = "job_error"  # the job's code, or anything not recognised, raised
+    CONFIG_ERROR = "config_error"  # ConfigError: a mistake only the operator can fix
+    UNREACHABLE = "unreachable"  # servers not listening after --connect-timeout
+    # A training process's exit, as its supervisor sees it:
+    RESTART_REQUESTED = "restart_requested"  # it exited EXIT_RESTART
+    TRAINING_CRASHED = "training_crashed"  # it was killed by a signal
+
+
+class Decision(enum.Enum):
+    """What to do about it."""
+
+    RESCHEDULE = "reschedule"  # run the call's steps again; training goes on
+    RESTART = "restart"  # a fresh training process from the latest checkpoint, at once
+    WAIT_FOR_PS_THEN_RESTART = "wait_for_ps_then_restart"  # RECOVERING, bounded; then RESTART
+    RESTART_WITH_BACKOFF = "restart_with_backoff"  # a crash: restart after backoff, budgeted
+    FAIL = "fail"  # permanent: the job is FAILED
+    FAIL_CONFIG = "fail_config"  # permanent, and systemd must not restart it either
+    ABORT = "abort"  # stopped by the operator before finishing: the job is FAILED
+
+
+class Scope(enum.Enum):
+    """Where a failure is decided on."""
+
+    CALL = "call"  # a scheduled call's error, in the training loop: its steps can run again
+    PROCESS = "process"  # an error that ended the training process's run, or a child's exit
+
+
+# Where it happened. Any decision but RESCHEDULE means "not the loop's to handle": the
+# error propagates to the training process, which decides again in Scope.PROCESS.
+CALL_DECISIONS: Mapping[Failure, Decision] = MappingProxyType(
+    {
+        Failure.WORKER_LOST: Decision.RESCHEDULE,
+        Failure.PS_LOST: Decision.WAIT_FOR_PS_THEN_RESTART,
+        Failure.STOP_SIGNAL: Decision.ABORT,
+        Failure.NON_FINITE: Decision.RESTART,
+        Failure.JOB_ERROR: Decision.FAIL,
+        Failure.CONFIG_ERROR: Decision.FAIL_CONFIG,
+        Failure.UNREACHABLE: Decision.RESTART,
+        Failure.RESTART_REQUESTED: Decision.RESTART,
+        Failure.TRAINING_CRASHED: Decision.RESTART_WITH_BACKOFF,
+    }
+)
+
+# At the training process's top nothing can be run again: a lost worker's error that got
+# past the loop (a join, the per-worker datasets) is recovered from as a lost ps is.
+PROCESS_DECISIONS: Mapping[Failure, Decision] = MappingProxyType(
+    {**CALL_DECISIONS, Failure.WORKER_LOST: Decision.WAIT_FOR_PS_THEN_RESTART}
+)
+
+# The exit status of a process that ends on a decision. RESCHEDULE and RESTART_WITH_BACKOFF
+# end none: training goes on, or the supervisor starts the training process again.
+EXIT_STATUS: Mapping[Decision, int] = MappingProxyType(
+    {
+        Decision.RESTART: EXIT_RESTART,
+        Decision.WAIT_FOR_PS_THEN_RESTART: EXIT_RESTART,
+        Decision.FAIL: EXIT_FAILURE,
+        Decision.FAIL_CONFIG: EXIT_CONFIG,
+        Decision.ABORT: EXIT_INTERRUPTED,
+    }
+)
+
+# The decisions on which a supervisor starts the training process again.
+RESTARTS = frozenset(
+    {Decision.RESTART, Decision.WAIT_FOR_PS_THEN_RESTART, Decision.RESTART_WITH_BACKOFF}
+)
+
+
+def exit_status(decision: Decision) -> int:
+    """The exit status of a process that ends on ``decision``."""
+    try:
+        return EXIT_STATUS[decision]
+    except KeyError:
+        raise ValueError(f"decision {decision.name} does not end a process") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailurePolicy:
+    """Maps a failure to a decision: ``policy.decide(classify(err))``."""
+
+    call: Mapping[Failure, Decision] = field(default_factory=lambda: CALL_DECISIONS)
+    process: Mapping[Failure, Decision] = field(default_factory=lambda: PROCESS_DECISIONS)
+
+    def __post_init__(self) -> None:
+        for name, table in (("call", self.call), ("process", self.process)):
+            missing = [f.name for f in Failure if f not in table]
+            if missing:
+                raise ValueError(f"{name}: no decision for {', '.join(missing)}")
+        rescheduled = [f.name for f, d in self.process.items() if d is Decision.RESCHEDULE]
+        if rescheduled:
+            raise ValueError(
+                f"process: RESCHEDULE for {', '.join(rescheduled)}; "
+                "only a scheduled call can run again"
+            )
+
+    def decide(self, failure: Failure, *, scope: Scope = Scope.CALL) -> Decision:
+        """What to do about ``failure`` where it was seen (see ``Scope``)."""
+        return (self.call if scope is Scope.CALL else self.process)[failure]
+
+
+# gRPC status codes, as TensorFlow's OpError.error_code carries them.
+_CANCELLED = 1
+_INVALID_ARGUMENT = 3
+_DEADLINE_EXCEEDED = 4
+_ABORTED = 10
+_UNAVAILABLE = 14
+_WORKER_LOSS_CODES = frozenset({_UNAVAILABLE, _ABORTED})
+_CLUSTER_CODES = frozenset({_UNAVAILABLE, _ABORTED, _CANCELLED, _DEADLINE_EXCEEDED})
+
+
+def classify(err: BaseException) -> Failure:
+    """Names what ``err`` means for the job (see ``Failure``)."""
+    if isinstance(err, RestartFromCheckpoint):
+        return Failure.NON_FINITE
+    if isinstance(err, ConfigError):
+        return Failure.CONFIG_ERROR
+    if isinstance(err, Unreachable):
+        return Failure.UNREACHABLE
+    if isinstance(err, KeyboardInterrupt):
+        return Failure.STOP_SIGNAL
+    if _op_error_code(err) in _WORKER_LOSS_CODES:
+        text = str(err)
+        if "/job:worker" in text and "/job:ps" not in text:
+            return Failure.WORKER_LOST
+    if _is_cluster_failure(err, seen=set()):
+        return Failure.PS_LOST
+    return Failure.JOB_ERROR
+
+
+def classify_exit(code: int) -> Failure | None:
+    """What a training process's exit status (``Popen.returncode``) says; None: it finished."""
+    if code == 0:
+        return None
+    if code < 0:
+        return Failure.TRAINING_CRASHED
+    if code == EXIT_RESTART:
+        return Failure.RESTART_REQUESTED
+    if code == EXIT_CONFIG:
+        return Failure.CONFIG_ERROR
+    if code == EXIT_INTERRUPTED:
+        return Failure.STOP_SIGNAL
+    return Failure.JOB_ERROR  # 1, a bad command line (2), anything else
+
+
+def _op_error_code(err: BaseException) -> int | None:
+    """TensorFlow's OpError (``tf.errors.*``) by its attributes: an int ``error_code`` (a
+    gRPC status code) and a str ``message``."""
+    code: object = getattr(err, "error_code", None)
+    if not isinstance(code, int) or isinstance(code, bool):
+        return None
+    return code if isinstance(getattr(err, "message", None), str) else None
+
+
+def _is_cluster_failure(err: BaseException, *, seen: set[int]) -> bool:
+    """A task became unreachable (a ps, or the links to it): recoverable by a new
+    coordinator. A wrapper (ClosureInputError, ClosureAbortedError) is one when what it
+    wraps is."""
+    seen.add(id(err))
+    code = _op_error_code(err)
+    if code in _CLUSTER_CODES:
+        return True
+    original = getattr(err, "original_exception", None)
+    if original is not None and original is not err:
+        return (
+            isinstance(original, BaseException)
+            and id(original) not in seen
+            and _is_cluster_failure(original, seen=seen)
+        )
+    return code == _INVALID_ARGUMENT and "unknown device" in str(err).lower()

@@ -1,0 +1,104 @@
+"""Cadenced actions the controller runs after every scheduling turn (orbit-style): status
+and progress with the NaN guard, periodic checkpoints, inline evaluation."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from psctl.coordinator.failures import RestartFromCheckpoint
+from psctl.coordinator.training.checkpoints import Checkpointer
+from psctl.coordinator.training.inline_eval import InlineEval
+from psctl.coordinator.training.model import TrainState
+from psctl.coordinator.training.progress import Progress
+from psctl.coordinator.training.publish import Publisher
+
+if TYPE_CHECKING:
+    from psctl.coordinator.training.controller import Controller
+
+
+class Action(Protocol):
+    def __call__(self, loop: Controller) -> None: ...
+
+
+def check_finite(values: dict[str, float], step: int) -> None:
+    """A NaN or infinite training loss ruins the model for good (seen: a worker frozen for a
+    minute thawed, landed its stale optimizer update, and the loss went NaN).
+    Only a fresh process restoring the last (finite) checkpoint can go on."""
+    loss = values.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        raise RestartFromCheckpoint(f"training loss is {loss} near global step {step}")
+
+
+class PublishStatus:
+    """Every ``every`` seconds with new steps: read the training metrics, guard against a
+    non-finite loss, publish them; every ``log_every`` seconds, a progress line."""
+
+    def __init__(
+        self,
+        *,
+        state: TrainState,
+        publisher: Publisher,
+        progress: Progress,
+        every: float,
+        log_every: float,
+        batch_size: int,
+        start_step: int,
+    ) -> None:
+        self.state = state
+        self.publisher = publisher
+        self.progress = progress
+        self.every = every
+        self.log_every = log_every
+        self.batch_size = batch_size
+        self.start_step = start_step
+        self.last_values: dict[str, float] = {}
+        self.last_status = self.last_log = time.monotonic()
+        self.status_step = start_step
+
+    def restart_window(self, completed: int) -> None:
+        """No rate over a pause: the next window starts now."""
+        self.last_status, self.status_step = time.monotonic(), completed
+
+    def __call__(self, loop: Controller) -> None:
+        now = time.monotonic()
+        if now - self.last_status < self.every or loop.completed <= self.status_step:
+            return
+        rate = (loop.completed - self.status_step) / (now - self.last_status)
+        self.last_values = self.state.read_train_metrics()
+        if loop.completed > self.start_step:  # else the window has no step yet
+            check_finite(self.last_values, loop.completed)
+        self.publisher.progress(loop.completed, rate, self.last_values)
+        self.last_status, self.status_step = now, loop.completed
+        if now - self.last_log >= self.log_every:
+            self.progress.report(loop.completed, rate * self.batch_size, self.last_values)
+            self.last_log = now
+
+
+class CheckpointEvery:
+    """A background checkpoint every ``every`` steps; what a background save raised for the
+    loop (a refused non-finite checkpoint) is raised here, on the loop's thread."""
+
+    def __init__(self, checkpointer: Checkpointer, *, every: int, start_step: int) -> None:
+        self.checkpointer = checkpointer
+        self.every = every
+        self.next_step = (start_step // every + 1) * every
+
+    def __call__(self, loop: Controller) -> None:
+        error = self.checkpointer.take_error()
+        if error is not None:
+            raise error
+        if self.checkpointer.enabled and loop.completed >= self.next_step:
+            self.checkpointer.save_in_background()
+            self.next_step = (loop.completed // self.every + 1) * self.every
+
+
+class EvalEvery:
+    """``--eval-every``: collect finished eval shards, start an evaluation when due."""
+
+    def __init__(self, evals: InlineEval) -> None:
+        self.evals = evals
+
+    def __call__(self, loop: Controller) -> None:
+        self.evals.tick(loop.completed)

@@ -1,0 +1,280 @@
+"""The controller: the outer training loop, and the only writer of the job's state.
+
+It schedules the step program's calls (packed K steps each), keeps a bounded number in
+flight, honours pause/resume/stop/checkpoint requests, runs the cadenced actions after
+every turn (status and progress, periodic checkpoints, inline evaluation), watches for
+stalls, and hands every error to the failure policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from psctl.coordinator.control.state import State
+from psctl.coordinator.failures import Decision, FailurePolicy, classify
+from psctl.coordinator.training.actions import Action, PublishStatus
+from psctl.coordinator.training.checkpoints import Checkpointer
+from psctl.coordinator.training.hooks import LoopHooks
+from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
+from psctl.coordinator.training.packing import Packer
+from psctl.coordinator.training.programs import StepProgram
+from psctl.coordinator.training.publish import Publisher
+
+if TYPE_CHECKING:
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.service import JobControl
+
+log = logging.getLogger(__name__)
+
+
+def install_stop_signals(control: JobControl) -> None:
+    """SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0. A second one
+    aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        if control.stop_requested.is_set():
+            raise KeyboardInterrupt
+        log.warning(
+            "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
+        )
+        control.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+class Controller:
+    def __init__(
+        self,
+        *,
+        program: StepProgram,
+        coordinator: Any,  # tf.distribute.coordinator.ClusterCoordinator
+        control: JobControl,
+        publisher: Publisher,
+        status: PublishStatus,
+        checkpointer: Checkpointer,
+        actions: Sequence[Action],
+        packer: Packer,
+        policy: FailurePolicy,
+        metrics: CoordinatorMetrics | None,
+        max_in_flight: int,
+        stall_timeout: float,
+        start_step: int,
+        global_step: Any,  # the ps variable
+        hooks: LoopHooks | None = None,
+    ) -> None:
+        self.program = program
+        self.coordinator = coordinator
+        self.control = control
+        self.publisher = publisher
+        self.status = status
+        self.checkpointer = checkpointer
+        self.actions = list(actions)
+        self.packer = packer
+        self.policy = policy
+        self.metrics = metrics
+        self.max_in_flight = max_in_flight
+        self.global_step = global_step
+        self.hooks = hooks or LoopHooks()
+        self.start_step = start_step
+        self.scheduled = self.completed = start_step
+        self.calls = CallTracker()
+        self.watchdog = StallWatchdog(timeout=stall_timeout)
+        self.abandoned = 0  # calls given up by the stall watchdog
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self._constants: dict[int, Any] = {}
+        control.steps_per_execution = packer.k
+
+    # -- for tools ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """End the loop as a stop request does: in-flight steps finish, then the usual end."""
+        self.control.stop_requested.set()
+
+    @property
+    def stalls(self) -> int:
+        return self.watchdog.stalls
+
+    def train_seconds(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    # -- the job state: written here only -------------------------------------------------
+
+    def _set_state(self, state: State, message: str = "") -> None:
+        self.control.set_state(state, message)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, target: int) -> None:
+        """Train until the program wants no more steps or a stop is requested."""
+        control = self.control
+        self._set_state(State.RUNNING)
+        self.hooks.before_dataset()
+        # The program keeps its iterators, never collected: destroying per-worker iterators
+        # sends ops to every worker, and one to a restarted worker can hold up all later
+        # eager work (seen: the final evaluation hung after a worker and a ps restarted).
+        self.program.start(self.settle)
+        self.hooks.after_dataset()
+        paused = False
+        while not control.stop_requested.is_set():
+            if not self.program.wants_more(self.scheduled):
+                # The last calls land, or the watchdog gives up those stuck on a frozen
+                # worker: their steps are owed again, and scheduled on the others.
+                self.settle()
+                if not self.program.wants_more(self.scheduled):
+                    break
+            if control.pause_requested:
+                self.drain()  # in-flight steps finish; nothing new is scheduled
+                if not paused:
+                    paused = True
+                    self._set_state(State.PAUSED, "paused by request")
+                    step = int(self.global_step.numpy())
+                    self.publisher.progress(step, 0.0, self.status.last_values)
+                    log.info("paused at global step %d", step)
+                self.checkpointer.serve_requests()
+                control.stop_requested.wait(0.1)
+                self.status.restart_window(self.completed)
+                continue
+            if paused:
+                paused = False
+                self._set_state(State.RUNNING)
+                log.info("resumed at global step %d", self.completed)
+                self.ended = None
+            self.checkpointer.serve_requests()
+            self._schedule(min(self.packer.k, target - self.scheduled))
+            self._wait(room_for=self.max_in_flight)
+            self._poll()
+            if self.metrics is not None:
+                self.metrics.set_closures(in_flight=len(self.calls), queued=0)
+            for action in self.actions:
+                action(self)
+        self.drain()  # the loop ends when all is scheduled or a stop was requested
+
+    def finish(self) -> None:
+        """After the loop: STOPPING, every call landed (or given up), join the workers."""
+        self._set_state(State.STOPPING, "finishing in-flight steps, final checkpoint and eval")
+        self.drain()
+        self.hooks.before_join()
+        if self.abandoned:
+            # join() would wait for the calls given up on a frozen worker: not worth a hang.
+            log.warning("finishing without %d call(s) stuck on a frozen task", self.abandoned)
+        else:
+            self.coordinator.join()
+        self.hooks.after_join()
+
+    def _schedule(self, steps: int) -> None:
+        num = self._constants.get(steps)
+        if num is None:
+            num = self._constants[steps] = tf.constant(steps, tf.int64)
+        self.hooks.before_schedule(steps)
+        # program.iterator: --epochs may start a new one (make-up passes, epochs.py)
+        remote = self.coordinator.schedule(self.program.function, args=(self.program.iterator, num))
+        self.hooks.after_schedule(steps)
+        self.calls.add(remote, steps)
+        self.scheduled += steps
+
+    def settle(self) -> None:
+        """Wait until every call in flight has finished (or was given up)."""
+        self._wait(room_for=0)
+
+    def drain(self) -> None:
+        self.settle()
+        if self.ended is None:
+            self.ended = time.monotonic()
+
+    def _wait(self, *, room_for: int) -> None:
+        """Retire finished calls until at most ``room_for`` are in flight. Never blocks on
+        one call: a frozen worker's call must not hold up the rest (stall watchdog)."""
+        while len(self.calls) > room_for:
+            finished = self.calls.take_finished()
+            for entry in finished:
+                self._retire(entry)
+            if finished:
+                continue
+            self._poll()
+            if len(self.calls) > room_for:
+                self.calls.wait_for_oldest(0.05)
+
+    def _retire(self, entry: InFlight) -> None:
+        try:
+            value = entry.remote.fetch()  # done: returns at once, or raises
+        except BaseException as err:
+            if self.policy.decide(classify(err)) is not Decision.RESCHEDULE:
+                raise
+            # TensorFlow usually reruns a dead worker's call elsewhere; when it gives the
+            # error back instead, schedule its steps again ourselves.
+            log.warning(
+                "a call failed with its worker (%s); its steps are scheduled again",
+                type(err).__name__,
+            )
+            self.scheduled -= entry.steps
+            return
+        steps, seconds = self.program.result(entry.steps, value)
+        self.completed += steps
+        if self.watchdog.progress():
+            log.warning("steps finish again: the stall is over")
+            self.control.set_message("")
+            if self.metrics is not None:
+                self.metrics.set_stalled(False)
+        self._repack(steps, seconds)
+        if self.metrics is not None:
+            self.metrics.observe_call(steps=steps, seconds=seconds)
+        self.hooks.after_call(steps, seconds)
+
+    def _repack(self, steps: int, seconds: float) -> None:
+        k = self.packer.observe(steps=steps, worker_seconds=seconds)
+        if k is None:
+            return
+        m = self.packer.last
+        log.info(
+            "steps per call: %d (per call %.1f ms overhead vs %.2f ms/step)",
+            k,
+            1e3 * m.overhead_seconds if m else 0.0,
+            1e3 * m.step_seconds if m else 0.0,
+        )
+        self.control.steps_per_execution = k
+        if self.metrics is not None:
+            self.metrics.set_steps_per_execution(k)
+
+    def _poll(self) -> None:
+        """The stall watchdog's look (--stall-timeout), then the tools' hook."""
+        stall = self.watchdog.check(self.calls)
+        if stall is not None:
+            self._report_stall(stall.stuck, started=stall.started, idle=stall.idle_seconds)
+        self.hooks.on_poll(self)
+
+    def _report_stall(self, stuck: list[InFlight], *, started: bool, idle: float) -> None:
+        """A stalled job says so, with the tasks that are not SERVING, until steps finish
+        again; calls stuck on a frozen or cut-off worker are given up and their steps
+        scheduled again, so the job finishes without a worker that stays frozen (if it
+        thaws, its call still lands)."""
+        suspects = ", ".join(self.control.unhealthy_tasks()) or "none (a task is frozen?)"
+        if started:
+            message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
+            log.warning("%s", message)
+            self.control.set_message(message)
+            if self.metrics is not None:
+                self.metrics.set_stalled(True)
+        if stuck:
+            log.warning(
+                "%d call(s) unfinished after %.0fs (tasks not SERVING: %s): given up, their "
+                "steps scheduled again",
+                len(stuck),
+                self.watchdog.timeout,
+                suspects,
+            )
+        self.calls.give_up(stuck)
+        for entry in stuck:
+            self.scheduled -= entry.steps
+            self.abandoned += 1

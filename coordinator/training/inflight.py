@@ -1,0 +1,139 @@
+"""Scheduled calls in flight, and the stall watchdog that watches them.
+
+Pure Python over a small protocol (anything with ``steps``, ``scheduled_at`` and a
+non-blocking done check), so that both are unit-tested with fakes; the controller feeds
+them ClusterCoordinator's RemoteValues.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def remote_done(remote: Any) -> bool:
+    """Whether a scheduled call has finished (value or error), without blocking.
+
+    RemoteValue has no public non-blocking check; its status event is what fetch() waits
+    on (TF 2.21). Without it, report done so that fetch() decides (blocking).
+    """
+    event = getattr(remote, "_status_available_event", None)
+    return bool(event.is_set()) if event is not None else True
+
+
+def wait_remote(remote: Any, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for one call to finish."""
+    event = getattr(remote, "_status_available_event", None)
+    if event is not None:
+        event.wait(timeout)
+
+
+@dataclass
+class InFlight:
+    remote: Any  # the RemoteValue of one scheduled call
+    steps: int
+    scheduled_at: float
+    # When a call scheduled after this one finished: ClusterCoordinator's queue is FIFO, so
+    # from then on this one is surely running on a worker, not waiting in the queue.
+    overtaken_at: float | None = None
+
+
+@dataclass
+class CallTracker:
+    """The calls scheduled and not yet retired, oldest first."""
+
+    is_done: Callable[[Any], bool] = remote_done
+    wait: Callable[[Any, float], None] = wait_remote
+    clock: Callable[[], float] = time.monotonic
+    calls: collections.deque[InFlight] = field(default_factory=collections.deque)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[InFlight]:
+        return iter(self.calls)
+
+    def add(self, remote: Any, steps: int) -> InFlight:
+        entry = InFlight(remote, steps, self.clock())
+        self.calls.append(entry)
+        return entry
+
+    def take_finished(self) -> list[InFlight]:
+        """Remove and return the calls that finished; the calls scheduled before the newest
+        of them and still running are marked overtaken."""
+        done = [entry for entry in self.calls if self.is_done(entry.remote)]
+        if done:
+            newest = max(entry.scheduled_at for entry in done)
+            now = self.clock()
+            for entry in self.calls:
+                if entry.overtaken_at is None and entry.scheduled_at < newest:
+                    entry.overtaken_at = now
+        for entry in done:
+            self.calls.remove(entry)
+        return done
+
+    def give_up(self, entries: list[InFlight]) -> None:
+        for entry in entries:
+            self.calls.remove(entry)
+
+    def wait_for_oldest(self, timeout: float) -> None:
+        if self.calls:
+            self.wait(self.calls[0].remote, timeout)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """What one look of the watchdog found."""
+
+    stuck: list[InFlight]  # overtaken calls unfinished for the timeout: give them up
+    started: bool  # no call finished for the timeout: the job just became stalled
+    idle_seconds: float
+
+
+@dataclass
+class StallWatchdog:
+    """``--stall-timeout``: a call still running that long after later calls finished sits
+    on a frozen or cut-off worker (give it up, its steps are scheduled again); no call at
+    all finishing that long means the whole job is stalled, until steps finish again."""
+
+    timeout: float
+    clock: Callable[[], float] = time.monotonic
+    stalled: bool = False
+    stalls: int = 0
+    last_progress: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        self.last_progress = self.clock()
+
+    def progress(self) -> bool:
+        """A call finished; True when that ends a stall."""
+        self.last_progress = self.clock()
+        ended = self.stalled
+        self.stalled = False
+        return ended
+
+    def check(self, tracker: CallTracker) -> Stall | None:
+        now = self.clock()
+        stuck = [
+            e
+            for e in tracker
+            if e.overtaken_at is not None
+            and now - e.overtaken_at >= self.timeout
+            and not tracker.is_done(e.remote)
+        ]
+        idle = len(tracker) > 0 and now - self.last_progress >= self.timeout
+        if not stuck and not idle:
+            return None
+        started = idle and not self.stalled
+        if started:
+            self.stalled = True
+            self.stalls += 1
+        idle_seconds = now - self.last_progress
+        if idle:
+            self.last_progress = now  # the next report comes after another full timeout
+        return Stall(stuck=stuck, started=started, idle_seconds=idle_seconds)

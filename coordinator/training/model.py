@@ -1,0 +1,105 @@
+"""The job's model and optimizer, and the training state that lives on the ps tasks.
+
+Built in one place for every process that needs them: the coordinator (under the
+strategy's scope, on the ps), its checkpoint mirror, and the sidecar evaluator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from psctl.coordinator.job import Job
+from psctl.coordinator.training.metric_objects import metric_factories
+
+
+def scalar(value: Any) -> float:
+    return float(keras.ops.convert_to_numpy(value))
+
+
+class JobModel:
+    """The job's model (built for ``x_spec``), its optimizer (built over the model's
+    trainable variables) and fresh-metric factories fitted to the label and output shapes."""
+
+    def __init__(self, job: Job, x_spec: Any, y_spec: Any) -> None:
+        self.model = job.create_model()
+        if not self.model.built:
+            self.model.build(x_spec.shape)
+        self.optimizer = job.create_optimizer()
+        self.optimizer.build(self.model.trainable_variables)
+        pred_shape = self.model.compute_output_spec(
+            keras.KerasTensor(x_spec.shape, dtype=x_spec.dtype)
+        ).shape
+        self.metric_factories = metric_factories(
+            job.metrics, label_shape=y_spec.shape, pred_shape=pred_shape
+        )
+
+    def checkpoint(self, global_step: Any) -> Any:
+        """The checkpoint every psctl process writes and reads: model, optimizer, step."""
+        return tf.train.Checkpoint(
+            model=self.model, optimizer=self.optimizer, global_step=global_step
+        )
+
+
+class TrainState(JobModel):
+    """What training updates on the ps: the model, the optimizer, the global step and the
+    training metrics.
+
+    Means (loss, accuracy, ...) accumulate as rows of [sum, count] in ONE variable: one
+    assign_add per step updates them together, so a read is a consistent snapshot and
+    windows are exact. Other metrics stay Keras objects on the ps. Build it under the
+    strategy's scope.
+    """
+
+    def __init__(self, job: Job, x_spec: Any, y_spec: Any) -> None:
+        super().__init__(job, x_spec, y_spec)
+        train_metrics = [make() for make in self.metric_factories]
+        self.mean_metrics = [
+            (m.name, m._fn, dict(m._fn_kwargs))
+            for m in train_metrics
+            if isinstance(m, keras.metrics.MeanMetricWrapper)
+        ]
+        self.other_metrics = [
+            m for m in train_metrics if not isinstance(m, keras.metrics.MeanMetricWrapper)
+        ]
+        self.mean_sums = tf.Variable(
+            tf.zeros([1 + len(self.mean_metrics), 2], tf.float64),
+            trainable=False,
+            name="train_mean_sums",
+        )
+        self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        self._last_sums: dict[str, tuple[float, float]] = {}
+
+    @property
+    def mean_names(self) -> list[str]:
+        """The rows of ``mean_sums``: the loss, then every mean metric."""
+        return ["loss"] + [name for name, _, _ in self.mean_metrics]
+
+    def step(self) -> int:
+        return int(self.global_step.numpy())
+
+    def read_train_metrics(self) -> dict[str, float]:
+        """Loss and metrics over the steps since the previous read.
+
+        Nothing is reset on the ps: a reset races with the workers' updates (seen: accuracy
+        above 1). Means are windowed by the change of their (sum, count) rows since the
+        last read; any other metric reports its cumulative result.
+        """
+        snapshot = self.mean_sums.numpy()
+        sums = {
+            name: (float(t), float(c))
+            for name, (t, c) in zip(self.mean_names, snapshot, strict=True)
+        }
+        values: dict[str, float] = {}
+        for name, (total, count) in sums.items():
+            prev_total, prev_count = self._last_sums.get(name, (0.0, 0.0))
+            if count > prev_count:
+                values[name] = (total - prev_total) / (count - prev_count)
+            else:
+                values[name] = total / count if count else float("nan")
+        self._last_sums = sums
+        for metric in self.other_metrics:
+            values[metric.name] = scalar(metric.result())
+        return values

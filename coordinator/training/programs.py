@@ -1,0 +1,162 @@
+"""Step programs: what one scheduled call runs on a worker, what it reads, how its result
+reads. The controller runs any of them the same way (``StepProgram``); ``--update-mode``
+and ``--epochs`` pick one (default here, local-step here, epochs in epochs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import tensorflow as tf
+
+from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.graph_ops import seconds_since, sum_count
+from psctl.coordinator.training.local_step import make_local_train_fn
+from psctl.coordinator.training.model import TrainState
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a step program runs with: the job, its settings, the cluster's strategy and
+    coordinator, and the training state on the ps."""
+
+    job: Job
+    settings: TrainSettings
+    strategy: Any
+    coordinator: Any  # tf.distribute.coordinator.ClusterCoordinator
+    num_workers: int
+    state: TrainState
+
+    def data_context(self, worker_index: Any, num_workers: int, batch_size: int) -> DataContext:
+        return DataContext.from_settings(
+            self.settings, worker_index=worker_index, num_workers=num_workers, batch_size=batch_size
+        )
+
+
+class StepProgram(Protocol):
+    """What the controller schedules. ``start`` builds the function and the per-worker
+    iterator; the controller schedules ``function(iterator, num_steps)`` while
+    ``wants_more`` says so, and reads each finished call's value through ``result``."""
+
+    target: int  # the global step that completes training (2**62: the data decides)
+    progress_total: int  # the progress line's total; 0 when not known in advance
+    function: Any
+    iterator: Any  # the per-worker iterator the next call reads
+
+    def start(self, settle: Callable[[], None]) -> None:
+        """Build; ``settle()`` waits until every call in flight has finished."""
+        ...
+
+    def wants_more(self, scheduled: int) -> bool: ...
+
+    def result(self, steps: int, value: Any) -> tuple[int, float]:
+        """(steps run, seconds on the worker) of a finished call of ``steps`` steps."""
+        ...
+
+    def stopped_early(self, final_step: int) -> bool: ...
+
+
+def make_replica_step(state: TrainState, loss_fn: Callable[[Any, Any], Any]) -> Any:
+    """One training step on one batch, run under ``strategy.run`` on a worker."""
+    model, optimizer = state.model, state.optimizer
+    mean_sums, mean_metrics, other_metrics = (
+        state.mean_sums,
+        state.mean_metrics,
+        state.other_metrics,
+    )
+
+    def replica_step(batch: Any) -> None:
+        x, y = batch[0], batch[1]
+        with tf.GradientTape() as tape:
+            predictions = model(x, training=True)
+            loss = tf.reduce_mean(loss_fn(y, predictions))
+            if model.losses:
+                loss += tf.add_n(model.losses)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rows = [sum_count(loss)]
+        rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+        mean_sums.assign_add(tf.stack(rows))
+        for metric in other_metrics:
+            metric.update_state(y, predictions)
+
+    return replica_step
+
+
+class DefaultProgram:
+    """``--steps N``: K steps a call, each reading and updating the ps variables, over the
+    job's per-worker datasets (each worker reads its own shard)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.target = rt.settings.steps
+        self.progress_total = rt.settings.steps
+        self.function: Any = None
+        self.iterator: Any = None
+
+    def start(self, settle: Callable[[], None]) -> None:
+        self.function = self.make_function()
+        self.iterator = self.make_iterator()
+
+    def make_function(self) -> Any:
+        replica_step = make_replica_step(self.rt.state, self.rt.job.loss_fn)
+        global_step, strategy = self.rt.state.global_step, self.rt.strategy
+
+        # No autograph (see local_step.py): the loop is the tf.while_loop it would make.
+        def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
+            def step(ran: tf.Tensor) -> tf.Tensor:
+                strategy.run(replica_step, args=(next(iterator),))
+                return ran + 1
+
+            started = tf.timestamp()
+            with tf.control_dependencies([started]):
+                (ran,) = tf.while_loop(
+                    lambda ran: ran < num_steps, step, [tf.constant(0, num_steps.dtype)]
+                )
+            done = global_step.assign_add(ran)  # after the loop: it needs the loop's output
+            # Seconds this call ran on its worker: the only value copied back per call.
+            return seconds_since(started, after=done)
+
+        return tf.function(train_fn, autograph=False)
+
+    def make_iterator(self) -> Any:
+        rt = self.rt
+        batch_size, dataset_fn = rt.settings.batch_size, rt.job.dataset_fn
+
+        def per_worker_dataset_fn() -> Any:
+            # Traced once for all workers: the worker's index is a tensor, not a Python int.
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            ctx = rt.data_context(tf.cast(index, tf.int64), rt.num_workers, batch_size)
+            return rt.strategy.distribute_datasets_from_function(lambda _: dataset_fn(ctx))
+
+        return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+    def wants_more(self, scheduled: int) -> bool:
+        return scheduled < self.target
+
+    def result(self, steps: int, value: Any) -> tuple[int, float]:
+        return steps, float(value)
+
+    def stopped_early(self, final_step: int) -> bool:
+        return final_step < self.target
+
+
+class LocalStepProgram(DefaultProgram):
+    """``--update-mode local``: each call runs its K steps on a worker-local copy of the
+    variables and pushes the change to the ps once (local_step.py)."""
+
+    def make_function(self) -> Any:
+        state = self.rt.state
+        return make_local_train_fn(
+            model=state.model,
+            optimizer=state.optimizer,
+            loss_fn=self.rt.job.loss_fn,
+            mean_sums=state.mean_sums,
+            mean_metrics=state.mean_metrics,
+            other_metrics=state.other_metrics,
+            global_step=state.global_step,
+            scale=self.rt.settings.local_scale,
+        )

@@ -1,0 +1,51 @@
+"""Where the coordinator's numbers go: the Control API's status, Prometheus and
+TensorBoard, from one place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psctl.coordinator.training.tensorboard import ScalarWriter
+
+if TYPE_CHECKING:
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.service import JobControl
+
+
+class Publisher:
+    def __init__(
+        self,
+        *,
+        control: JobControl,
+        metrics: CoordinatorMetrics | None,
+        logdir: str = "",
+        batch_size: int,
+    ) -> None:
+        self.control = control
+        self.metrics = metrics
+        self.batch_size = batch_size
+        # Created after the strategy connected to the cluster, which resets the eager context.
+        self.scalars = ScalarWriter(logdir) if logdir else None
+
+    def progress(self, step: int, steps_per_sec: float, values: dict[str, float]) -> None:
+        """Training progress to the status, Prometheus and TensorBoard."""
+        self.control.update(
+            global_step=step,
+            steps_per_second=steps_per_sec,
+            examples_per_second=steps_per_sec * self.batch_size,
+            loss=values.get("loss", float("nan")),
+            metrics={k: v for k, v in values.items() if k != "loss"},
+        )
+        if self.metrics is not None:
+            self.metrics.set_global_step(step)
+            self.metrics.set_train_values(values)
+        if self.scalars is not None:
+            self.scalars.write("train", step, {**values, "steps_per_sec": steps_per_sec})
+
+    def evaluation(self, values: dict[str, float], *, step: int) -> None:
+        """Evaluation results to the status, Prometheus and TensorBoard."""
+        self.control.update(eval_metrics=values, eval_step=step)
+        if self.metrics is not None:
+            self.metrics.set_eval_values(values, step=step)
+        if self.scalars is not None:
+            self.scalars.write("eval", step, values)

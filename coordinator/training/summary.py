@@ -1,0 +1,63 @@
+"""What a run reports at the end: the ``done |`` line and ``--summary-json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Summary:
+    """What a run reports at the end (``--summary-json``)."""
+
+    job: str
+    global_step: int
+    start_step: int
+    target_steps: int
+    loss: float | None
+    accuracy: float | None
+    eval_accuracy: float | None
+    eval_loss: float | None
+    examples_per_sec: float
+    steps_per_sec: float
+    wall_seconds: float
+    train_seconds: float
+    num_workers: int
+    num_ps: int
+    batch_size: int
+    steps_per_execution: int
+    checkpoint: str | None
+    stopped_early: bool
+    stalls: int = 0
+    restarts: int = 0  # training processes started again by the supervisor
+    ps_failures: int = 0
+    worker_failures: int = 0
+    coordinator_failures: int = 0
+    recoveries: int = 0  # restarts + tasks seen back to SERVING after a failure
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def write_summary(summary: Summary, path: str) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(summary), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, target)
+
+
+def print_summary(summary: Summary) -> None:
+    def show(v: float | None) -> str:
+        return "n/a" if v is None or math.isnan(v) else f"{v:.4f}"
+
+    print(
+        f"done | step: {summary.global_step} | loss: {show(summary.loss)} | "
+        f"accuracy: {show(summary.accuracy)} | eval_accuracy: {show(summary.eval_accuracy)} | "
+        f"{summary.examples_per_sec:.0f} ex/s | {summary.steps_per_sec:.1f} steps/s | "
+        f"wall {summary.wall_seconds:.1f}s",
+        flush=True,
+    )

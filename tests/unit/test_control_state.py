@@ -1,0 +1,354 @@
+"""The job-state table (control/state.py) and JobControl's enforcement of it, activities
+included: no gRPC, no TensorFlow."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.control.client import explicit_health_addresses
+from psctl.coordinator.control.metrics import STATES
+from psctl.coordinator.control.service import JobControl, Rejected
+from psctl.coordinator.control.state import (
+    ACTIVITIES,
+    ACTIVITY_HOST_STATES,
+    FINAL_STATES,
+    TRANSITIONS,
+    InvalidTransition,
+    State,
+    check_transition,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+ALLOWED = [(old, new) for old, targets in TRANSITIONS.items() for new in sorted(targets, key=str)]
+FORBIDDEN = [
+    (old, new)
+    for old, new in itertools.product(State, State)
+    if new is not old and new not in TRANSITIONS[old]
+]
+
+
+def _paths() -> dict[State, list[State]]:
+    """A shortest path of set_state calls from STARTING to every reachable state."""
+    paths: dict[State, list[State]] = {State.STARTING: []}
+    queue = [State.STARTING]
+    while queue:
+        old = queue.pop(0)
+        for new in sorted(TRANSITIONS[old], key=str):
+            if new not in paths:
+                paths[new] = [*paths[old], new]
+                queue.append(new)
+    return paths
+
+
+PATHS = _paths()
+
+
+def new_control(on_state: Callable[[str], None] | None = None) -> JobControl:
+    return JobControl(
+        job="unit",
+        target_steps=10,
+        steps_per_execution=1,
+        tasks=[],
+        can_checkpoint=True,
+        on_state=on_state,
+    )
+
+
+def control_in(state: State, on_state: Callable[[str], None] | None = None) -> JobControl:
+    control = new_control(on_state)
+    for step in PATHS[state]:
+        control.set_state(step)
+    assert control.state is state
+    return control
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+def test_the_table_covers_every_state_and_matches_the_wire_values():
+    assert set(TRANSITIONS) == set(State)
+    for state in State:
+        assert control_pb2.JobState.Name(state.value) == f"JOB_STATE_{state.name}"
+        assert state not in TRANSITIONS[state]  # the same state is not a transition
+    assert set(PATHS) == set(State), "every state is reachable from STARTING"
+
+
+def test_metrics_states_are_the_enums_names():
+    assert [s.name.lower() for s in State] == STATES
+
+
+@pytest.mark.parametrize(("old", "new"), ALLOWED, ids=lambda s: s.name)
+def test_every_allowed_transition_is_accepted(old: State, new: State):
+    assert old.can_become(new)
+    check_transition(old, new)
+    control = control_in(old)
+    control.set_state(new, "why")
+    assert control.state is new
+    assert control.snapshot().message == "why"
+
+
+@pytest.mark.parametrize(("old", "new"), FORBIDDEN, ids=lambda s: s.name)
+def test_every_other_transition_is_refused(old: State, new: State):
+    assert not old.can_become(new)
+    with pytest.raises(InvalidTransition, match=f"from {old.name} to {new.name}"):
+        check_transition(old, new)
+    control = control_in(old)
+    control.set_message("before")
+    with pytest.raises(InvalidTransition) as err:
+        control.set_state(new, "after")
+    assert (err.value.old, err.value.new) == (old, new)
+    assert isinstance(err.value, ValueError)
+    assert control.state is old
+    assert control.snapshot().message == "before"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (State.STARTING, State.DONE),
+        (State.RUNNING, State.DONE),  # DONE comes after STOPPING (final checkpoint, eval)
+        (State.RUNNING, State.STARTING),
+        (State.STOPPING, State.RUNNING),  # a save putting back a stale state
+        (State.RECOVERING, State.RUNNING),  # recovery is a new process
+        (State.CHECKPOINTING, State.DONE),
+    ],
+    ids=lambda s: s.name,
+)
+def test_some_forbidden_transitions(old: State, new: State):
+    assert (old, new) in FORBIDDEN
+
+
+@pytest.mark.parametrize("final", sorted(FINAL_STATES, key=str), ids=lambda s: s.name)
+def test_final_states_are_final(final: State):
+    assert final.final and not TRANSITIONS[final]
+    control = control_in(final)
+    for other in State:
+        if other is not final:
+            with pytest.raises(InvalidTransition):
+                control.set_state(other)
+    assert control.state is final
+
+
+def test_every_unfinished_state_can_fail():
+    for state in State:
+        assert state.final or state.can_become(State.FAILED), state
+
+
+def test_the_same_state_again_is_no_transition_and_sets_the_message():
+    seen: list[str] = []
+    control = new_control(on_state=seen.append)
+    control.set_state(State.RUNNING)
+    control.set_state(State.RUNNING, "again")
+    assert control.state is State.RUNNING
+    assert control.snapshot().message == "again"
+    assert seen == ["running", "running"]
+
+
+def test_a_refused_transition_is_logged(caplog: pytest.LogCaptureFixture):
+    control = control_in(State.DONE)
+    with caplog.at_level(logging.ERROR), pytest.raises(InvalidTransition):
+        control.set_state(State.RUNNING)
+    assert "from DONE to RUNNING" in caplog.text
+
+
+# -- what the trainer and train.py do today ----------------------------------------------
+
+
+def test_the_trainers_checkpoint_thread_sets_and_restores_checkpointing():
+    # Trainer._save: previous = state; set CHECKPOINTING; ...; set previous.
+    for previous in (State.RUNNING, State.PAUSED, State.STOPPING):
+        control = control_in(previous)
+        control.set_state(State.CHECKPOINTING)
+        assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
+        control.set_state(previous)
+        assert control.state is previous
+
+
+def test_the_loop_moves_on_during_a_background_save():
+    control = control_in(State.RUNNING)
+    control.set_state(State.CHECKPOINTING)  # the checkpoint thread
+    control.set_state(State.PAUSED, "paused by request")  # the loop
+    control.set_state(State.RUNNING)  # resumed, the save still running
+    control.set_state(State.STOPPING)  # the loop ended
+    control.set_state(State.CHECKPOINTING)  # the final checkpoint
+    control.set_state(State.STOPPING)
+    control.finish(State.DONE)
+    assert control.state is State.DONE
+
+
+def test_a_typical_run():
+    control = new_control()
+    for state in (State.RUNNING, State.PAUSED, State.RUNNING, State.STOPPING):
+        control.set_state(state)
+    control.finish(State.DONE)
+    assert control.state is State.DONE
+
+
+@pytest.mark.parametrize("state", [s for s in State if not s.final], ids=lambda s: s.name)
+def test_recovering_and_failed_come_from_any_unfinished_state(state: State):
+    assert state.can_become(State.FAILED)
+    if state is not State.RECOVERING:
+        assert state.can_become(State.RECOVERING)
+
+
+def test_finish_rejects_pending_checkpoints_and_a_second_outcome_is_ignored(
+    caplog: pytest.LogCaptureFixture,
+):
+    control = control_in(State.RUNNING)
+    pending = control.request_checkpoint()
+    control.set_state(State.STOPPING)
+    control.finish(State.DONE)
+    with pytest.raises(Rejected, match="DONE"):
+        pending.future.result(timeout=1)
+    with caplog.at_level(logging.ERROR):
+        control.finish(State.FAILED, "late")  # an error handler after DONE: logged, no raise
+    assert control.state is State.DONE
+    assert "finish(FAILED) ignored" in caplog.text
+    control.finish(State.DONE)  # the same outcome again: nothing happens
+    assert control.state is State.DONE
+
+
+def test_finish_takes_only_final_states_and_follows_the_table():
+    control = control_in(State.RUNNING)
+    with pytest.raises(ValueError, match="DONE or FAILED"):
+        control.finish(State.STOPPING)
+    pending = control.request_checkpoint()
+    with pytest.raises(InvalidTransition):
+        control.finish(State.DONE)  # not after STOPPING
+    assert control.state is State.RUNNING
+    assert not pending.future.done()  # a refused finish answers nothing
+    control.finish(State.FAILED)
+    assert control.state is State.FAILED
+
+
+# -- activities --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", sorted(ACTIVITY_HOST_STATES, key=str), ids=lambda s: s.name)
+def test_an_activity_is_reported_over_its_host_state(host: State):
+    seen: list[str] = []
+    control = control_in(host, on_state=seen.append)
+    seen.clear()
+    control.begin_activity("checkpointing")
+    assert control.state is host
+    assert control.reported_state is State.CHECKPOINTING
+    assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
+    control.end_activity("checkpointing")
+    assert control.reported_state is host
+    assert control.snapshot().state == host.value
+    assert seen == ["checkpointing", host.name.lower()]
+
+
+@pytest.mark.parametrize(
+    "state", [s for s in State if s not in ACTIVITY_HOST_STATES], ids=lambda s: s.name
+)
+def test_other_states_are_reported_as_they_are_during_an_activity(state: State):
+    control = control_in(state)
+    with control.activity("checkpointing"):
+        assert control.reported_state is state
+        assert control.snapshot().state == state.value
+
+
+def test_the_state_moves_under_a_running_activity():
+    seen: list[str] = []
+    control = control_in(State.RUNNING, on_state=seen.append)
+    seen.clear()
+    control.begin_activity("checkpointing")
+    control.set_state(State.PAUSED, "paused by request")  # the loop pauses during a save
+    assert control.reported_state is State.CHECKPOINTING
+    control.set_state(State.STOPPING)
+    control.end_activity("checkpointing")
+    assert control.reported_state is State.STOPPING
+    assert control.snapshot().message == ""
+    control.finish(State.DONE)
+    assert seen == ["checkpointing", "checkpointing", "checkpointing", "stopping", "done"]
+
+
+def test_activities_nest_and_a_stray_end_is_logged(caplog: pytest.LogCaptureFixture):
+    control = control_in(State.RUNNING)
+    control.begin_activity("checkpointing")
+    control.begin_activity("checkpointing")
+    control.end_activity("checkpointing")
+    assert control.reported_state is State.CHECKPOINTING
+    control.end_activity("checkpointing")
+    assert control.reported_state is State.RUNNING
+    with caplog.at_level(logging.ERROR):
+        control.end_activity("checkpointing")
+    assert "without begin_activity" in caplog.text
+    assert control.reported_state is State.RUNNING
+
+
+def test_the_activity_context_ends_on_error():
+    control = control_in(State.RUNNING)
+    with pytest.raises(OSError), control.activity("checkpointing"):
+        raise OSError("disk full")
+    assert control.reported_state is State.RUNNING
+
+
+def test_unknown_activities_are_refused():
+    assert set(ACTIVITIES) == {"checkpointing"}
+    control = control_in(State.RUNNING)
+    with pytest.raises(ValueError, match="unknown activity"):
+        control.begin_activity("saving")
+    with pytest.raises(ValueError, match="unknown activity"):
+        control.end_activity("saving")
+
+
+def test_operator_requests_during_an_activity_follow_the_underlying_state():
+    control = control_in(State.RUNNING)
+    with control.activity("checkpointing"):
+        assert control.request_pause() is State.CHECKPOINTING  # the reported state
+        assert control.request_resume() is State.CHECKPOINTING
+        control.request_checkpoint()
+        assert control.request_stop() is State.CHECKPOINTING
+    control = control_in(State.STOPPING)
+    with control.activity("checkpointing"):  # the final checkpoint
+        with pytest.raises(Rejected, match="STOPPING"):
+            control.request_pause()
+        with pytest.raises(Rejected, match="STOPPING"):
+            control.request_checkpoint()
+
+
+def test_the_state_callback_ends_on_the_latest_state():
+    seen: list[str] = []
+    control = control_in(State.RUNNING, on_state=seen.append)
+
+    def save() -> None:
+        for _ in range(200):
+            with control.activity("checkpointing"):
+                pass
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    for _ in range(100):
+        control.set_state(State.PAUSED)
+        control.set_state(State.RUNNING)
+    thread.join()
+    assert seen[-1] == "running"
+
+
+# -- the cluster file's health section (psctl health, psctl deploy) -----------------------
+
+
+def test_explicit_health_addresses(tmp_path: Path):
+    assert explicit_health_addresses(None) == {}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": {}}))
+    assert explicit_health_addresses(str(path)) == {}
+    path.write_text(
+        json.dumps({"cluster": {}, "health": {"ps": ["h:1", "h:2"], "worker": ["w:3"]}})
+    )
+    assert explicit_health_addresses(str(path)) == {
+        ("ps", 0): "h:1",
+        ("ps", 1): "h:2",
+        ("worker", 0): "w:3",
+    }

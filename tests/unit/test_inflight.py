@@ -1,0 +1,96 @@
+"""The controller's call tracking and stall watchdog, driven with fake calls and a fake
+clock (no TensorFlow)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from psctl.coordinator.training.inflight import CallTracker, StallWatchdog
+
+
+@dataclass
+class FakeCall:
+    done: bool = False
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tracker(clock: Clock) -> CallTracker:
+    return CallTracker(is_done=lambda call: call.done, wait=lambda call, t: None, clock=clock)
+
+
+def test_finished_calls_are_taken_and_older_running_ones_marked_overtaken():
+    clock = Clock()
+    calls = tracker(clock)
+    first, second, third = FakeCall(), FakeCall(), FakeCall()
+    entries = []
+    for call in (first, second, third):
+        entries.append(calls.add(call, steps=10))
+        clock.now += 1
+    assert calls.take_finished() == []
+    second.done = True
+    clock.now = 200.0
+    taken = calls.take_finished()
+    assert [e.remote for e in taken] == [second]
+    assert len(calls) == 2
+    assert entries[0].overtaken_at == 200.0  # scheduled before the finished one
+    assert entries[2].overtaken_at is None  # scheduled after it: may still be queued
+
+
+def test_watchdog_gives_up_calls_overtaken_for_the_timeout():
+    clock = Clock()
+    calls = tracker(clock)
+    watchdog = StallWatchdog(timeout=8, clock=clock)
+    frozen, later = FakeCall(), FakeCall()
+    calls.add(frozen, steps=20)
+    clock.now += 1
+    calls.add(later, steps=20)
+    later.done = True
+    calls.take_finished()
+    watchdog.progress()
+    clock.now += 7.9
+    assert watchdog.check(calls) is None
+    clock.now += 0.2
+    stall = watchdog.check(calls)
+    assert stall is not None and [e.remote for e in stall.stuck] == [frozen]
+    assert stall.started  # and nothing else finished for as long: the job is stalled too
+
+
+def test_watchdog_reports_a_stall_once_until_progress():
+    clock = Clock()
+    calls = tracker(clock)
+    watchdog = StallWatchdog(timeout=5, clock=clock)
+    calls.add(FakeCall(), steps=1)
+    clock.now += 5
+    first = watchdog.check(calls)
+    assert first is not None and first.started and first.idle_seconds == pytest.approx(5)
+    assert watchdog.stalled and watchdog.stalls == 1
+    clock.now += 5
+    again = watchdog.check(calls)
+    assert again is not None and not again.started  # still the same stall
+    assert watchdog.stalls == 1
+    assert watchdog.progress() is True  # a call finished: the stall is over
+    assert watchdog.progress() is False
+    clock.now += 5
+    third = watchdog.check(calls)
+    assert third is not None and third.started and watchdog.stalls == 2
+
+
+def test_watchdog_is_quiet_with_nothing_in_flight():
+    clock = Clock()
+    watchdog = StallWatchdog(timeout=1, clock=clock)
+    clock.now += 100
+    assert watchdog.check(tracker(clock)) is None
+
+
+def test_watchdog_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout"):
+        StallWatchdog(timeout=0)
