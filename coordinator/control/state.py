@@ -7,10 +7,9 @@ they are, and ``psctl_coordinator_state`` exports their lower-case names.
 ``JobControl.set_state`` refuses any other with ``InvalidTransition``. Setting the state a
 job already has is not a transition and is always allowed.
 
-CHECKPOINTING is both a state the trainer's checkpoint thread may write (the old path, kept
-until the trainer moves to activities) and the state *reported* while an activity named in
-``ACTIVITIES`` runs beside one of ``ACTIVITY_HOST_STATES``
-(``JobControl.begin_activity("checkpointing")``).
+CHECKPOINTING is never set: a checkpoint is an activity that runs beside training, and
+CHECKPOINTING is the state *reported* while it runs beside one of ``ACTIVITY_HOST_STATES``
+(``JobControl.activity("checkpointing")``, training/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -60,57 +59,43 @@ def _order(state: State) -> int:
 
 FINAL_STATES: frozenset[State] = frozenset({State.DONE, State.FAILED})
 # States in which the loop schedules steps, or will: pause and resume make sense there.
-SCHEDULING_STATES: frozenset[State] = frozenset(
-    {State.STARTING, State.RUNNING, State.PAUSED, State.CHECKPOINTING}
-)
+SCHEDULING_STATES: frozenset[State] = frozenset({State.STARTING, State.RUNNING, State.PAUSED})
 # States in which the loop serves a requested checkpoint.
-CHECKPOINT_STATES: frozenset[State] = frozenset({State.RUNNING, State.PAUSED, State.CHECKPOINTING})
+CHECKPOINT_STATES: frozenset[State] = frozenset({State.RUNNING, State.PAUSED})
 
-# Where each transition happens (trainer = coordinator/training/trainer.py,
+# Where each transition happens (controller = coordinator/training/controller.py,
 # train = coordinator/launch/train.py). Every non-final state may fail: train.py's
 # handlers call finish(FAILED) whatever the state was.
 TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
     {
         State.STARTING: frozenset(
             {
-                State.RUNNING,  # trainer.run: steps left to train
-                State.STOPPING,  # trainer.run: nothing to train, or a stop came first
+                State.RUNNING,  # controller.run: steps left to train
+                State.STOPPING,  # controller.finish: nothing to train, or a stop came first
                 State.RECOVERING,  # train: cluster failure or RestartFromCheckpoint
                 State.FAILED,
             }
         ),
         State.RUNNING: frozenset(
             {
-                State.PAUSED,  # trainer loop: pause requested
-                State.CHECKPOINTING,  # trainer._save (periodic, requested)
-                State.STOPPING,  # trainer.run: all scheduled, or a stop requested
+                State.PAUSED,  # controller.run: pause requested
+                State.STOPPING,  # controller.finish: all scheduled, or a stop requested
                 State.RECOVERING,
                 State.FAILED,
             }
         ),
         State.PAUSED: frozenset(
             {
-                State.RUNNING,  # trainer loop: resume requested
-                State.CHECKPOINTING,  # trainer._save: a checkpoint requested while paused
-                State.STOPPING,  # trainer.run: a stop requested while paused
+                State.RUNNING,  # controller.run: resume requested
+                State.STOPPING,  # controller.finish: a stop requested while paused
                 State.RECOVERING,
                 State.FAILED,
             }
         ),
-        State.CHECKPOINTING: frozenset(
-            {
-                # trainer._save puts back the state it found (RUNNING, PAUSED, STOPPING);
-                # during a background save the loop itself may pause, resume or stop.
-                State.RUNNING,
-                State.PAUSED,
-                State.STOPPING,
-                State.RECOVERING,  # train: the loop failed while a background save ran
-                State.FAILED,
-            }
-        ),
+        # Only reported (the checkpointing activity), never set: nothing leads here.
+        State.CHECKPOINTING: frozenset({State.FAILED}),
         State.STOPPING: frozenset(
             {
-                State.CHECKPOINTING,  # trainer.run: the final checkpoint
                 State.DONE,  # train: finish(DONE) after the final checkpoint and eval
                 State.RECOVERING,  # train: the final save refused a NaN, or a ps failed
                 State.FAILED,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.server import DEFAULT_BIND_HOST
 from psctl.cluster.spec import (
     ClusterConfig,
     TaskConfig,
@@ -26,7 +27,8 @@ from psctl.cluster.spec import (
     parse_tf_config,
     require_chief,
 )
-from psctl.coordinator.control.service import ControlServer, JobControl, State, TaskInfo
+from psctl.coordinator.control.service import ControlServer, JobControl, TaskInfo
+from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
     FailurePolicy,
@@ -42,7 +44,7 @@ from psctl.coordinator.launch.supervisor import (
     TrainingSupervisor,
     forward_stop_signals,
 )
-from psctl.coordinator.settings import TrainSettings, resolve_settings
+from psctl.coordinator.settings import TrainSettings, resolve_settings, show_steps_per_execution
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -238,7 +240,7 @@ def start_metrics(
         num_ps=cluster.num_ps,
         batch_size=settings.batch_size,
     )
-    serve_metrics(registry, host=os.environ.get("PSCTL_BIND_HOST", "0.0.0.0"), port=port)
+    serve_metrics(registry, host=os.environ.get("PSCTL_BIND_HOST", DEFAULT_BIND_HOST), port=port)
     log.info("metrics on :%d/metrics", port)
     return metrics
 
@@ -267,7 +269,7 @@ def _train(
         source,
         f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
         settings.batch_size,
-        settings.steps_per_execution or "auto",
+        show_steps_per_execution(settings.steps_per_execution),
     )
     trainer = Trainer(
         job=job,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
-from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, CheckpointEvery, EvalEvery, PublishStatus
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.controller import Controller
@@ -160,7 +160,7 @@ class Trainer:
             packer=packer,
             policy=self.policy,
             metrics=self.metrics,
-            max_in_flight=s.max_in_flight or 4 * self.num_workers,
+            max_in_flight=s.max_in_flight or IN_FLIGHT_PER_WORKER * self.num_workers,
             stall_timeout=s.stall_timeout,
             start_step=start_step,
             global_step=state.global_step,

@@ -28,11 +28,16 @@ from psctl.coordinator.control.state import (
 
 pytestmark = pytest.mark.timeout(30)
 
-ALLOWED = [(old, new) for old, targets in TRANSITIONS.items() for new in sorted(targets, key=str)]
+ALLOWED = [
+    (old, new)
+    for old, targets in TRANSITIONS.items()
+    for new in sorted(targets, key=str)
+    if old is not State.CHECKPOINTING  # never set, so never left
+]
 FORBIDDEN = [
     (old, new)
     for old, new in itertools.product(State, State)
-    if new is not old and new not in TRANSITIONS[old]
+    if new is not old and new not in TRANSITIONS[old] and old is not State.CHECKPOINTING
 ]
 
 
@@ -79,7 +84,8 @@ def test_the_table_covers_every_state_and_matches_the_wire_values():
     for state in State:
         assert control_pb2.JobState.Name(state.value) == f"JOB_STATE_{state.name}"
         assert state not in TRANSITIONS[state]  # the same state is not a transition
-    assert set(PATHS) == set(State), "every state is reachable from STARTING"
+    # CHECKPOINTING is only reported (the checkpointing activity), never set.
+    assert set(PATHS) == set(State) - {State.CHECKPOINTING}, "reachable from STARTING"
 
 
 def test_metrics_states_are_the_enums_names():
@@ -119,7 +125,7 @@ def test_every_other_transition_is_refused(old: State, new: State):
         (State.RUNNING, State.STARTING),
         (State.STOPPING, State.RUNNING),  # a save putting back a stale state
         (State.RECOVERING, State.RUNNING),  # recovery is a new process
-        (State.CHECKPOINTING, State.DONE),
+        (State.RUNNING, State.CHECKPOINTING),  # an activity, never a state
     ],
     ids=lambda s: s.name,
 )
@@ -163,26 +169,15 @@ def test_a_refused_transition_is_logged(caplog: pytest.LogCaptureFixture):
 # -- what the trainer and train.py do today ----------------------------------------------
 
 
-def test_the_trainers_checkpoint_thread_sets_and_restores_checkpointing():
-    # Trainer._save: previous = state; set CHECKPOINTING; ...; set previous.
-    for previous in (State.RUNNING, State.PAUSED, State.STOPPING):
-        control = control_in(previous)
-        control.set_state(State.CHECKPOINTING)
-        assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
-        control.set_state(previous)
-        assert control.state is previous
-
-
-def test_the_loop_moves_on_during_a_background_save():
+def test_checkpointing_is_never_set_only_reported():
+    for state in (State.STARTING, State.RUNNING, State.PAUSED, State.STOPPING):
+        with pytest.raises(InvalidTransition):
+            control_in(state).set_state(State.CHECKPOINTING)
     control = control_in(State.RUNNING)
-    control.set_state(State.CHECKPOINTING)  # the checkpoint thread
-    control.set_state(State.PAUSED, "paused by request")  # the loop
-    control.set_state(State.RUNNING)  # resumed, the save still running
-    control.set_state(State.STOPPING)  # the loop ended
-    control.set_state(State.CHECKPOINTING)  # the final checkpoint
-    control.set_state(State.STOPPING)
-    control.finish(State.DONE)
-    assert control.state is State.DONE
+    with control.activity("checkpointing"):
+        assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
+        control.set_state(State.PAUSED, "paused by request")  # the loop moves on meanwhile
+    assert control.state is State.PAUSED
 
 
 def test_a_typical_run():
@@ -196,7 +191,7 @@ def test_a_typical_run():
 @pytest.mark.parametrize("state", [s for s in State if not s.final], ids=lambda s: s.name)
 def test_recovering_and_failed_come_from_any_unfinished_state(state: State):
     assert state.can_become(State.FAILED)
-    if state is not State.RECOVERING:
+    if state not in (State.RECOVERING, State.CHECKPOINTING):
         assert state.can_become(State.RECOVERING)
 
 
@@ -249,7 +244,9 @@ def test_an_activity_is_reported_over_its_host_state(host: State):
 
 
 @pytest.mark.parametrize(
-    "state", [s for s in State if s not in ACTIVITY_HOST_STATES], ids=lambda s: s.name
+    "state",
+    [s for s in State if s not in ACTIVITY_HOST_STATES and s is not State.CHECKPOINTING],
+    ids=lambda s: s.name,
 )
 def test_other_states_are_reported_as_they_are_during_an_activity(state: State):
     control = control_in(state)
