@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import errno
 import json
 import logging
@@ -78,7 +77,6 @@ from typing import Any
 JOB = "mlp"
 SEED = 42
 REPO = Path(__file__).resolve().parent.parent
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -504,10 +502,6 @@ class ChildFailed(Exception):
     pass
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -651,15 +645,28 @@ def run_child(
         argv += ["--metrics-port", str(port)]
         scraper = Scraper(port)
     out_path = logs / f"run{run_id:02d}-{mode.kind}-{mode.k}.out"
-    err_path = out_path.with_suffix(".log")
     started = time.monotonic()
     if scraper is not None:
         scraper.start()
-    with contextlib.ExitStack() as stack:
+    try:
+        result = run_measured(mode.label, argv, out_path, timeout=args.timeout)
+    finally:
         if scraper is not None:
-            stack.callback(scraper.stop)
-        out = stack.enter_context(out_path.open("wb"))
-        err = stack.enter_context(err_path.open("wb"))
+            scraper.stop()
+    wall = time.monotonic() - started
+    result.update(label=mode.label, wall_s=wall, repeat=repeat)
+    if scraper is not None:
+        result.update(scraper.report(result))
+    return result
+
+
+def run_measured(label: str, argv: list[str], out_path: Path, *, timeout: float) -> dict[str, Any]:
+    """Run one measured child (this benchmark's or tta's) in its own session, killed with the
+    parent; stdout to ``out_path``, stderr beside it (``.log``). Its last JSON line."""
+    from psctl.cluster.procs import die_with_parent
+
+    err_path = out_path.with_suffix(".log")
+    with out_path.open("wb") as out, err_path.open("wb") as err:
         proc = subprocess.Popen(
             argv,
             stdout=out,
@@ -667,13 +674,13 @@ def run_child(
             stdin=subprocess.DEVNULL,
             cwd=REPO,
             start_new_session=True,  # Ctrl-C reaches the parent only; it kills the child
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
         try:
-            code = proc.wait(timeout=args.timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ChildFailed(
-                f"{mode.label} did not finish in {args.timeout:.0f}s; "
+                f"{label} did not finish in {timeout:.0f}s; "
                 f"last lines of {err_path}:\n{_tail(err_path)}"
             ) from None
         finally:
@@ -681,19 +688,15 @@ def run_child(
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()
-    wall = time.monotonic() - started
     if code != 0:
         raise ChildFailed(
-            f"{mode.label} exited with status {code}; last lines of {err_path}:\n{_tail(err_path)}"
+            f"{label} exited with status {code}; last lines of {err_path}:\n{_tail(err_path)}"
         )
     for line in reversed(out_path.read_text(errors="replace").splitlines()):
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
-            result.update(label=mode.label, wall_s=wall, repeat=repeat)
-            if scraper is not None:
-                result.update(scraper.report(result))
             return result
-    raise ChildFailed(f"{mode.label} printed no result; see {out_path} and {err_path}")
+    raise ChildFailed(f"{label} printed no result; see {out_path} and {err_path}")
 
 
 def summarize(modes: list[Mode], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -897,11 +900,7 @@ def parent_main(args: argparse.Namespace) -> int:
         print("throughput: interrupted", file=sys.stderr)
         return 130
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # let nothing cut the clean-up short
-            signal.signal(sig, signal.SIG_IGN)
-        local.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        close_bench(local)
 
     print(_load(), flush=True)
     rows = summarize(modes, runs)
@@ -1013,12 +1012,11 @@ def open_bench(
 ) -> tuple[Any, int]:
     """The benchmarks' one local cluster (not started yet) and its chief port; prints what
     will run and the machine's load, and turns SIGINT/SIGTERM into KeyboardInterrupt."""
-    from psctl.cluster.spec import split_host_port
     from psctl.coordinator.launch.local import LocalCluster
 
     logs.mkdir(parents=True, exist_ok=True)
     local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-    _, chief_port = split_host_port(local.cluster.chief or "", field="cluster.chief[0]")
+    chief_port = local.cluster.task_address("chief", 0).port
     print(
         f"{where}; {len(labels)} modes x {args.repeats} repeat(s): " + ", ".join(labels),
         flush=True,
@@ -1027,6 +1025,16 @@ def open_bench(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
     return local, chief_port
+
+
+def close_bench(local: Any) -> None:
+    """Stop ``open_bench``'s cluster, SIGINT/SIGTERM ignored meanwhile (let nothing cut the
+    clean-up short), then back to their defaults."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    local.stop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,13 +33,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -338,35 +335,10 @@ def run_child(mode: Mode, args: argparse.Namespace, cluster_file: Path, logs: Pa
         "--max-seconds", str(args.max_seconds),
     ]  # fmt: skip
     out_path = logs / f"run{n:02d}-{mode.label.replace('@', '-')}.out"
-    err_path = out_path.with_suffix(".log")
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            start_new_session=True,
-            preexec_fn=throughput._die_with_parent,
-        )
-        try:
-            code = proc.wait(timeout=args.max_seconds * 3 + 120)
-        finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-    if code != 0:
-        raise throughput.ChildFailed(
-            f"{mode.label} exited with status {code}; last lines of {err_path}:\n"
-            + throughput._tail(err_path)
-        )
-    for line in reversed(out_path.read_text(errors="replace").splitlines()):
-        if line.startswith("{"):
-            result: dict[str, Any] = json.loads(line)
-            result["label"] = mode.label
-            return result
-    raise throughput.ChildFailed(f"{mode.label} printed no result; see {out_path}")
+    timeout = args.max_seconds * 3 + 120
+    result = throughput.run_measured(mode.label, argv, out_path, timeout=timeout)
+    result["label"] = mode.label
+    return result
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -546,11 +518,7 @@ def parent_main(args: argparse.Namespace) -> int:
         print("tta: interrupted", file=sys.stderr)
         return 130
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        local.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        throughput.close_bench(local)
 
     print(throughput._load(), flush=True)
     rows = summarize(modes, runs)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +30,19 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def psctl_argv(*args: str) -> list[str]:
     return launch_argv.psctl_argv(*args)
+
+
+def local_argv(workdir: Path, *args: str) -> list[str]:
+    """``psctl local`` in ``workdir``, its control service on a free port, then ``args``."""
+    return psctl_argv("local", "--workdir", str(workdir), "--control-address", "127.0.0.1:0", *args)
+
+
+def require_tool(name: str, install: str) -> str:
+    """The path of ``name`` on PATH; fails the test (never skips) saying how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not on PATH: run {install}", pytrace=False)
+    return path
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -69,6 +84,13 @@ def kill_all(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def kill_if_running(proc: subprocess.Popen[Any] | None, timeout: float | None = None) -> None:
+    """A test's clean-up: SIGKILL ``proc`` if it is still running, and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout)
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""`psctl`: the command line. TensorFlow is imported only by commands that train."""
+"""`psctl`: the command line, and the flags of `local`, `train` and `check-config`; the other
+commands' flags are in cli/client.py, cli/deploy.py and cli/evaluate.py. TensorFlow is
+imported only by commands that train or evaluate."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
+from psctl.coordinator.cli.client import add_client_commands
+from psctl.coordinator.cli.deploy import add_deploy_commands
+from psctl.coordinator.cli.evaluate import add_evaluate_command
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
     DEFAULT_METRICS_PORT,
@@ -209,14 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a cluster file (or $TF_CONFIG) and print it as a table",
     )
     check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
-    from psctl.coordinator.control.client import add_client_commands
-
-    CLIENT_COMMANDS.update(add_client_commands(sub, DEFAULT_CONTROL_ADDRESS))
-    from psctl.coordinator.launch.deploy import add_deploy_commands
-
+    CLIENT_COMMANDS.update(add_client_commands(sub))
     CLIENT_COMMANDS.update(add_deploy_commands(sub))
-    from psctl.coordinator.training.evaluate import add_evaluate_command  # TF only when it runs
-
     COMMANDS.update(add_evaluate_command(sub))
     return parser
 

@@ -1,5 +1,6 @@
 """Client side of psctl's control API: `psctl status / watch / checkpoint / pause / resume /
-stop` and `psctl health`. No TensorFlow here: these answer in well under a second."""
+stop` and `psctl health` (their flags: coordinator/cli/client.py). No TensorFlow here: these
+answer in well under a second."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import grpc
 
 from psctl.cluster import health
 from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
-from psctl.cluster.ports import HEALTH_PORT_OFFSET
-from psctl.cluster.spec import resolve_cluster, split_host_port
+from psctl.cluster.spec import Address, resolve_cluster
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.stubs import control_stub
 
@@ -207,31 +207,33 @@ def cmd_health(args: argparse.Namespace) -> int:
     explicit = explicit_health_addresses(args.cluster)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
     bad = 0
-    for task_type, index, address in cluster.tasks():
+    for task_type, index, address in cluster.task_addresses():
         if task_type not in ("ps", "worker"):
             continue
-        host, port = split_host_port(address, field=f"cluster.{task_type}[{index}]")
-        target = explicit.get((task_type, index), f"{host}:{port + args.health_port_offset}")
+        health_address = explicit.get(
+            (task_type, index), address.with_port(address.port + args.health_port_offset)
+        )
+        target = str(health_address)
         result = health.check(target, timeout=args.timeout)
         bad += not result.serving
-        rows.append((task_type, str(index), address, target, result.status))
+        rows.append((task_type, str(index), str(address), target, result.status))
     print(f"cluster from {source}")
     print(_table(rows))
     return 0 if bad == 0 else EXIT_UNAVAILABLE
 
 
-def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], str]:
+def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], Address]:
     """A cluster file may name health addresses in an optional "health" section shaped like
     "cluster" (psctl local writes one); other tasks use TF port + offset."""
     if not cluster_file:
         return {}
     with open(cluster_file) as f:
         section = json.load(f).get("health", {})
-    found: dict[tuple[str, int], str] = {}
+    found: dict[tuple[str, int], Address] = {}
     for task_type, addresses in section.items() if isinstance(section, dict) else ():
         for index, address in enumerate(addresses if isinstance(addresses, list) else []):
-            split_host_port(address, field=f"{cluster_file}: health.{task_type}[{index}]")
-            found[(task_type, index)] = address
+            field = f"{cluster_file}: health.{task_type}[{index}]"
+            found[(task_type, index)] = Address.parse(address, field=field)
     return found
 
 
@@ -239,50 +241,3 @@ def _environ() -> dict[str, str]:
     import os
 
     return dict(os.environ)
-
-
-def add_client_commands(sub: Any, default_address: str) -> dict[str, Callable[..., int]]:
-    def with_address(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        parser.add_argument(
-            "--address",
-            default=default_address,
-            metavar="HOST:PORT",
-            help=f"coordinator's control address (default {default_address})",
-        )
-        return parser
-
-    status = with_address(sub.add_parser("status", help="show the running job's status"))
-    status.add_argument("--json", action="store_true", help="print the status as JSON")
-    watch = with_address(sub.add_parser("watch", help="live view of the job's status"))
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds (0.1-60; 1)")
-    watch.add_argument("--count", type=int, default=0, help="stop after N updates")
-    watch.add_argument("--duration", type=float, default=0.0, help="stop after S seconds")
-    ckpt = with_address(sub.add_parser("checkpoint", help="save a checkpoint now"))
-    ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
-    with_address(sub.add_parser("pause", help="stop scheduling new steps"))
-    with_address(sub.add_parser("resume", help="go on after pause"))
-    stop = with_address(sub.add_parser("stop", help="graceful stop: checkpoint, eval, exit"))
-    stop.add_argument(
-        "--timeout",
-        type=float,
-        default=120.0,
-        help="seconds to wait for the coordinator to exit (default 120)",
-    )
-    probe = sub.add_parser("health", help="check every server's grpc health service")
-    probe.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
-    probe.add_argument(
-        "--health-port-offset",
-        type=int,
-        default=HEALTH_PORT_OFFSET,
-        help=f"health port = TF port + this (default {HEALTH_PORT_OFFSET})",
-    )
-    probe.add_argument("--timeout", type=float, default=2.0, help="seconds per check")
-    return {
-        "status": cmd_status,
-        "watch": cmd_watch,
-        "checkpoint": cmd_checkpoint,
-        "pause": cmd_pause,
-        "resume": cmd_resume,
-        "stop": cmd_stop,
-        "health": cmd_health,
-    }

@@ -2,7 +2,8 @@
 every host answers. No TensorFlow here.
 
 `render` writes one directory per host (env files, units, a README with the commands to run
-and the ports to open); `check` tries every server's TF port and health service from here.
+and the ports to open); `check` tries every server's TF port and health service from here
+(their flags: coordinator/cli/deploy.py).
 The unit templates live here, once; deploy/systemd/ holds them rendered for /opt/psctl/venv
 (`python -m psctl.coordinator.launch.deploy` rewrites it, and a test fails when it is stale).
 """
@@ -14,10 +15,9 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
@@ -26,7 +26,6 @@ from psctl.cluster.spec import (
     ClusterConfig,
     load_cluster_file,
     require_chief,
-    split_host_port,
 )
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT, DEFAULTS
 
@@ -102,7 +101,7 @@ class HostPlan:
 
 
 def plan_hosts(
-    cluster: ClusterConfig, health_addresses: Mapping[tuple[str, int], str] | None = None
+    cluster: ClusterConfig, health_addresses: Mapping[tuple[str, int], Address] | None = None
 ) -> list[HostPlan]:
     """Group the cluster's tasks by host, with every port each server will use.
 
@@ -120,9 +119,7 @@ def plan_hosts(
             continue
         field = f"cluster.{task_type}[{index}]"
         if (task_type, index) in explicit:
-            _, health_port = split_host_port(
-                explicit[(task_type, index)], field=f"health.{task_type}[{index}]"
-            )
+            health_port = explicit[(task_type, index)].port
         else:
             health_port = side_port(address.port, HEALTH_PORT_OFFSET, field=f"{field} health port")
         metrics_port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
@@ -655,55 +652,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         problems.append(f"{closed} TF port(s) not reachable from here")
     print(f"not ready: {'; '.join(problems)}")
     return EXIT_UNAVAILABLE
-
-
-def cmd_deploy(args: argparse.Namespace) -> int:
-    commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "render": cmd_render,
-        "check": cmd_check,
-    }
-    return commands[args.deploy_command](args)
-
-
-def add_deploy_commands(sub: Any) -> dict[str, Callable[..., int]]:
-    """`psctl deploy render` and `psctl deploy check`, registered like the client commands."""
-    deploy = sub.add_parser(
-        "deploy",
-        help="systemd units per host from a cluster file; check every host",
-        description="Deploy psctl on hosts with systemd. See docs/deploy.md.",
-    )
-    dsub = deploy.add_subparsers(dest="deploy_command", required=True, metavar="COMMAND")
-    render_p = dsub.add_parser(
-        "render",
-        help="write per-host directories: env files, units, README",
-        description=(
-            "From one cluster file, write OUT/<host>/ for every host: cluster.json, psctl.env, "
-            "a <type>-<index>.env per server, the systemd units to install and enable, and a "
-            "README.md with the commands to run and the ports to open."
-        ),
-    )
-    render_p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file")
-    render_p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    render_p.add_argument(
-        "--bin-dir",
-        metavar="DIR",
-        help="where psctl, ps-server and worker-server are on the hosts "
-        "(default: the directory of the running psctl)",
-    )
-    render_p.add_argument(
-        "--config-dir",
-        default=DEFAULT_CONFIG_DIR,
-        metavar="DIR",
-        help=f"where the env files and cluster.json go on the hosts (default {DEFAULT_CONFIG_DIR})",
-    )
-    render_p.add_argument("--force", action="store_true", help="write into a non-empty --out")
-    check_p = dsub.add_parser(
-        "check",
-        help="reach every server's TF port and health service; non-zero if any is not up",
-    )
-    check_p.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
-    check_p.add_argument("--timeout", type=float, default=2.0, help="seconds per check")
-    return {"deploy": cmd_deploy}
 
 
 def write_reference(directory: Path) -> list[Path]:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+
+from psctl.cluster.files import write_json_atomic
 
 
 @dataclass
@@ -43,11 +42,7 @@ class Summary:
 
 def write_summary(summary: Summary, path: str) -> None:
     """Write atomically, so a reader never sees half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(summary), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, target)
+    write_json_atomic(path, asdict(summary), sort_keys=True, newline=True)
 
 
 def print_summary(summary: Summary) -> None:

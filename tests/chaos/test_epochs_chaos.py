@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json
+from tests.conftest import child_env, kill_if_running, local_argv, processes_mentioning, read_json
 from tests.integration.test_epochs import VISIT_JOB, checkpoint_tensor
 
 pytestmark = pytest.mark.chaos
@@ -26,12 +26,8 @@ IDS = 8000
 def test_worker_sigkill_during_epoch_is_at_least_once(workdir):
     workdir.mkdir(parents=True)
     out = workdir / "out.json"
-    argv = psctl_argv(
-        "local",
-        "--workdir",
-        str(workdir),
-        "--control-address",
-        "127.0.0.1:0",
+    argv = local_argv(
+        workdir,
         "--job",
         VISIT_JOB,
         "--epochs",
@@ -61,9 +57,7 @@ def test_worker_sigkill_during_epoch_is_at_least_once(workdir):
         os.kill(worker["pid"], signal.SIGKILL)
         assert proc.wait(timeout=180) == 0, log_path.read_text()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     log = log_path.read_text(errors="replace")
     visits = checkpoint_tensor(workdir / "checkpoints", "model/visits/.ATTRIBUTES/VARIABLE_VALUE")
     histogram = dict(sorted(collections.Counter(int(v) for v in visits).items()))

@@ -27,22 +27,22 @@ from pathlib import Path
 
 import pytest
 
+from psctl.cluster.procs import die_with_parent
 from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
-from tests.conftest import child_env, cpu_seconds
+from tests.conftest import child_env, cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (
+    SERVERS,
     NetnsLab,
     NotifySocket,
     RestartPolicy,
     Service,
-    die_with_parent,
     open_lab,
+    write_cluster,
 )
 
 pytestmark = pytest.mark.chaos
 
 HOSTS = {"coord": "10.78.0.1", "ps0": "10.78.0.2", "w0": "10.78.0.3", "w1": "10.78.0.4"}
-SERVERS = [("ps", 0, "ps0"), ("worker", 0, "w0"), ("worker", 1, "w1")]
-TF_PORT = 2222
 CONTROL = "127.0.0.1:7070"  # on the coordinator's host
 BIN_DIR = Path(sys.executable).parent
 # As the rendered units say: Restart=on-failure, RestartPreventExitStatus=78.
@@ -55,17 +55,7 @@ class NetnsJob:
     def __init__(self, lab: NetnsLab, tmp: Path) -> None:
         self.lab, self.tmp = lab, tmp
         self.cluster_file = tmp / "cluster.json"
-        self.cluster_file.write_text(
-            json.dumps(
-                {
-                    "cluster": {
-                        "chief": [f"{HOSTS['coord']}:{TF_PORT}"],
-                        "ps": [f"{HOSTS['ps0']}:{TF_PORT}"],
-                        "worker": [f"{HOSTS['w0']}:{TF_PORT}", f"{HOSTS['w1']}:{TF_PORT}"],
-                    }
-                }
-            )
-        )
+        write_cluster(self.cluster_file, HOSTS)
         self.notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/tmp"))
         self.services: dict[str, Service] = {}
         self.sockets: dict[str, NotifySocket] = {}
@@ -120,7 +110,7 @@ class NetnsJob:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         # One long-lived status feed inside the coordinator's host (a psctl per poll would
         # cost a CPU's worth of interpreter starts).
@@ -131,7 +121,7 @@ class NetnsJob:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
         assert self.feed.stdout is not None
         self.sampler = Sampler(json.loads(line) for line in self.feed.stdout)
@@ -185,9 +175,7 @@ class NetnsJob:
         if self.feed is not None:
             self.feed.kill()
             self.feed.wait(10)
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.kill()
-            self.coordinator.wait(10)
+        kill_if_running(self.coordinator, 10)
         for service in self.services.values():
             with contextlib.suppress(ProcessLookupError):
                 if service.proc is not None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from psctl.coordinator.control.metrics import CoordinatorMetrics
-from tests.conftest import REPO
+from tests.conftest import REPO, require_tool
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "psctl.json"
@@ -30,13 +29,9 @@ ALERTS = {
 
 
 def promtool(*args: str) -> str:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.fail(
-            "promtool is not on PATH: run tools/ensure-prometheus.sh "
-            "(installs the Debian package prometheus)",
-            pytrace=False,
-        )
+    binary = require_tool(
+        "promtool", "tools/ensure-prometheus.sh (installs the Debian package prometheus)"
+    )
     proc = subprocess.run(
         [binary, *args],
         capture_output=True,

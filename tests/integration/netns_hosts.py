@@ -14,7 +14,7 @@ datagrams on a NOTIFY_SOCKET, and restart a service the way Restart=on-failure d
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import json
 import os
 import re
 import shlex
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from psctl.cluster.procs import die_with_parent
 
 PREFIX = "psctl-mh"  # namespace names: psctl-mh<pid>-<host>
 ETC_NETNS = Path("/etc/netns")
@@ -230,11 +232,6 @@ class NotifySocket:
 # ---------------------------------------------------------------- services
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGKILL when the thread that started us ends (e.g. pytest is killed)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Service:
     """One unit's process with the test's own Restart=on-failure loop (systemd's part)."""
@@ -268,7 +265,7 @@ class Service:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=die_with_parent(signal.SIGKILL),
                 )
                 self.starts += 1
             code = self.proc.wait()
@@ -412,12 +409,11 @@ def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterat
     host's /etc/netns/NS/psctl over it."""
     import pytest
 
+    from tests.conftest import require_tool
+
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.fail(
-            "ip is not on PATH: run tools/ensure-systemd-tools.sh (iproute2)", pytrace=False
-        )
+    require_tool("ip", "tools/ensure-systemd-tools.sh (iproute2)")
     bin_dir = Path(sys.executable).parent
     for script in scripts:
         if not (bin_dir / script).exists():
@@ -430,3 +426,19 @@ def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterat
         yield lab
     finally:
         lab.destroy()
+
+
+# ---------------------------------------------------------------- the tests' cluster
+
+TF_PORT = 2222
+# (task type, index, lab host) of every server; the chief (the coordinator) is on "coord".
+SERVERS = [("ps", 0, "ps0"), ("worker", 0, "w0"), ("worker", 1, "w1")]
+
+
+def write_cluster(path: Path, hosts: Mapping[str, str]) -> None:
+    """The cluster file of a lab with ``hosts`` (name -> address): the chief on "coord",
+    SERVERS on theirs, every task at TF_PORT."""
+    cluster: dict[str, list[str]] = {"chief": [f"{hosts['coord']}:{TF_PORT}"]}
+    for task_type, _, host in SERVERS:
+        cluster.setdefault(task_type, []).append(f"{hosts[host]}:{TF_PORT}")
+    path.write_text(json.dumps({"cluster": cluster}))

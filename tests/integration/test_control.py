@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from psctl.cluster.ports import free_ports
-from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json, run_python
+from tests.conftest import (
+    child_env,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+    read_json,
+    run_python,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -21,6 +29,17 @@ def cli(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedPr
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=child_env(),
+    )
+
+
+def health(cluster_file: Path) -> subprocess.CompletedProcess[str]:
+    """`psctl health` on a cluster file: every server's grpc health service."""
+    return subprocess.run(
+        psctl_argv("health", "--cluster", str(cluster_file)),
+        capture_output=True,
+        text=True,
+        timeout=30,
         env=child_env(),
     )
 
@@ -126,13 +145,7 @@ def test_operator_drives_a_running_job(workdir):
         wait_until(lambda: int(status(address)["global_step"]) > held, 30, "steps after resume")
 
         # health: every server's grpc health service, like grpc_health_probe
-        probe = subprocess.run(
-            psctl_argv("health", "--cluster", str(workdir / "cluster.json")),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=child_env(),
-        )
+        probe = health(workdir / "cluster.json")
         assert probe.returncode == 0, probe.stdout + probe.stderr
         assert probe.stdout.count("SERVING") == 3
 
@@ -141,21 +154,13 @@ def test_operator_drives_a_running_job(workdir):
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=60) == 0
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        kill_if_running(job)
     summary = read_json(out)
     assert summary["stopped_early"] is True
     assert summary["checkpoint"].endswith(f"ckpt-{summary['global_step']}")
     assert load_step(summary["checkpoint"]) == summary["global_step"]
     assert processes_mentioning(str(workdir)) == []
-    probe = subprocess.run(
-        psctl_argv("health", "--cluster", str(workdir / "cluster.json")),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=child_env(),
-    )
+    probe = health(workdir / "cluster.json")
     assert probe.returncode == 69
     assert probe.stdout.count("UNREACHABLE") == 3
 

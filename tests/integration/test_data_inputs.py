@@ -10,16 +10,14 @@ import pytest
 
 from psctl.coordinator import data
 from psctl.jobs import mlp
-from tests.conftest import processes_mentioning, psctl_argv, read_json
+from tests import conftest
+from tests.conftest import processes_mentioning, read_json
 
 pytestmark = pytest.mark.integration
 
 
 def local_argv(workdir: Path, *args: str) -> list[str]:
-    return psctl_argv(
-        "local", "--workdir", str(workdir), "--log-every", "2", "--control-address", "127.0.0.1:0",
-        *args,
-    )  # fmt: skip
+    return conftest.local_argv(workdir, "--log-every", "2", *args)
 
 
 @pytest.mark.timeout(300)

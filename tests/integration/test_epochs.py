@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, processes_mentioning, psctl_argv, read_json, run_python
+from tests.conftest import REPO, local_argv, processes_mentioning, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +33,8 @@ def checkpoint_tensor(directory: Path, suffix: str) -> list[float]:
 @pytest.mark.parametrize(("workers", "epochs"), [(2, 2), (3, 1)])
 def test_every_id_exactly_once_per_epoch_and_per_eval(workdir, run_cli, workers, epochs):
     out = workdir / "summary.json"
-    argv = psctl_argv(
-        "local",
-        "--workdir",
-        str(workdir),
-        "--control-address",
-        "127.0.0.1:0",
+    argv = local_argv(
+        workdir,
         "--workers",
         str(workers),
         "--job",

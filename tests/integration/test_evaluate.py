@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env, psctl_argv, read_json
+from tests.conftest import child_env, kill_if_running, local_argv, psctl_argv, read_json
 from tests.integration.test_local import tensorboard_tags
 
 pytestmark = pytest.mark.integration
@@ -36,10 +36,8 @@ def test_sidecar_evaluates_checkpoints_as_they_appear(workdir, run_cli, tmp_path
     )  # fmt: skip
     try:
         train = run_cli(
-            psctl_argv(
-                "local",
-                "--workdir", str(workdir / "run"),
-                "--control-address", "127.0.0.1:0",
+            local_argv(
+                workdir / "run",
                 "--steps", "1500",
                 "--checkpoint-every", "300",
                 "--checkpoint-dir", str(ckpt),
@@ -49,9 +47,7 @@ def test_sidecar_evaluates_checkpoints_as_they_appear(workdir, run_cli, tmp_path
         assert train.returncode == 0, train.stderr[-3000:]
         out, err = sidecar.communicate(timeout=60)
     finally:
-        if sidecar.poll() is None:
-            sidecar.kill()
-            sidecar.wait()
+        kill_if_running(sidecar)
     assert sidecar.returncode == 0, err[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("eval | step:")]
     steps = [int(line.split("|")[1].split(":")[1]) for line in lines]

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json, run_python
+from tests.conftest import (
+    child_env,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+    read_json,
+    run_python,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -50,33 +57,24 @@ def tensorboard_tags(logdir: Path) -> set[str]:
 @pytest.mark.timeout(300)
 def test_second_run_continues_from_checkpoint(workdir, run_cli):
     ckpt = workdir / "ckpt"
-    first = run_cli(
-        local_argv(
-            workdir / "a",
-            "--steps",
-            "200",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--summary-json",
-            str(workdir / "a.json"),
-        ),
-        timeout=140,
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+
+    def run(name: str, steps: int) -> subprocess.CompletedProcess[str]:
+        """A run in its own work dir that trains to ``steps`` with checkpoints in ``ckpt``."""
+        proc = run_cli(
+            local_argv(
+                workdir / name,
+                "--steps", str(steps),
+                "--checkpoint-dir", str(ckpt),
+                "--summary-json", str(workdir / f"{name}.json"),
+            ),
+            timeout=140,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    run("a", 200)
     assert read_json(workdir / "a.json")["global_step"] == 200
-    second = run_cli(
-        local_argv(
-            workdir / "b",
-            "--steps",
-            "400",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--summary-json",
-            str(workdir / "b.json"),
-        ),
-        timeout=140,
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = run("b", 400)
     summary = read_json(workdir / "b.json")
     assert summary["start_step"] == 200
     assert summary["global_step"] == 400
@@ -108,11 +106,11 @@ def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> 
     raise AssertionError(f"{needle!r} not seen in {timeout}s; got:\n{''.join(seen[-30:])}")
 
 
-@pytest.mark.timeout(200)
-def test_sigint_checkpoints_and_stops_every_server(workdir):
-    out = workdir / "out.json"
+def start_long_run(workdir: Path, *args: str) -> subprocess.Popen[str]:
+    """`psctl local` for far more steps than a test waits, its stderr piped; returned once it
+    reports its first step (killed if it does not)."""
     proc = subprocess.Popen(
-        local_argv(workdir, "--steps", "100000", "--log-every", "1", "--summary-json", str(out)),
+        local_argv(workdir, "--steps", "100000", "--log-every", "1", *args),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -120,13 +118,22 @@ def test_sigint_checkpoints_and_stops_every_server(workdir):
     )
     try:
         _wait_for_line(proc, "train | step:", timeout=150)
+    except BaseException:
+        kill_if_running(proc)
+        raise
+    return proc
+
+
+@pytest.mark.timeout(200)
+def test_sigint_checkpoints_and_stops_every_server(workdir):
+    out = workdir / "out.json"
+    proc = start_long_run(workdir, "--summary-json", str(out))
+    try:
         assert processes_mentioning(str(workdir))  # the servers are running now
         proc.send_signal(signal.SIGINT)
         _, rest = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
     assert proc.returncode == 0, rest[-3000:]
     summary = read_json(out)
     assert summary["stopped_early"] is True
@@ -137,15 +144,8 @@ def test_sigint_checkpoints_and_stops_every_server(workdir):
 
 @pytest.mark.timeout(200)
 def test_sigkill_of_launcher_leaves_no_server(workdir):
-    proc = subprocess.Popen(
-        local_argv(workdir, "--steps", "100000", "--log-every", "1"),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=child_env(),
-    )
+    proc = start_long_run(workdir)
     try:
-        _wait_for_line(proc, "train | step:", timeout=150)
         assert len(processes_mentioning(str(workdir))) == 5  # launcher, coordinator, 3 servers
         proc.kill()
         proc.wait(timeout=10)

@@ -31,25 +31,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cpu_seconds
+from psctl.cluster.procs import die_with_parent
+from tests.conftest import cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (
+    SERVERS,
     NetnsLab,
     NotifySocket,
     RestartPolicy,
     Service,
-    die_with_parent,
     exec_argv,
     open_lab,
     parse_unit,
     service_env,
     value,
+    write_cluster,
 )
 
 pytestmark = pytest.mark.integration
 
 HOSTS = {"coord": "10.77.0.1", "ps0": "10.77.0.2", "w0": "10.77.0.3", "w1": "10.77.0.4"}
-SERVERS = [("ps", 0, "ps0"), ("worker", 0, "w0"), ("worker", 1, "w1")]
-TF_PORT = 2222
 BIN_DIR = Path(sys.executable).parent
 CONFIG_DIR = "/etc/psctl"  # the rendered default; each host sees its own through netns
 STEPS = 1500
@@ -113,17 +113,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         print(marks[-1], flush=True)
 
     cluster_file = tmp_path / "cluster.json"
-    cluster_file.write_text(
-        json.dumps(
-            {
-                "cluster": {
-                    "chief": [f"{HOSTS['coord']}:{TF_PORT}"],
-                    "ps": [f"{HOSTS['ps0']}:{TF_PORT}"],
-                    "worker": [f"{HOSTS['w0']}:{TF_PORT}", f"{HOSTS['w1']}:{TF_PORT}"],
-                }
-            }
-        )
-    )
+    write_cluster(cluster_file, HOSTS)
     out = tmp_path / "rendered"
     render = run(
         [
@@ -196,7 +186,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
 
         def coordinator_tail() -> str:
@@ -249,9 +239,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         check = psctl(lab, "deploy", "check", "--cluster", f"{CONFIG_DIR}/cluster.json")
         assert check.rstrip().endswith("every TF port open"), check
     finally:
-        if coordinator is not None and coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait(10)
+        kill_if_running(coordinator, 10)
         for service in services.values():
             service.stop()
         for sock in sockets.values():

@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,20 +26,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from psctl.cluster.ports import free_ports
 from psctl.coordinator.control.metrics import CoordinatorMetrics
-from tests.conftest import REPO, child_env, psctl_argv
+from tests.conftest import child_env, kill_if_running, psctl_argv, require_tool
+from tests.deploy.test_prometheus_rules import ALERTS as ALERT_NAMES
+from tests.deploy.test_prometheus_rules import DASHBOARD, PROMETHEUS_DIR
 
 pytestmark = pytest.mark.integration
 
-ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
-DASHBOARD = REPO / "deploy" / "grafana" / "psctl.json"
-ALERT_NAMES = {
-    "PsctlCoordinatorDown",
-    "PsctlTrainingStalled",
-    "PsctlWorkerDown",
-    "PsctlPsDown",
-    "PsctlCheckpointTooOld",
-    "PsctlLossNaN",
-}
+ALERTS = PROMETHEUS_DIR / "alerts.yml"
 # Grafana's variables, as the dashboard's queries use them.
 GRAFANA_VARIABLES = {
     "$__rate_interval": "5s",
@@ -50,14 +42,11 @@ GRAFANA_VARIABLES = {
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(
-            f"{name} is not on PATH: run tools/ensure-prometheus.sh (installs the Debian "
-            "package prometheus, which ships prometheus and promtool)",
-            pytrace=False,
-        )
-    return path
+    return require_tool(
+        name,
+        "tools/ensure-prometheus.sh (installs the Debian package prometheus, which ships "
+        "prometheus and promtool)",
+    )
 
 
 T = TypeVar("T")
@@ -519,6 +508,4 @@ def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
         watcher.thread.join(timeout=10)
         assert proc.returncode == 0, watcher.tail()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        kill_if_running(proc, 10)

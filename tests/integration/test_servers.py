@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psctl.cluster.health import wait_serving
 from psctl.cluster.ports import free_ports
 from psctl.coordinator.launch import argv as launch_argv
-from tests.conftest import child_env
+from tests.conftest import child_env, kill_if_running
 
 pytestmark = pytest.mark.integration
 
@@ -87,25 +87,22 @@ def test_sigterm_goes_not_serving_then_exits_zero(tmp_path, kind):
         assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
         assert statuses.index(health_pb2.HealthCheckResponse.NOT_SERVING) > 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill_if_running(proc)
+
+
+def run_with_port_taken(port: int, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a server to its end while this process listens on ``port``."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        return subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=50)
 
 
 @pytest.mark.timeout(60)
 def test_port_in_use_is_one_clear_line(tmp_path):
     ps_port, worker_port, health, metrics = free_ports(4)
     cluster = write_cluster(tmp_path / "c.json", ps_port, worker_port)
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", ps_port))
-        holder.listen()
-        proc = subprocess.run(
-            server_argv("ps", cluster, health, metrics),
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=50,
-        )
+    proc = run_with_port_taken(ps_port, server_argv("ps", cluster, health, metrics))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -116,16 +113,7 @@ def test_port_in_use_is_one_clear_line(tmp_path):
 def test_health_port_in_use_is_one_clear_line(tmp_path):
     ps_port, worker_port, health, metrics = free_ports(4)
     cluster = write_cluster(tmp_path / "c.json", ps_port, worker_port)
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", health))
-        holder.listen()
-        proc = subprocess.run(
-            server_argv("worker", cluster, health, metrics),
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=50,
-        )
+    proc = run_with_port_taken(health, server_argv("worker", cluster, health, metrics))
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "--health-port" in proc.stderr and "already in use" in proc.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from psctl.cluster.spec import Address
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.client import explicit_health_addresses
 from psctl.coordinator.control.metrics import STATES
@@ -345,7 +346,7 @@ def test_explicit_health_addresses(tmp_path: Path):
         json.dumps({"cluster": {}, "health": {"ps": ["h:1", "h:2"], "worker": ["w:3"]}})
     )
     assert explicit_health_addresses(str(path)) == {
-        ("ps", 0): "h:1",
-        ("ps", 1): "h:2",
-        ("worker", 0): "w:3",
+        ("ps", 0): Address("h", 1),
+        ("ps", 1): Address("h", 2),
+        ("worker", 0): Address("w", 3),
     }

@@ -122,6 +122,19 @@ class Step:
         return self.program.ran
 
 
+def new_control(
+    *, target: int = 100, k: int = 10, on_state: Callable[[str], None] | None = None
+) -> JobControl:
+    return JobControl(
+        job="unit",
+        target_steps=target,
+        steps_per_execution=k,
+        tasks=[],
+        can_checkpoint=False,
+        on_state=on_state,
+    )
+
+
 def run_loop(
     coordinator: FakeCoordinator,
     *,
@@ -133,9 +146,7 @@ def run_loop(
     control: JobControl | None = None,
 ) -> tuple[Controller, FakeProgram, JobControl]:
     program = FakeProgram(target)
-    control = control or JobControl(
-        job="unit", target_steps=target, steps_per_execution=k, tasks=[], can_checkpoint=False
-    )
+    control = control or new_control(target=target, k=k)
     quiet = Quiet()
     loop = Controller(
         program=program,
@@ -162,14 +173,7 @@ def run_loop(
 def test_trains_to_the_target_and_joins():
     coordinator = FakeCoordinator()
     seen: list[State] = []
-    control = JobControl(
-        job="unit",
-        target_steps=100,
-        steps_per_execution=10,
-        tasks=[],
-        can_checkpoint=False,
-        on_state=lambda name: seen.append(State[name.upper()]),
-    )
+    control = new_control(on_state=lambda name: seen.append(State[name.upper()]))
     loop, program, control = run_loop(coordinator, control=control)
     assert loop.completed == program.ran == 100
     assert len(coordinator.calls) == 10 and coordinator.joined
@@ -234,14 +238,7 @@ def test_actions_run_every_turn():
 
 def test_pause_then_resume():
     states: list[str] = []
-    control = JobControl(
-        job="unit",
-        target_steps=100,
-        steps_per_execution=10,
-        tasks=[],
-        can_checkpoint=False,
-        on_state=states.append,
-    )
+    control = new_control(on_state=states.append)
     paused: list[int] = []
 
     def pause_once(loop: Controller) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.cluster.spec import parse_tf_config
 from psctl.coordinator.cli import main as cli
 from psctl.coordinator.launch import deploy
-from tests.conftest import REPO
+from tests.conftest import REPO, require_tool
 from tests.integration.netns_hosts import (
     Unit,
     exec_argv,
@@ -83,14 +82,9 @@ def unit(path: Path) -> Unit:
 
 
 def systemd_analyze() -> str:
-    path = shutil.which("systemd-analyze")
-    if path is None:
-        pytest.fail(
-            "systemd-analyze is not on PATH: run tools/ensure-systemd-tools.sh (installs the "
-            "Debian package systemd)",
-            pytrace=False,
-        )
-    return path
+    return require_tool(
+        "systemd-analyze", "tools/ensure-systemd-tools.sh (installs the Debian package systemd)"
+    )
 
 
 def verify(directory: Path, names: list[str]) -> None:

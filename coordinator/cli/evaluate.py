@@ -1,0 +1,72 @@
+"""Flags of `psctl evaluate`, the sidecar evaluator. The process is
+coordinator/launch/evaluate.py's; TensorFlow is imported only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from psctl.coordinator.settings import default_help, flag_values
+
+DEFAULT_POLL_INTERVAL = 2.0
+DEFAULT_TIMEOUT = 3600.0
+
+# Run settings shared with training (flags > PSCTL_* environment > --config [train] table).
+SHARED_FLAGS: list[tuple[str, type, str]] = [
+    ("--job", str, f"the job that trained the checkpoints {default_help('job')}"),
+    ("--checkpoint-dir", str, "the training run's checkpoint directory (required)"),
+    ("--eval-data", str, "evaluation files (glob) for the job; default: the job's own"),
+    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
+    ("--eval-batch-size", int, f"evaluation batch size {default_help('eval_batch_size')}"),
+    ("--seed", int, f"seed given to the dataset function {default_help('seed')}"),
+]
+
+
+def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Register ``psctl evaluate`` on the CLI's subparsers; returns {name: handler}."""
+    parser = sub.add_parser(
+        "evaluate",
+        help="sidecar evaluator: evaluate each new checkpoint of a run as it appears",
+        description=(
+            "Evaluate every new checkpoint in --checkpoint-dir once, in this process (no "
+            "cluster), and exit after the final one."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
+    for flag, kind, text in SHARED_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="the run's final global step: exit after evaluating a checkpoint that reaches it "
+        "(default: PSCTL_STEPS or the --config file's steps, else none)",
+    )
+    parser.add_argument(
+        "--max-evaluations", type=int, default=None, help="exit after N evaluations"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_INTERVAL,
+        help=f"seconds between looks for a new checkpoint (default {DEFAULT_POLL_INTERVAL:g})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"exit when no new checkpoint appears for this long (default {DEFAULT_TIMEOUT:g} s)",
+    )
+    parser.add_argument(
+        "--summary-json", help="write every evaluation so far as JSON here (after each one)"
+    )
+    parser.add_argument("--logdir", help="TensorBoard scalars (eval/loss, eval/<metric>) here")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
+    return {"evaluate": cmd_evaluate}
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from psctl.coordinator.launch.evaluate import evaluate_main
+
+    return evaluate_main(args, flag_values(args, (flag for flag, _, _ in SHARED_FLAGS)))

@@ -1,0 +1,164 @@
+"""`psctl evaluate`: the sidecar evaluator's process, following a training run's checkpoints.
+
+One local process, no cluster: it builds a ``SidecarEvaluator`` (training/evaluate.py) and
+each time a new checkpoint appears in ``--checkpoint-dir`` has it evaluate that one,
+printing one line::
+
+    eval | step:    600 | loss: 0.1234 | accuracy: 0.9650 | 10000 examples in 0.41s
+
+It evaluates the newest checkpoint each time it looks (checkpoints written faster than it
+evaluates are skipped, never queued), and exits 0 after the final one: the first whose step
+reaches ``--steps`` (flag, ``PSCTL_STEPS`` or the ``--config`` file), the
+``--max-evaluations``-th, or the last before ``--timeout`` seconds pass without a new one
+(exit 69 if none ever came). SIGTERM ends it after the evaluation in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.files import write_json_atomic
+from psctl.coordinator.settings import ENV_PREFIX, TrainSettings, load_toml, resolve_settings
+from psctl.coordinator.training.evaluate import Evaluation, SidecarEvaluator
+from psctl.coordinator.training.report import eval_line
+
+log = logging.getLogger("psctl.evaluate")
+
+
+@dataclass
+class EvaluateSummary:
+    """``--summary-json``: rewritten after every evaluation."""
+
+    job: str
+    checkpoint_dir: str
+    final_step: int | None
+    evaluations: list[Evaluation] = field(default_factory=list)
+    done: bool = False
+    reason: str = ""  # final-step, max-evaluations, timeout, stopped
+    global_step: int | None = None  # of the last evaluation
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
+    """--steps, else PSCTL_STEPS, else the config file's steps (as for training)."""
+    env = os.environ if environ is None else environ
+    value: Any = args.steps
+    where = "--steps"
+    if value is None and env.get(ENV_PREFIX + "STEPS"):
+        value, where = env[ENV_PREFIX + "STEPS"], ENV_PREFIX + "STEPS"
+    if value is None and args.config:
+        value, where = load_toml(args.config).get("steps"), f"{args.config}: steps"
+    if value is None:
+        return None
+    try:
+        steps = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(where, f"{value!r} is not a whole number", "give a step >= 1") from None
+    if steps < 1:
+        raise ConfigError(where, f"got {steps}", "give a step >= 1")
+    return steps
+
+
+def resolve(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[TrainSettings, int | None]:
+    """The run settings (``flags``: the shared flags' values, by setting name) and the final
+    step, checked."""
+    settings = resolve_settings(flags=flags, config_file=args.config)
+    if not settings.checkpoint_dir:
+        raise ConfigError(
+            "--checkpoint-dir", "is required", "give the training run's checkpoint directory"
+        )
+    if args.max_evaluations is not None and args.max_evaluations < 1:
+        raise ConfigError("--max-evaluations", f"got {args.max_evaluations}", "give N >= 1")
+    if not args.poll_interval > 0:
+        raise ConfigError("--poll-interval", f"got {args.poll_interval}", "give seconds > 0")
+    if not args.timeout > 0:
+        raise ConfigError("--timeout", f"got {args.timeout}", "give seconds > 0")
+    return settings, _final_step(args)
+
+
+def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+    settings, final_step = resolve(args, flags)
+    from psctl.coordinator.job import load_job
+
+    job = load_job(settings.job)
+    if job.eval_dataset_fn is None:
+        raise ConfigError(
+            f"--job {settings.job}",
+            "defines no eval_dataset_fn, so there is nothing to evaluate",
+            "add def eval_dataset_fn(ctx) to the job",
+        )
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
+    sidecar = SidecarEvaluator(job, settings, logdir=args.logdir or "")
+    summary = EvaluateSummary(
+        job=settings.job, checkpoint_dir=settings.checkpoint_dir, final_step=final_step
+    )
+    log.info(
+        "watching %s for checkpoints (job %s%s)",
+        settings.checkpoint_dir,
+        settings.job,
+        f", final step {final_step}" if final_step else "",
+    )
+    last_path = ""
+    last_new = time.monotonic()
+    reason = ""
+    while not reason:
+        path = sidecar.latest_checkpoint()
+        if path and path != last_path:
+            last_path, last_new = path, time.monotonic()
+            result = sidecar.evaluate_checkpoint(path)
+            if result is not None:
+                _record(summary, result)
+                print(_line(result), flush=True)
+                if args.summary_json:
+                    write_json(summary, args.summary_json)
+                if final_step is not None and result.step >= final_step:
+                    reason = "final-step"
+                elif args.max_evaluations and len(summary.evaluations) >= args.max_evaluations:
+                    reason = "max-evaluations"
+        elif time.monotonic() - last_new >= args.timeout:
+            reason = "timeout"
+        if not reason and stop.wait(args.poll_interval):
+            reason = "stopped"
+    summary.done, summary.reason = True, reason
+    if args.summary_json:
+        write_json(summary, args.summary_json)
+    if not summary.evaluations and reason == "timeout":
+        print(
+            f"psctl: error: no checkpoint appeared in {settings.checkpoint_dir} "
+            f"within {args.timeout:g}s",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    log.info("done after %d evaluation(s) (%s)", len(summary.evaluations), reason)
+    return 0
+
+
+def _record(summary: EvaluateSummary, result: Evaluation) -> None:
+    summary.evaluations.append(result)
+    summary.global_step = result.step
+    summary.eval_loss = result.loss
+    summary.eval_accuracy = result.metrics.get("accuracy")
+    summary.eval_metrics = dict(result.metrics)
+
+
+def _line(result: Evaluation) -> str:
+    values = {"loss": result.loss, **result.metrics}
+    return eval_line(result.step, values, examples=result.examples, seconds=result.seconds)
+
+
+def write_json(summary: EvaluateSummary, path: str) -> None:
+    """Atomically, so a reader never sees half a file."""
+    write_json_atomic(path, asdict(summary), sort_keys=True, newline=True)
