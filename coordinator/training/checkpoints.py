@@ -13,11 +13,15 @@ may include a few in-flight steps more, as async training does.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -25,6 +29,7 @@ from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.model import JobModel, TrainState
+from psctl.coordinator.training.tables import Table
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -57,17 +62,10 @@ class Checkpointer:
         if not settings.checkpoint_dir:
             return
         mirror = JobModel(job, x_spec, y_spec)
-        self._mirror_pairs = list(
-            zip(
-                state.model.variables + state.optimizer.variables,
-                mirror.model.variables + mirror.optimizer.variables,
-                strict=True,
-            )
-        )
+        self._transfers = transfers(state, mirror)
+        self._mirror = mirror.checkpoint(self.saved_step)
         self.manager = tf.train.CheckpointManager(
-            mirror.checkpoint(self.saved_step),
-            settings.checkpoint_dir,
-            max_to_keep=settings.keep_checkpoints,
+            self._mirror, settings.checkpoint_dir, max_to_keep=settings.keep_checkpoints
         )
 
     @property
@@ -83,12 +81,24 @@ class Checkpointer:
         path = self.latest
         if path is None:
             return 0
-        # Restored straight into the ps variables (every task is up at start).
         started = time.monotonic()
-        self.checkpoint.restore(path).assert_existing_objects_matched()
+        if self.state.tables:
+            # Through the mirror: the checkpoint holds each table whole, and the shards take
+            # their rows from it, however many ps tasks there are now.
+            self._mirror.restore(path).assert_existing_objects_matched()
+            for transfer in self._transfers:
+                transfer.write(transfer.mirror.numpy())
+        else:
+            # Restored straight into the ps variables (every task is up at start).
+            self.checkpoint.restore(path).assert_existing_objects_matched()
         step = int(self.saved_step.numpy())
         self.state.global_step.assign(step)
-        log.info("restored %s (global step %d) in %.2fs", path, step, time.monotonic() - started)
+        log.info(
+            "resuming: restored %s (global step %d) in %.2fs",
+            path,
+            step,
+            time.monotonic() - started,
+        )
         return step
 
     def save(self) -> str | None:
@@ -129,16 +139,16 @@ class Checkpointer:
         assert self.manager is not None
         started = time.monotonic()
         step = self.state.step()
-        values = [source.numpy() for source, _ in self._mirror_pairs]
-        for (source, _), value in zip(self._mirror_pairs, values, strict=True):
+        values = [transfer.read() for transfer in self._transfers]
+        for transfer, value in zip(self._transfers, values, strict=True):
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 # Never write it: with --keep-checkpoints the good ones would be deleted.
                 raise RestartFromCheckpoint(
-                    f"{source.name} is not finite at global step {step}: checkpoint refused"
+                    f"{transfer.name} is not finite at global step {step}: checkpoint refused"
                 )
         self.saved_step.assign(step)
-        for (_, copy), value in zip(self._mirror_pairs, values, strict=True):
-            copy.assign(value)
+        for transfer, value in zip(self._transfers, values, strict=True):
+            transfer.mirror.assign(value)
         path: str = self.manager.save(checkpoint_number=step)
         seconds = time.monotonic() - started
         log.info("checkpoint %s (%.2fs)", path, seconds)
@@ -159,3 +169,58 @@ class Checkpointer:
             except Exception as err:
                 log.error("requested checkpoint failed: %s", err)
                 request.future.set_exception(err)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One variable of the checkpoint: how to read it whole from the ps, how to write it
+    back, and its copy in the coordinator's mirror (what the checkpoint holds)."""
+
+    name: str
+    read: Callable[[], np.ndarray]
+    write: Callable[[np.ndarray], None]
+    mirror: Any
+
+
+def transfers(state: TrainState, mirror: JobModel) -> list[Transfer]:
+    """Pair every ps variable with its mirror copy. Both models come from the same
+    ``create_model``: the mirror is the plain Keras model, so where the ps model has a psctl
+    table, the mirror has the layer's ``embeddings`` and the optimizer's slots for it."""
+    ps_layers = _embeddings(state.model)
+    mirror_layers = _embeddings(mirror.model)
+    table_vars: list[tuple[Table, Any]] = []
+    for table in state.tables:
+        copy = mirror_layers[next(i for i, lay in enumerate(ps_layers) if lay is table.layer)]
+        table_vars.append((table, copy.embeddings))
+    skip = {id(var) for _, var in table_vars}
+    slots = {v.name: v for v in mirror.optimizer.variables}
+    table_slots = [
+        (table, kind, slots[f"{var.path.replace('/', '_')}_{kind}"])
+        for table, var in table_vars
+        for kind in table.slots
+    ]
+    skip |= {id(slot) for _, _, slot in table_slots}
+    sources = state.model.variables + state.optimizer.variables
+    copies = [v for v in mirror.model.variables + mirror.optimizer.variables if id(v) not in skip]
+    result = [
+        Transfer(source.name, source.numpy, source.assign, copy)
+        for source, copy in zip(sources, copies, strict=True)
+    ]
+    for table, var in table_vars:
+        result.append(Transfer(var.path, table.read, table.write, var))
+    for table, kind, slot in table_slots:
+        shards = table.slots[kind]
+        result.append(
+            Transfer(
+                slot.path,
+                functools.partial(table.read, shards),
+                functools.partial(table.write, shards=shards),
+                slot,
+            )
+        )
+    return result
+
+
+def _embeddings(model: Any) -> list[Any]:
+    """The model's Embedding layers, in build order (both models list them alike)."""
+    return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]

@@ -12,7 +12,10 @@ import keras
 import tensorflow as tf
 
 from psctl.coordinator.job import Job
+from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.metric_objects import metric_factories
+from psctl.coordinator.training.sparse import SparseUpdater
+from psctl.coordinator.training.tables import building
 
 
 def scalar(value: Any) -> float:
@@ -51,10 +54,18 @@ class TrainState(JobModel):
     assign_add per step updates them together, so a read is a consistent snapshot and
     windows are exact. Other metrics stay Keras objects on the ps. Build it under the
     strategy's scope.
+
+    With ``--max-shards`` above 1, large Embedding tables are psctl tables (tables.py): not
+    Keras weights, updated by ``sparse`` with the job optimizer's rule.
     """
 
-    def __init__(self, job: Job, x_spec: Any, y_spec: Any) -> None:
-        super().__init__(job, x_spec, y_spec)
+    def __init__(
+        self, job: Job, x_spec: Any, y_spec: Any, *, settings: TrainSettings, strategy: Any
+    ) -> None:
+        with building(settings) as plan:
+            super().__init__(job, x_spec, y_spec)
+        self.tables = plan.tables
+        self.sparse = SparseUpdater(self.optimizer, plan.tables, strategy) if plan.tables else None
         train_metrics = [make() for make in self.metric_factories]
         self.mean_metrics = [
             (m.name, m._fn, dict(m._fn_kwargs))

@@ -61,7 +61,7 @@ class StepProgram(Protocol):
 
 def make_replica_step(state: TrainState, loss_fn: Callable[[Any, Any], Any]) -> Any:
     """One training step on one batch, run under ``strategy.run`` on a worker."""
-    model, optimizer = state.model, state.optimizer
+    model, optimizer, sparse = state.model, state.optimizer, state.sparse
     mean_sums, mean_metrics, other_metrics = (
         state.mean_sums,
         state.mean_metrics,
@@ -75,8 +75,11 @@ def make_replica_step(state: TrainState, loss_fn: Callable[[Any, Any], Any]) -> 
             loss = tf.reduce_mean(loss_fn(y, predictions))
             if model.losses:
                 loss += tf.add_n(model.losses)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        dense = model.trainable_variables
+        grads = tape.gradient(loss, dense + (sparse.shards if sparse else []))
+        if sparse is not None:  # tables first: the step count is the one Keras will use
+            sparse.apply(grads[len(dense) :])
+        optimizer.apply_gradients(zip(grads[: len(dense)], dense, strict=True))
         rows = [sum_count(loss)]
         rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
         mean_sums.assign_add(tf.stack(rows))

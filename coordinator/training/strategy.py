@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.tables import partitioner
 
 
 def cluster_resolver(cluster: ClusterConfig) -> Any:
@@ -18,14 +19,10 @@ def cluster_resolver(cluster: ClusterConfig) -> Any:
 
 
 def connect(cluster: ClusterConfig, settings: TrainSettings) -> tuple[Any, Any]:
-    """(strategy, ClusterCoordinator) for ``cluster``; variables larger than
-    ``--min-shard-bytes`` are split over up to ``--max-shards`` ps tasks."""
-    partitioner = None
-    if settings.max_shards > 1:
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards
-        )
+    """(strategy, ClusterCoordinator) for ``cluster``; with ``--max-shards`` above 1,
+    embedding tables of at least ``--min-shard-bytes`` are split over the ps tasks
+    (tables.py)."""
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        cluster_resolver(cluster), variable_partitioner=partitioner
+        cluster_resolver(cluster), variable_partitioner=partitioner(settings)
     )
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
@@ -83,7 +84,7 @@ class Trainer:
         )
         x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
         with self.strategy.scope():
-            self.state = TrainState(job, x_spec, y_spec)
+            self.state = TrainState(job, x_spec, y_spec, settings=s, strategy=self.strategy)
         self.checkpointer = Checkpointer(
             state=self.state,
             job=job,
@@ -119,6 +120,12 @@ class Trainer:
                 worker_failures=lambda: self.control.failure_counts().get("worker", 0),
             )
         if self.settings.update_mode == "local":
+            if self.state.tables:
+                raise ConfigError(
+                    "--update-mode local",
+                    "does not update sharded embedding tables yet",
+                    "use --update-mode default with --max-shards, or drop --max-shards",
+                )
             return LocalStepProgram(self.rt)
         return DefaultProgram(self.rt)
 

@@ -1,0 +1,187 @@
+"""Sparse optimizer updates for psctl tables: the job's own Keras optimizer's rule, on the
+rows a batch touched only, on the ps that holds them.
+
+Each shard's gradient arrives as ``IndexedSlices``; repeated ids are summed first. Per row,
+the update is Keras 3's dense update for that optimizer (same hyper-parameters, same step
+count ``optimizer.iterations + 1``), with one deliberate difference for optimizers with
+moments: rows a batch does not touch are left alone, so their moments do not decay
+("lazy" Adam, momentum SGD). For a batch that touches every row the update equals the
+dense one (tests/unit/test_sparse.py).
+
+Supported: Adam, Adagrad, SGD (with or without momentum, Nesterov), Ftrl. Slots are
+created next to each shard (same ps) under the names Keras gives them ("momentum",
+"velocity", "accumulator", "linear"), so that checkpoints hold them as Keras would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.training.tables import Table
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = "Adam, Adagrad, SGD (momentum, Nesterov) and Ftrl"
+
+
+def _hyper(optimizer: Any, name: str) -> float:
+    value = getattr(optimizer, name)
+    return float(value() if callable(value) else value)
+
+
+def slot_kinds(optimizer: Any) -> tuple[str, ...]:
+    """The slots Keras keeps per variable for ``optimizer``; ConfigError if unsupported."""
+    if type(optimizer) is keras.optimizers.Adam:
+        if optimizer.amsgrad:
+            raise ConfigError(
+                "create_optimizer", "Adam(amsgrad=True) has no sparse form here", "drop amsgrad"
+            )
+        return ("momentum", "velocity")
+    if type(optimizer) is keras.optimizers.Adagrad:
+        return ("accumulator",)
+    if type(optimizer) is keras.optimizers.SGD:
+        return ("momentum",) if _hyper(optimizer, "momentum") else ()
+    if type(optimizer) is keras.optimizers.Ftrl:
+        return ("accumulator", "linear")
+    raise ConfigError(
+        "create_optimizer",
+        f"{type(optimizer).__name__} cannot update sharded embedding tables",
+        f"use one of {SUPPORTED}, or run without --max-shards",
+    )
+
+
+def initial_slot_value(optimizer: Any, kind: str) -> float:
+    if kind == "accumulator":
+        return _hyper(optimizer, "initial_accumulator_value")
+    return 0.0
+
+
+class SparseUpdater:
+    """Updates every psctl table with the job optimizer's rule; build it under the
+    strategy's scope (its slots land next to their shards)."""
+
+    def __init__(self, optimizer: Any, tables: Sequence[Table], strategy: Any) -> None:
+        self.optimizer = optimizer
+        self.tables = list(tables)
+        self.kinds = slot_kinds(optimizer)
+        for option in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay"):
+            if getattr(optimizer, option, None):
+                log.warning("%s is not applied to the sharded embedding tables", option)
+        for table in self.tables:
+            for kind in self.kinds:
+                table.slots[kind] = [
+                    self._slot(strategy, shard, kind, i) for i, shard in enumerate(table.shards)
+                ]
+        self._rule = self._rules()[type(optimizer).__name__]
+
+    def _slot(self, strategy: Any, shard: Any, kind: str, index: int) -> Any:
+        value = initial_slot_value(self.optimizer, kind)
+        shape, dtype = shard.shape, shard.dtype
+        with strategy.extended.colocate_vars_with(shard):
+            return tf.Variable(
+                initial_value=lambda: tf.fill(shape, tf.constant(value, dtype)),
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                name=f"{shard.name.split(':')[0]}/{kind}",
+            )
+
+    @property
+    def shards(self) -> list[Any]:
+        """Every table's shards, in the order ``apply`` takes their gradients."""
+        return [shard for table in self.tables for shard in table.shards]
+
+    def apply(self, grads: Sequence[Any]) -> None:
+        """One step on the rows in ``grads`` (one per shard, as ``shards``). Call it before
+        the Keras optimizer's ``apply_gradients``: the step count is the one it is about to
+        use."""
+        lr = tf.cast(tf.convert_to_tensor(self.optimizer.learning_rate), tf.float32)
+        step = tf.cast(self.optimizer.iterations + 1, tf.float32)
+        grads = list(grads)
+        for table in self.tables:
+            for i, shard in enumerate(table.shards):
+                grad = grads.pop(0)
+                if grad is None:
+                    continue
+                rows, values = _dedupe(grad, shard)
+                slots = {kind: table.slots[kind][i] for kind in self.kinds}
+                self._rule(shard, slots, rows, values, tf.cast(lr, shard.dtype), step)
+
+    # -- the rules: Keras 3's update_step, per row ---------------------------------------
+
+    def _rules(self) -> dict[str, Callable[..., None]]:
+        return {"Adam": self._adam, "Adagrad": self._adagrad, "SGD": self._sgd, "Ftrl": self._ftrl}
+
+    def _adam(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
+        opt, dtype = self.optimizer, var.dtype
+        beta_1 = tf.constant(_hyper(opt, "beta_1"), dtype)
+        beta_2 = tf.constant(_hyper(opt, "beta_2"), dtype)
+        epsilon = tf.constant(_hyper(opt, "epsilon"), dtype)
+        step = tf.cast(step, dtype)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        m_slot, v_slot = slots["momentum"], slots["velocity"]
+        m = tf.gather(m_slot, rows)
+        v = tf.gather(v_slot, rows)
+        m = m + (g - m) * (1 - beta_1)
+        v = v + (tf.square(g) - v) * (1 - beta_2)
+        m_slot.scatter_update(tf.IndexedSlices(m, rows))
+        v_slot.scatter_update(tf.IndexedSlices(v, rows))
+        var.scatter_sub(tf.IndexedSlices(m * alpha / (tf.sqrt(v) + epsilon), rows))
+
+    def _adagrad(
+        self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any
+    ) -> None:
+        epsilon = tf.constant(_hyper(self.optimizer, "epsilon"), var.dtype)
+        accumulator = slots["accumulator"]
+        acc = tf.gather(accumulator, rows) + tf.square(g)
+        accumulator.scatter_update(tf.IndexedSlices(acc, rows))
+        var.scatter_sub(tf.IndexedSlices(lr * g / tf.sqrt(acc + epsilon), rows))
+
+    def _sgd(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
+        if "momentum" not in slots:
+            var.scatter_sub(tf.IndexedSlices(lr * g, rows))
+            return
+        momentum = tf.constant(_hyper(self.optimizer, "momentum"), var.dtype)
+        m = -g * lr + tf.gather(slots["momentum"], rows) * momentum
+        slots["momentum"].scatter_update(tf.IndexedSlices(m, rows))
+        if self.optimizer.nesterov:
+            var.scatter_add(tf.IndexedSlices(-g * lr + m * momentum, rows))
+        else:
+            var.scatter_add(tf.IndexedSlices(m, rows))
+
+    def _ftrl(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
+        opt, dtype = self.optimizer, var.dtype
+        lr_power = tf.constant(_hyper(opt, "learning_rate_power"), dtype)
+        l1 = tf.constant(_hyper(opt, "l1_regularization_strength"), dtype)
+        l2 = tf.constant(_hyper(opt, "l2_regularization_strength"), dtype)
+        shrinkage = tf.constant(_hyper(opt, "l2_shrinkage_regularization_strength"), dtype)
+        beta = tf.constant(_hyper(opt, "beta"), dtype)
+        l2 = l2 + beta / (2.0 * lr)
+        accumulator, linear = slots["accumulator"], slots["linear"]
+        w = tf.gather(var, rows)
+        acc = tf.gather(accumulator, rows)
+        lin = tf.gather(linear, rows)
+        grad_to_use = g + 2 * shrinkage * w
+        new_acc = acc + tf.square(g)
+        lin = lin + grad_to_use - (tf.pow(new_acc, -lr_power) - tf.pow(acc, -lr_power)) / lr * w
+        quadratic = tf.pow(new_acc, -lr_power) / lr + 2 * l2
+        clipped = tf.clip_by_value(lin, -l1, l1)
+        linear.scatter_update(tf.IndexedSlices(lin, rows))
+        accumulator.scatter_update(tf.IndexedSlices(new_acc, rows))
+        var.scatter_update(tf.IndexedSlices((clipped - lin) / quadratic, rows))
+
+
+def _dedupe(grad: Any, shard: Any) -> tuple[Any, Any]:
+    """(unique rows, summed values) of one shard's gradient."""
+    if not isinstance(grad, tf.IndexedSlices):  # a dense gradient: every row
+        rows = tf.range(tf.shape(grad)[0])
+        return rows, tf.cast(grad, shard.dtype)
+    rows, position = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, position, tf.shape(rows)[0])
+    return rows, tf.cast(values, shard.dtype)

@@ -1,0 +1,195 @@
+"""Embedding tables sharded over the ps tasks, with sparse updates (``--max-shards N``).
+
+A job writes a plain ``keras.layers.Embedding(V, d)``. With ``--max-shards`` above 1, psctl
+builds every Embedding whose table holds at least ``--min-shard-bytes`` as a psctl table:
+the rows are split into up to N contiguous shards, one variable each, placed round-robin
+on the ps tasks (TensorFlow's ``ShardedVariable`` layout, "div" partitioning). Nothing else
+is partitioned: Keras 3 variables over a ``ShardedVariable`` break ``tape.gradient``.
+
+- A lookup (``tf.nn.embedding_lookup``) reads only the rows a batch needs, from the ps
+  that hold them; the gradient of each shard is ``IndexedSlices``.
+- The job's Keras optimizer updates the dense variables exactly as before; the tables are
+  updated by ``SparseUpdater`` with the same optimizer's hyper-parameters, on the touched
+  rows only (see sparse.py for the math, "lazy" Adam included).
+- Checkpoints hold each table whole, in the layout of the same model without psctl
+  (``embeddings`` and the optimizer's slots for it): they restore into any number of ps
+  tasks, and ``psctl evaluate`` or a plain Keras model read them as they are.
+
+psctl intercepts ``Embedding.build``/``call`` while it builds the job's model on the
+cluster (``building()``); layers built elsewhere, and the coordinator's own copies of the
+model (checkpoints, evaluation), are plain Keras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from psctl.coordinator.settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Table:
+    """One psctl table: the layer, its variable (a ``ShardedVariable``, or one variable
+    when the table is too small to split) and the optimizer's slots per shard."""
+
+    layer: Any
+    variable: Any
+    slots: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def shards(self) -> list[Any]:
+        return list(getattr(self.variable, "variables", [self.variable]))
+
+    @property
+    def rows(self) -> int:
+        return int(self.variable.shape[0])
+
+    def read(self, shards: Sequence[Any] | None = None) -> np.ndarray:
+        """The whole table (or one of its slots) as one array."""
+        return np.concatenate([s.numpy() for s in (shards or self.shards)], axis=0)
+
+    def write(self, value: np.ndarray, shards: Sequence[Any] | None = None) -> None:
+        """Assign a whole table (or slot) value to the shards, split as they are."""
+        start = 0
+        for shard in shards or self.shards:
+            rows = int(shard.shape[0])
+            shard.assign(value[start : start + rows])
+            start += rows
+        if start != value.shape[0]:
+            raise ValueError(f"{self.layer.name}: {value.shape[0]} rows for {start}")
+
+
+class _Building(threading.local):
+    plan: TablePlan | None = None
+
+
+_BUILDING = _Building()
+
+
+@dataclass
+class TablePlan:
+    """Which Embedding layers become psctl tables, and the tables built so far."""
+
+    min_shard_bytes: int
+    max_shards: int
+    tables: list[Table] = field(default_factory=list)
+
+    def wants(self, layer: Any) -> bool:
+        itemsize = np.dtype(keras.backend.standardize_dtype(layer.variable_dtype)).itemsize
+        table_bytes = int(layer.input_dim) * int(layer.output_dim) * itemsize
+        plain = not (layer.quantization_mode or layer.lora_rank)
+        return plain and self.max_shards > 1 and table_bytes >= self.min_shard_bytes
+
+
+def partitioner(settings: TrainSettings) -> Callable[..., list[int]] | None:
+    """The strategy's ``variable_partitioner``: splits psctl tables only."""
+    if settings.max_shards <= 1:
+        return None
+    split = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards
+    )
+
+    def partition(shape: Any, dtype: Any, axis: int = 0) -> list[int]:
+        if _BUILDING.plan is None or not getattr(_BUILDING, "table", False):
+            return [1] * len(shape)
+        return list(split(shape, dtype, axis))
+
+    return partition
+
+
+@contextlib.contextmanager
+def building(settings: TrainSettings) -> Iterator[TablePlan]:
+    """While the job's model is built under the strategy's scope: Embedding layers the plan
+    wants are built as psctl tables (collected in the plan, in build order)."""
+    plan = TablePlan(min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards)
+    _install()
+    _BUILDING.plan = plan
+    try:
+        yield plan
+    finally:
+        _BUILDING.plan = None
+
+
+def table_of(layer: Any) -> Table | None:
+    table: Table | None = layer.__dict__.get("_psctl_table")
+    return table
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _install() -> None:
+    """Wrap Embedding.build/call once: without a psctl table they do what Keras does."""
+    if _ORIGINAL:
+        return
+    embedding = keras.layers.Embedding
+    _ORIGINAL["build"], _ORIGINAL["call"] = embedding.build, embedding.call
+
+    def build(self: Any, input_shape: Any = None) -> None:
+        plan = _BUILDING.plan
+        if self.built or plan is None or not plan.wants(self):
+            _ORIGINAL["build"](self, input_shape)
+            return
+        _build_table(self, plan)
+
+    def call(self: Any, inputs: Any) -> Any:
+        table = table_of(self)
+        if table is None:
+            return _ORIGINAL["call"](self, inputs)
+        if inputs.dtype not in (tf.int32, tf.int64):
+            inputs = tf.cast(inputs, tf.int64)
+        outputs = tf.nn.embedding_lookup(table.variable, inputs)
+        return tf.cast(outputs, self.compute_dtype)
+
+    embedding.build = build
+    embedding.call = call
+
+
+def _build_table(layer: Any, plan: TablePlan) -> None:
+    for what in ("embeddings_regularizer", "embeddings_constraint"):
+        if getattr(layer, what, None) is not None:
+            log.warning("%s: %s is not applied to a sharded table", layer.name, what)
+    shape = (int(layer.input_dim), int(layer.output_dim))
+    dtype = tf.as_dtype(keras.backend.standardize_dtype(layer.variable_dtype))
+    initializer = layer.embeddings_initializer
+
+    def initial_value(shard_info: Any = None) -> Any:
+        # Each shard is initialized on its own: the whole table never exists at once.
+        part = tuple(shard_info.shape) if shard_info is not None else shape
+        return initializer(part, dtype=dtype)
+
+    _BUILDING.table = True
+    try:
+        variable = tf.Variable(
+            initial_value=initial_value,
+            shape=shape,
+            dtype=dtype,
+            trainable=True,
+            name=f"{layer.name}/embeddings",
+        )
+    finally:
+        _BUILDING.table = False
+    table = Table(layer=layer, variable=variable)
+    # Not a Keras weight and not tracked by the layer: the checkpoint mirror writes it in
+    # the layout of the plain model (training/checkpoints.py).
+    object.__setattr__(layer, "_psctl_table", table)
+    layer.built = True
+    plan.tables.append(table)
+    log.info(
+        "table %s: %d x %d in %d shard(s) over the ps tasks",
+        layer.name,
+        shape[0],
+        shape[1],
+        len(table.shards),
+    )
