@@ -36,6 +36,7 @@ class Summary:
     worker_failures: int = 0
     coordinator_failures: int = 0
     recoveries: int = 0  # restarts + tasks seen back to SERVING after a failure
+    eval_auc: float | None = None  # the job's "auc" metric in the final evaluation, if it has one
     metrics: dict[str, float] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
@@ -52,7 +53,8 @@ def print_summary(summary: Summary) -> None:
     print(
         f"done | step: {summary.global_step} | loss: {show(summary.loss)} | "
         f"accuracy: {show(summary.accuracy)} | eval_accuracy: {show(summary.eval_accuracy)} | "
-        f"{summary.examples_per_sec:.0f} ex/s | {summary.steps_per_sec:.1f} steps/s | "
+        + (f"eval_auc: {show(summary.eval_auc)} | " if summary.eval_auc is not None else "")
+        + f"{summary.examples_per_sec:.0f} ex/s | {summary.steps_per_sec:.1f} steps/s | "
         f"wall {summary.wall_seconds:.1f}s",
         flush=True,
     )

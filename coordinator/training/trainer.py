@@ -217,6 +217,7 @@ class Trainer:
             accuracy=values.get("accuracy"),
             eval_accuracy=eval_values.get("accuracy"),
             eval_loss=eval_values.get("loss"),
+            eval_auc=eval_values.get("auc"),
             examples_per_sec=rate * s.batch_size,
             steps_per_sec=rate,
             wall_seconds=time.monotonic() - wall_started,

@@ -8,11 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import local_argv, psctl_argv, read_json
+from tests.conftest import REPO, local_argv, psctl_argv, read_json, run_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 JOB = "tests/jobs/embedding.py"
+COMPARE = """
+import sys
+import numpy as np
+import tensorflow as tf
+from psctl.coordinator.job import load_job
+from psctl.coordinator.training.model import JobModel
+
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+ids = np.random.default_rng(0).integers(0, 200_000, size=(64, 4))
+got = serve(features=tf.constant(ids, tf.int64))["outputs"].numpy()
+job = load_job(sys.argv[3])
+spec = tf.TensorSpec([None, 4], tf.int64)
+built = JobModel(job, spec, tf.TensorSpec([None, 1], tf.float32))
+built.checkpoint(tf.Variable(0, dtype=tf.int64)).restore(sys.argv[2]).expect_partial()
+print(float(np.abs(got - built.model(ids, training=False).numpy()).max()))
+"""
 
 
 def test_sharded_table_trains_checkpoints_and_restores_into_more_ps(run_cli, workdir: Path):
@@ -81,6 +97,20 @@ def test_sharded_table_trains_checkpoints_and_restores_into_more_ps(run_cli, wor
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_json(out)["global_step"] == 600
+
+    # The SavedModel for serving: OUT/<step>/, tables merged; a fresh process loads it and
+    # predicts what the checkpoint's model predicts.
+    exported = workdir / "export"
+    proc = run_cli(
+        psctl_argv("export", "--job", JOB, "--checkpoint-dir", str(ckpt), "--out", str(exported)),
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (exported / "600" / "saved_model.pb").is_file()
+    diff = run_python(
+        COMPARE, str(exported / "600"), str(ckpt / "ckpt-600"), str(REPO / JOB), timeout=120
+    )
+    assert float(diff.strip().splitlines()[-1]) < 1e-5
 
 
 def test_local_step_mode_refuses_sharded_tables_in_one_line(run_cli, workdir: Path):

@@ -1,0 +1,76 @@
+"""A training run's checkpoint as a TensorFlow SavedModel for serving (`psctl export`).
+
+The job's model is built in this process (no cluster) and restored from the checkpoint:
+checkpoints hold sharded tables whole (tables.py), so the exported model looks every id
+up in one table inside the graph. The SavedModel is written to ``OUT/<global step>/``, the
+versioned layout TensorFlow Serving watches, with a ``serving_default`` signature whose
+inputs are what the job's dataset yields as features and whose output is ``outputs``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.model import JobModel
+
+log = logging.getLogger(__name__)
+
+
+def _features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any]:
+    """The features' and labels' specs, batch dimension open, from the job's own data."""
+    ctx = DataContext.from_settings(settings, worker_index=0, num_workers=1, batch_size=1)
+    make = job.eval_dataset_fn or job.dataset_fn
+    x_spec, y_spec = make(ctx).element_spec[:2]
+
+    def open_batch(spec: Any) -> Any:
+        return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=spec.name)
+
+    return tf.nest.map_structure(open_batch, x_spec), y_spec
+
+
+def serving_module(model: Any, features: Any) -> Any:
+    """A ``tf.Module`` holding the model and its ``serve`` function (``features`` in,
+    ``{"outputs": ...}`` out), traced for ``features``' spec."""
+
+    def serve(features: Any) -> dict[str, Any]:  # the signature's input is "features"
+        return {"outputs": model(features, training=False)}
+
+    module = tf.Module()
+    module.model = model
+    module.serve = tf.function(serve, input_signature=[features])
+    return module
+
+
+def export(job: Job, settings: TrainSettings, *, checkpoint: str, out: str) -> Path:
+    """Restore ``checkpoint`` into the job's model and save it to ``out/<step>/``."""
+    x_spec, y_spec = _features_spec(job, settings)
+    built = JobModel(job, x_spec, y_spec)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    try:
+        built.checkpoint(step).restore(
+            checkpoint
+        ).expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(
+            f"--job {settings.job}",
+            f"its model does not match checkpoint {checkpoint} ({first[:200]})",
+            "export with the --job that wrote the checkpoints",
+        ) from None
+    target = Path(out) / str(int(step.numpy()))
+    if target.exists():
+        raise ConfigError(
+            "--out", f"{target} exists already", "remove it, or export to another --out"
+        )
+    module = serving_module(built.model, x_spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
+    log.info("exported %s (global step %d) to %s", checkpoint, int(step.numpy()), target)
+    return target

@@ -1,0 +1,75 @@
+"""bench/embeddings.py end to end in its quick mode: fresh clusters, both children, per-ps
+peak RSS, the table and the ratio line; and a run cut short by its --max-seconds budget."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+BENCH = str(REPO / "bench" / "embeddings.py")
+RATIO = re.compile(r"^psctl/raw_keras steps/s at 10k rows \(adam\) = (\d+\.\d\d|n/a \(.*\))$")
+
+
+def _runs(results):
+    report = json.loads((results / "results.json").read_text())
+    return {run["mode"]: run for run in report["runs"]}
+
+
+@pytest.mark.timeout(150)
+def test_embeddings_quick_runs_end_to_end(run_cli, workdir):
+    results = workdir / "results"
+    proc = run_cli([sys.executable, BENCH, "--quick", "--results", str(results)], timeout=140)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"psctl/raw_keras steps/s at 10k rows \(adam\) = \d+\.\d\d", lines[-1]), (
+        proc.stdout[-2000:]
+    )
+    assert float(lines[-1].rsplit("=", 1)[1]) > 0
+    assert lines[-2] == "(1M rows with adam was not run: the ratio below is at 10k rows with adam)"
+    assert "| rows | optimizer | psctl steps/s | raw steps/s | psctl/raw |" in proc.stdout
+    row = next(line for line in lines if line.startswith("| 10k | adam |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == 8, row
+    assert float(cells[2]) > 0 and float(cells[3]) > 0, row  # both ran every step: no "*"
+    assert re.fullmatch(r"\d+\.\d\dx", cells[4]), row
+    for peak in (cells[5], cells[6]):  # ps0/ps1 (growth/growth)
+        assert re.fullmatch(r"\d+/\d+ \([+-]\d+/[+-]\d+\)", peak), row
+    assert cells[7] == "1.0", row  # 10k x 16 x 4 bytes x (1 + 2 Adam slots) / 2 ps, in MB
+    assert (results / "table.md").read_text().splitlines()[-1] == lines[-1]
+    runs = _runs(results)
+    assert runs["psctl"]["status"] == runs["raw"]["status"] == "ok", runs
+    assert runs["psctl"]["steps"] == runs["raw"]["steps"] == 100
+    # psctl split the table over the 2 ps; the raw loop kept it whole.
+    assert [t["shards"] for t in runs["psctl"]["tables"]] == [2]
+    assert [t["shards"] for t in runs["raw"]["tables"]] == [1]
+    for run in runs.values():
+        assert len(run["ps_peak_mb"]) == 2 and all(mb > 100 for mb in run["ps_peak_mb"]), run
+
+
+@pytest.mark.timeout(150)
+def test_embeddings_budget_cuts_runs_short(run_cli, workdir):
+    """Far more steps than the budget allows: psctl is stopped through its hooks, the raw
+    child reads its steps off the ps and exits without joining; neither hangs."""
+    results = workdir / "results"
+    argv = [BENCH, "--quick", "--steps", "5000", "--max-seconds", "3", "--results", str(results)]
+    proc = run_cli([sys.executable, *argv], timeout=140)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert RATIO.fullmatch(last), proc.stdout[-2000:]
+    runs = _runs(results)
+    # psctl always finishes its calls in flight: some steps, fewer than asked.
+    assert runs["psctl"]["status"] == "budget", runs["psctl"]
+    assert 0 < runs["psctl"]["steps"] < 5000
+    # The raw loop: steps read at the budget, or none done by then on a busy machine.
+    assert runs["raw"]["status"] in ("budget", "too slow"), runs["raw"]
+    assert runs["raw"]["wall_s"] < 60, runs["raw"]
+    if runs["raw"]["status"] == "budget":
+        assert 0 < runs["raw"]["steps"] < 5000
+        assert "*" in next(line for line in proc.stdout.splitlines() if line.startswith("| 10k"))
