@@ -4,12 +4,18 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.psctl-installed
+# Which TensorFlow, as a psctl extra: cpu (tensorflow-cpu, the smaller x86_64 wheel; CI), tf
+# (tensorflow: aarch64 Linux, macOS arm64) or gpu (tensorflow[and-cuda]). One per .venv:
+# the wheels overwrite each other's files, so `make clean` before switching.
+TF_EXTRA ?= cpu
 
-.PHONY: demo test install lint unit integration chaos bench clean prometheus systemd-tools
+.PHONY: demo test install lint unit integration chaos bench clean prometheus systemd-tools \
+	package-check
 
+# dev: the protobuf code generator (the drift test); test: pytest, ruff, mypy, ...
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(TF_EXTRA),dev,test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,6 +51,11 @@ chaos: install systemd-tools
 
 bench: install
 	$(BIN)/python bench/throughput.py
+
+# Builds the wheel and checks it against the package index (not part of `make test`): its
+# contents, the protobuf floor in a fresh venv, and that it resolves for aarch64 Linux.
+package-check: install
+	$(BIN)/python tools/check_package.py
 
 clean:
 	rm -rf $(VENV) psctl-work .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -6,18 +6,20 @@ Each process builds its own CollectorRegistry and passes it in, so tests never s
 from __future__ import annotations
 
 import platform
+import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import metadata
 
 from prometheus_client import (
     CollectorRegistry,
-    Enum,
     Gauge,
     Info,
     PlatformCollector,
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 HEALTH_STATES = ["starting", "serving", "not_serving"]
 
@@ -27,6 +29,48 @@ def psctl_version() -> str:
         return metadata.version("psctl")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+class StateGauge:
+    """A gauge per state under one ``state`` label: 1 for the current state, 0 for the others.
+
+    prometheus_client's ``Enum`` names its label after the metric
+    (``psctl_health_state{psctl_health_state="serving"}``); this one uses the conventional
+    ``state`` (as kube-state-metrics does). The states are fixed up front, and one scrape
+    always sees exactly one of them at 1.
+    """
+
+    def __init__(
+        self, name: str, documentation: str, *, states: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        if not states:
+            raise ValueError(f"states: {name} needs at least one state")
+        self.name, self.documentation = name, documentation
+        self.states = list(states)
+        self._lock = threading.Lock()
+        self._current = self.states[0]
+        registry.register(self)
+
+    def state(self, state: str) -> None:
+        if state not in self.states:
+            raise ValueError(f"unknown {self.name} state {state!r}; one of {self.states}")
+        with self._lock:
+            self._current = state
+
+    @property
+    def current(self) -> str:
+        with self._lock:
+            return self._current
+
+    def describe(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, labels=["state"])
+
+    def collect(self) -> Iterator[Metric]:
+        current = self.current
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["state"])
+        for state in self.states:
+            family.add_metric([state], 1.0 if state == current else 0.0)
+        yield family
 
 
 class ProcessMetrics:
@@ -53,13 +97,12 @@ class ProcessMetrics:
         Gauge(
             "psctl_uptime_seconds", "Seconds since this process started.", registry=registry
         ).set_function(lambda: time.time() - started)
-        self.health = Enum(
+        self.health = StateGauge(
             "psctl_health_state",
-            "Health state this server reports on grpc.health.v1.",
+            "Health state this process reports on grpc.health.v1 (1 for the current state).",
             states=HEALTH_STATES,
             registry=registry,
         )
-        self.health.state("starting")
 
 
 def serve_metrics(registry: CollectorRegistry, *, host: str, port: int) -> None:

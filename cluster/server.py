@@ -21,7 +21,8 @@ from types import FrameType
 from psctl.cluster import ports, sdnotify
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
-from psctl.cluster.logs import configure_logging, quiet_tensorflow
+from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
+from psctl.cluster.requirements import require_tensorflow
 from psctl.cluster.spec import TaskConfig, resolve_task
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,8 @@ class _Stop:
 
 
 def _start_tf_server(opts: ServerOptions) -> object:
-    import tensorflow as tf  # deferred: seconds of import, after the ports are known free
+    with tensorflow_import_quietly():
+        import tensorflow as tf  # deferred: seconds of import, after the ports are known free
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=opts.inter_op_threads)
     return tf.distribute.Server(
@@ -260,6 +262,7 @@ def main(task_type: str, argv: Sequence[str] | None = None) -> int:
     configure_logging(verbose=args.verbose, name=f"{task_type}-server")
     quiet_tensorflow(verbose=args.verbose)
     try:
+        require_tensorflow()
         opts = resolve_options(task_type, args, os.environ)
         status = serve(opts, stop)
     except ConfigError as err:

@@ -8,17 +8,21 @@ its tests) never imports TensorFlow.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
+from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
 
 __all__ = [
     "CALL_DECISIONS",
+    "EXIT_GAVE_UP",
     "EXIT_INTERRUPTED",
     "EXIT_RESTART",
     "EXIT_STATUS",
+    "EXIT_USAGE",
+    "FINAL_EXIT_STATUSES",
     "PROCESS_DECISIONS",
     "RESTARTS",
     "Decision",
@@ -29,11 +33,15 @@ __all__ = [
     "Unreachable",
     "classify",
     "classify_exit",
+    "describe",
     "exit_status",
+    "tasks_named",
 ]
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back, the model went NaN)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by the operator without finishing
+EXIT_GAVE_UP = 70  # EX_SOFTWARE: the supervisor's restart budget is used up: job FAILED
+EXIT_USAGE = 2  # argparse's status for a bad command line
 
 
 class RestartFromCheckpoint(Exception):
@@ -42,8 +50,8 @@ class RestartFromCheckpoint(Exception):
 
 
 class Unreachable(Exception):
-    """Servers still not listening after --connect-timeout: the training process exits
-    EXIT_RESTART so that its supervisor retries within the crash-loop budget."""
+    """Servers still not listening after --connect-timeout: the job ends with
+    EXIT_UNAVAILABLE. The wait was the retry; no layer above tries again."""
 
 
 class Failure(enum.Enum):
@@ -55,7 +63,7 @@ class Failure(enum.Enum):
     NON_FINITE = "non_finite"  # the loss or a variable is not finite: RestartFromCheckpoint
     JOB_ERROR = "job_error"  # the job's code, or anything not recognised, raised
     CONFIG_ERROR = "config_error"  # ConfigError: a mistake only the operator can fix
-    UNREACHABLE = "unreachable"  # servers not listening after --connect-timeout
+    UNREACHABLE = "unreachable"  # servers not listening after --connect-timeout: exit 69
     # A training process's exit, as its supervisor sees it:
     RESTART_REQUESTED = "restart_requested"  # it exited EXIT_RESTART
     TRAINING_CRASHED = "training_crashed"  # it was killed by a signal
@@ -70,6 +78,8 @@ class Decision(enum.Enum):
     RESTART_WITH_BACKOFF = "restart_with_backoff"  # a crash: restart after backoff, budgeted
     FAIL = "fail"  # permanent: the job is FAILED
     FAIL_CONFIG = "fail_config"  # permanent, and systemd must not restart it either
+    FAIL_UNREACHABLE = "fail_unreachable"  # permanent: the servers were not there in time
+    GIVE_UP = "give_up"  # the supervisor's restart budget is used up: the job is FAILED
     ABORT = "abort"  # stopped by the operator before finishing: the job is FAILED
 
 
@@ -90,7 +100,7 @@ CALL_DECISIONS: Mapping[Failure, Decision] = MappingProxyType(
         Failure.NON_FINITE: Decision.RESTART,
         Failure.JOB_ERROR: Decision.FAIL,
         Failure.CONFIG_ERROR: Decision.FAIL_CONFIG,
-        Failure.UNREACHABLE: Decision.RESTART,
+        Failure.UNREACHABLE: Decision.FAIL_UNREACHABLE,
         Failure.RESTART_REQUESTED: Decision.RESTART,
         Failure.TRAINING_CRASHED: Decision.RESTART_WITH_BACKOFF,
     }
@@ -110,6 +120,8 @@ EXIT_STATUS: Mapping[Decision, int] = MappingProxyType(
         Decision.WAIT_FOR_PS_THEN_RESTART: EXIT_RESTART,
         Decision.FAIL: EXIT_FAILURE,
         Decision.FAIL_CONFIG: EXIT_CONFIG,
+        Decision.FAIL_UNREACHABLE: EXIT_UNAVAILABLE,
+        Decision.GIVE_UP: EXIT_GAVE_UP,
         Decision.ABORT: EXIT_INTERRUPTED,
     }
 )
@@ -117,6 +129,13 @@ EXIT_STATUS: Mapping[Decision, int] = MappingProxyType(
 # The decisions on which a supervisor starts the training process again.
 RESTARTS = frozenset(
     {Decision.RESTART, Decision.WAIT_FOR_PS_THEN_RESTART, Decision.RESTART_WITH_BACKOFF}
+)
+
+# Every status a supervisor (`psctl train`, `psctl local`) can end a job with but 0: each
+# is final, as psctl has retried what can be retried. A service manager above it (the
+# coordinator unit's RestartPreventExitStatus=) must not start the job again on any.
+FINAL_EXIT_STATUSES = tuple(
+    sorted({EXIT_USAGE} | {s for d, s in EXIT_STATUS.items() if d not in RESTARTS})
 )
 
 
@@ -191,6 +210,8 @@ def classify_exit(code: int) -> Failure | None:
         return Failure.RESTART_REQUESTED
     if code == EXIT_CONFIG:
         return Failure.CONFIG_ERROR
+    if code == EXIT_UNAVAILABLE:
+        return Failure.UNREACHABLE
     if code == EXIT_INTERRUPTED:
         return Failure.STOP_SIGNAL
     return Failure.JOB_ERROR  # 1, a bad command line (2), anything else
@@ -221,3 +242,35 @@ def _is_cluster_failure(err: BaseException, *, seen: set[int]) -> bool:
             and _is_cluster_failure(original, seen=seen)
         )
     return code == _INVALID_ARGUMENT and "unknown device" in str(err).lower()
+
+
+# Lines TensorFlow puts around the one that says what went wrong.
+_BOILERPLATE = re.compile(
+    r"Graph execution error:|Detected at node |<stack traces unavailable>|\d+ root error\(s\) "
+    r"found|Additional GRPC error information|:UNKNOWN:Error received from peer|\[\[|"
+    r"\d+ successful operations|\d+ derived errors ignored|File \""
+)
+_TASK = re.compile(r"/job:(ps|worker|chief)/replica:\d+/task:(\d+)")
+
+
+def describe(err: BaseException) -> str:
+    """One line for a log or a status: the error's type and the line that says what went
+    wrong (TensorFlow's messages open with "Graph execution error:" and node names)."""
+    for line in str(err).splitlines():
+        line = re.sub(r"^\(\d+\)\s*", "", line.strip())
+        if line and not _BOILERPLATE.match(line):
+            return f"{type(err).__name__}: {line}"
+    return type(err).__name__
+
+
+def tasks_named(err: BaseException) -> list[str]:
+    """The tasks ("ps:0", "worker:1") that ``err`` and the errors it wraps name, in order."""
+    found: dict[str, None] = {}
+    seen: set[int] = set()
+    current: object = err
+    while isinstance(current, BaseException) and id(current) not in seen:
+        seen.add(id(current))
+        for task_type, index in _TASK.findall(str(current)):
+            found[f"{task_type}:{index}"] = None
+        current = getattr(current, "original_exception", None)
+    return list(found)

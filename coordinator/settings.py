@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -18,12 +19,32 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_PREFIX = "PSCTL_"
+# The PSCTL_* variables that are not run settings, and who reads them. Every other PSCTL_*
+# name must be PSCTL_<SETTING>: an unknown one (a typo) is a configuration error, as an
+# unknown key in the TOML file is, not silently ignored (check_environ).
+OTHER_ENV = {
+    "PSCTL_CLUSTER": "the cluster file; the systemd units pass it as --cluster (psctl.env)",
+    "PSCTL_BIND_HOST": "where the side ports of servers and the coordinator listen",
+    "PSCTL_HEALTH_PORT": "a server's grpc.health.v1 port (cluster/server.py)",
+    "PSCTL_METRICS_PORT": "a server's /metrics port (cluster/server.py)",
+    "PSCTL_DATA_DISPATCHER": "the tf.data service dispatcher (cluster/dataservice.py)",
+    "PSCTL_DATA_PORT": "a worker's tf.data service worker port (cluster/server.py)",
+    "PSCTL_CONTROL_ADDRESS": "the coordinator unit's --control-address (coordinator.env)",
+    "PSCTL_COORDINATOR_METRICS_PORT": "the coordinator unit's --metrics-port (coordinator.env)",
+    # Set by the test suite, inherited by the psctl processes the tests start.
+    "PSCTL_CHAOS_RESULTS": "tests/chaos: a file the measured table is appended to",
+    "PSCTL_TEST_POISON_MARKER": "tests/jobs/poisoned.py: its marker file",
+}
+# Names people reach for that are not read, and what to do instead.
+_ENV_HINTS = {
+    "PSCTL_CONFIG": "give the job file as --config, or its [train] values as PSCTL_<NAME>",
+}
 UPDATE_MODES = ("default", "local")
 AUTO = "auto"  # --steps-per-execution auto, stored as 0
 IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
 DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
-DEFAULT_METRICS_PORT = 9400
+DEFAULT_METRICS_PORT = 9940
 
 
 def flag_for(name: str) -> str:
@@ -177,16 +198,49 @@ def load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def env_name(name: str) -> str:
+    """The environment variable of a setting: ``batch_size`` -> ``PSCTL_BATCH_SIZE``."""
+    return ENV_PREFIX + name.upper()
+
+
+def check_environ(environ: Mapping[str, str]) -> None:
+    """Raise ConfigError for the first PSCTL_* variable psctl does not read.
+
+    The one-line error names the closest valid variable: a misspelt setting would otherwise
+    be ignored, and the run would quietly use its default.
+    """
+    known = {env_name(name) for name in _TYPES} | set(OTHER_ENV)
+    # Compared without the prefix: every name shares it, which makes any two look alike.
+    suffixes = {name.removeprefix(ENV_PREFIX): name for name in known}
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX) or key in known:
+            continue
+        if key in _ENV_HINTS:
+            raise ConfigError(key, "is not read by psctl", _ENV_HINTS[key])
+        close = difflib.get_close_matches(key.removeprefix(ENV_PREFIX), suffixes, n=1)
+        fix = (
+            f"did you mean {suffixes[close[0]]}?"
+            if close
+            else f"unset it, or set a training flag as {ENV_PREFIX}<FLAG> "
+            f"(--batch-size: {env_name('batch_size')})"
+        )
+        raise ConfigError(key, "is not a psctl setting or variable", fix)
+
+
 def resolve_settings(
     *, flags: Mapping[str, Any], config_file: str | None, environ: Mapping[str, str] | None = None
 ) -> TrainSettings:
-    """Merge the layers; ``flags`` holds only what was given on the command line."""
+    """Merge the layers; ``flags`` holds only what was given on the command line.
+
+    An unknown ``PSCTL_*`` variable in ``environ`` is an error (check_environ).
+    """
     env = os.environ if environ is None else environ
+    check_environ(env)
     merged: dict[str, Any] = {}
     if config_file:
         merged.update(load_toml(config_file))
     for name in _TYPES:
-        key = ENV_PREFIX + name.upper()
+        key = env_name(name)
         if env.get(key):
             merged[name] = _coerce(name, env[key], key)
     for name, value in flags.items():

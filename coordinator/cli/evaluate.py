@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from psctl.cluster.requirements import require_tensorflow
 from psctl.coordinator.settings import default_help, flag_values
 
 DEFAULT_POLL_INTERVAL = 2.0
@@ -67,6 +68,7 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    require_tensorflow()
     from psctl.coordinator.launch.evaluate import evaluate_main
 
     return evaluate_main(args, flag_values(args, (flag for flag, _, _ in SHARED_FLAGS)))

@@ -13,9 +13,12 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
+from psctl.cluster.requirements import require_tensorflow
 from psctl.coordinator.cli.client import add_client_commands
 from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
+from psctl.coordinator.cli.export import add_export_command
+from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
     DEFAULT_METRICS_PORT,
@@ -151,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psctl",
         description="Parameter-server training for TensorFlow 2.",
-        epilog="Exit status: 0 ok, 1 failure, 78 configuration error, 69 unreachable.",
+        epilog=(
+            "Exit status: 0 ok, 1 failure, 2 bad command line, 69 unreachable, 70 restart budget "
+            "used up, 78 configuration error, 130 interrupted."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -205,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout",
         type=float,
         default=120.0,
-        help="seconds to wait for every server's TF port (default %(default)g)",
+        help="seconds to wait for every server's TF port, then exit 69 (default %(default)g)",
     )
     add_train_arguments(train)
 
@@ -217,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     CLIENT_COMMANDS.update(add_client_commands(sub))
     CLIENT_COMMANDS.update(add_deploy_commands(sub))
     COMMANDS.update(add_evaluate_command(sub))
+    COMMANDS.update(add_export_command(sub))
     return parser
 
 
@@ -229,17 +236,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    require_tensorflow()
     from psctl.coordinator.launch.train import train_main
 
     return train_main(args, train_flag_values(args))
 
 
-def one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def cmd_local(args: argparse.Namespace) -> int:
+    require_tensorflow()
     from psctl.coordinator.launch.local import local_main
 
     return local_main(args, train_flag_values(args))
@@ -289,7 +293,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
     except Exception as err:  # one line for the operator; the traceback with -v
         log.debug("failed", exc_info=True)
-        print(f"psctl: error: {one_line(err)}", file=sys.stderr)
+        print(f"psctl: error: {describe(err)}", file=sys.stderr)
         return EXIT_FAILURE
 
 

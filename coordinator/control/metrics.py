@@ -7,19 +7,26 @@ task identity lives there only, not as labels on the series below.
 
 Naming follows Prometheus practice: base units (seconds), ``_total`` counters, histograms
 (not summaries, so quantiles aggregate across runs), and no unbounded labels: the only
-labels are the coordinator state (a fixed set) and the job's metric names (fixed by the
-job's ``metrics`` list).
+labels are the coordinator state (``state``, a fixed set) and the job's metric names (fixed
+by the job's ``metrics`` list).
+
+A job outlives its training processes (the supervisor starts a fresh one after a ps failure
+or a non-finite loss), so the counters the alerts count on (restarts, recoveries, ps
+failures, non-finite losses) start from what the supervisor carried over, before /metrics
+serves: they never go back when a new process takes over.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from psctl.cluster.metrics import ProcessMetrics
+from psctl.cluster.metrics import ProcessMetrics, StateGauge
 
 STATES = [
     "starting",
@@ -134,6 +141,40 @@ class _LatestValues:
             yield family
 
 
+class _ScrapeWatch:
+    """Notes each read of the registry (a scrape of /metrics) and exports nothing: a process
+    that ends can wait until Prometheus has seen its final state once."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count = 0
+        self._times: collections.deque[float] = collections.deque(maxlen=2)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._changed:
+            self._count += 1
+            self._times.append(time.monotonic())
+            self._changed.notify_all()
+        return iter(())
+
+    def wait_for_next(self, *, max_seconds: float) -> bool:
+        """Wait for the next scrape: at most twice the last interval between two scrapes (one
+        if only one was seen), never more than ``max_seconds``; no wait at all if nothing ever
+        scraped. True if a scrape came."""
+        with self._changed:
+            if not self._times:
+                return False
+            seen = self._count
+            if len(self._times) == 2:
+                timeout = min(max_seconds, 2 * (self._times[1] - self._times[0]) + 1.0)
+            else:
+                timeout = max_seconds
+            return self._changed.wait_for(lambda: self._count > seen, timeout=timeout)
+
+
 class CoordinatorMetrics:
     """Every series the coordinator exports; the trainer calls the methods below."""
 
@@ -152,13 +193,12 @@ class CoordinatorMetrics:
         self.process = ProcessMetrics(registry=registry, task_type="chief", task_index=0)
         r = registry
 
-        self._state = Enum(
+        self._state = StateGauge(
             "psctl_coordinator_state",
-            "Coordinator life-cycle state (1 for the current state).",
+            "Coordinator life-cycle state (1 for the current state, label state).",
             states=STATES,
             registry=r,
         )
-        self._state.state("starting")
         # "name", not "job": Prometheus owns the job label (it names the scrape job).
         Info("psctl_job", "The training job this coordinator runs.", registry=r).info({"name": job})
         Gauge("psctl_workers", "Worker tasks in the cluster.", registry=r).set(num_workers)
@@ -264,6 +304,19 @@ class CoordinatorMetrics:
             "Recoveries finished: a new coordinator restored the latest checkpoint.",
             registry=r,
         )
+        self._restarts = Counter(
+            "psctl_restarts_total",
+            "Training processes of this job its supervisor started again (a ps failure, a "
+            "non-finite loss, a crash); carried across restarts.",
+            registry=r,
+        )
+        self._nonfinite = Counter(
+            "psctl_nonfinite_loss_total",
+            "Times the training loss (or the model, checked before each checkpoint) was NaN or "
+            "infinite, each ending its training process for a restart from the latest "
+            "checkpoint; carried across restarts.",
+            registry=r,
+        )
 
         # -- checkpoints -----------------------------------------------------------------
         self._checkpoint_seconds = Histogram(
@@ -285,6 +338,9 @@ class CoordinatorMetrics:
         self._checkpoints = Counter(
             "psctl_checkpoints_total", "Checkpoints written by this process.", registry=r
         )
+        # Last: it sees a scrape once every other collector was read.
+        self._scrapes = _ScrapeWatch()
+        r.register(self._scrapes)
 
     # -- the trainer's calls -------------------------------------------------------------
 
@@ -347,6 +403,27 @@ class CoordinatorMetrics:
 
     def recovery(self) -> None:
         self._recoveries.inc()
+
+    def carry_over(self, *, restarts: int, ps_failures: int, nonfinite_losses: int) -> None:
+        """What the supervisor counted in this job's earlier training processes; call it
+        before /metrics serves, so that no scrape sees these counters go back."""
+        self._restarts.inc(restarts)
+        self._recoveries.inc(restarts)  # each restarted process restored the latest checkpoint
+        self._ps_failures.inc(ps_failures)
+        self._nonfinite.inc(nonfinite_losses)
+
+    def nonfinite_loss(self) -> None:
+        """The loss (or the model) is NaN or infinite: this process ends for a restart."""
+        self._nonfinite.inc()
+
+    def wait_until_scraped(self, *, max_seconds: float = 30.0) -> bool:
+        """Before the process exits: let Prometheus read the final state once (DONE, so that
+        no alert takes the exit for a crash). Waits about two scrape intervals at most, not
+        at all if nothing ever scraped; True if a scrape came."""
+        if not self._scrapes.wait_for_next(max_seconds=max_seconds):
+            return False
+        time.sleep(0.2)  # the scrape read every series; let its response go out
+        return True
 
     def observe_checkpoint(self, *, seconds: float, step: int, timestamp: float) -> None:
         self._checkpoint_seconds.observe(seconds)

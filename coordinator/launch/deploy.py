@@ -27,6 +27,7 @@ from psctl.cluster.spec import (
     load_cluster_file,
     require_chief,
 )
+from psctl.coordinator.failures import EXIT_USAGE, FINAL_EXIT_STATUSES
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT, DEFAULTS
 
 DEFAULT_CONFIG_DIR = "/etc/psctl"
@@ -185,7 +186,14 @@ LockPersonality=yes
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 CapabilityBoundingSet=
 SystemCallArchitectures=native
-UMask=0027
+# The system calls of an ordinary service, less the privileged and resource-control ones
+# (tried with TensorFlow serving and training: docs/deploy.md); any other fails with EPERM.
+SystemCallFilter=@system-service
+SystemCallFilter=~@privileged @resources
+SystemCallErrorNumber=EPERM
+ProtectProc=invisible
+PrivateMounts=yes
+UMask=0077
 # Not MemoryDenyWriteExecute=yes: TensorFlow's XLA CPU backend (jit_compile, and TF's own
 # XLA paths) writes the machine code LLVM generates into memory it then makes executable.
 # Under that ban TensorFlow 2.21 logs "LLVM compilation error: Permission denied" and dies
@@ -199,15 +207,17 @@ _WORKER_DEVICES = (
 )
 
 
-def _unit(*, head: str, description: str, start_limit: str, service: str, devices: str) -> str:
+def _unit(
+    *, head: str, description: str, order: str, start_limit: str, service: str, devices: str
+) -> str:
     """A psctl unit: its ``head`` comment, then what every psctl unit has around its own
-    start limit and [Service] lines (``devices``: the hardening's device line)."""
+    ordering, start limit and [Service] lines (``devices``: the hardening's device line)."""
     return f"""\
 {head}[Unit]
 Description={description}
 After=network-online.target
 Wants=network-online.target
-PartOf={TARGET}
+{order}PartOf={TARGET}
 {start_limit}StartLimitBurst=10
 
 [Service]
@@ -240,17 +250,27 @@ EnvironmentFile=-{config_dir}/{role}-%i.env
 ExecStart={bin_dir}/{script} --cluster ${{PSCTL_CLUSTER}} --index %i
 Restart=on-failure
 RestartSec=2
-# 78: a configuration error (cluster file, index, ports); restarting cannot fix it.
-RestartPreventExitStatus=78
+# 78: a configuration error (cluster file, index, ports), 2: a bad command line (an
+# instance that is not a number); restarting cannot fix either.
+RestartPreventExitStatus={EXIT_USAGE} 78
 # Importing TensorFlow takes seconds, more on a busy host.
 TimeoutStartSec=180
 # On SIGTERM health turns NOT_SERVING and the server exits 0 after --shutdown-grace (1 s).
 TimeoutStopSec=20
 SyslogIdentifier=psctl-{role}-%i
+# A dynamic user has no home: Keras and matplotlib, imported with TensorFlow, keep their
+# caches in the service's private /tmp.
+Environment=HOME=/tmp
+"""
+    order = f"""\
+# Started before and stopped after the coordinator on this host, so that `systemctl stop
+# {TARGET}` lets it write its final checkpoint while every local server still serves.
+Before={COORDINATOR_UNIT}
 """
     return _unit(
         head=head,
         description=f"psctl {role} server (task %i)",
+        order=order,
         start_limit=start_limit,
         service=service,
         devices=_WORKER_DEVICES if role == "worker" else _PRIVATE_DEVICES,
@@ -272,23 +292,34 @@ EnvironmentFile={config_dir}/coordinator.env
 ExecStart={bin_dir}/psctl train --cluster ${{PSCTL_CLUSTER}} \\
     --control-address ${{PSCTL_CONTROL_ADDRESS}} \\
     --metrics-port ${{PSCTL_COORDINATOR_METRICS_PORT}}
-# Exit 0 when the job is done or stopped: not restarted. A crash, a lost ps or servers
-# that did not come (69) start a new coordinator, which restores the latest checkpoint.
+# psctl train restarts its own training process (a lost ps, a crash) within its budget,
+# so every status it ends with is final: 0 done or stopped, 1 the job's code failed, 2 a bad
+# command line, 69 servers unreachable for --connect-timeout, 70 its restart budget used
+# up, 78 a configuration error, 130 aborted. systemd restarts it only when psctl train
+# itself is killed (SIGKILL, a crash); the new one restores the latest checkpoint.
 Restart=on-failure
 RestartSec=5
-RestartPreventExitStatus=78
+RestartPreventExitStatus={" ".join(str(s) for s in FINAL_EXIT_STATUSES)}
 # SIGTERM is a graceful stop: in-flight steps finish, then a checkpoint and the evaluation.
 # psctl train supervises a training process and forwards the signal to it: SIGTERM only
 # the main process, as a second SIGTERM would abort the training process unsaved.
 KillMode=mixed
 TimeoutStopSec=300
-# Checkpoints and the summary: {STATE_DIR}.
+# Checkpoints and the summary: {STATE_DIR}, writable under ProtectSystem=strict. A
+# checkpoint directory elsewhere needs ReadWritePaths= (and the dynamic user's access).
 StateDirectory=psctl
 SyslogIdentifier=psctl-coordinator
+# A dynamic user has no home: Keras and matplotlib keep their caches in the state directory.
+Environment=HOME={STATE_DIR}
+"""
+    order = f"""\
+# Starting it starts this host's servers too (their units order them Before= this one).
+Wants={TARGET}
 """
     return _unit(
         head=head,
         description="psctl coordinator (psctl train, task chief)",
+        order=order,
         start_limit="StartLimitIntervalSec=600\n",
         service=service,
         devices=_PRIVATE_DEVICES,

@@ -3,25 +3,33 @@
 TensorFlow recovers from a ps failure only through a new coordinator, so the training
 process exits with EXIT_RESTART once the ps tasks are back, and the supervisor starts a
 fresh one, which restores the latest checkpoint. A training process killed by a signal
-(it crashed, or someone killed it) is restarted too, with backoff and jitter, within a
-crash-loop budget; then the job is FAILED. Any other non-zero status (configuration error,
-the job's code raising) is permanent and ends the job at once. What each exit status means
-and what to do about it come from psctl.coordinator.failures.
+(it crashed, or someone killed it) is restarted too, with backoff and jitter. Both count
+against one crash-loop budget; past it the job is FAILED with EXIT_GAVE_UP. Any other
+non-zero status (configuration error, servers unreachable, the job's code raising) is
+permanent and ends the job at once with that status. What each exit status means and what
+to do about it come from psctl.coordinator.failures; the rule across psctl, systemd and
+Kubernetes is in docs/operations.md ("Who gives up when").
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import json
 import logging
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
+from psctl.cluster.files import write_json_atomic
 from psctl.coordinator.failures import (
     RESTARTS,
     Decision,
@@ -75,6 +83,38 @@ class Counters:
     ps_failures: int = 0  # training restarts for a ps failure, or ps servers restarted
     coordinator_failures: int = 0
     worker_failures: int = 0  # worker servers psctl local restarted
+    nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
+    # Where a training process leaves what only it sees (nonfinite_losses) just before it
+    # exits; the supervisor reads and removes it, and hands the counts to the next one.
+    report_file: str = field(default="", compare=False)
+
+    def leave_report(self) -> None:
+        """In the training process, before it exits: leave its counts for the supervisor."""
+        if self.report_file:
+            write_json_atomic(self.report_file, {"nonfinite_losses": self.nonfinite_losses})
+
+    def take_report(self) -> None:
+        """In the supervisor, after a training process exited: take in what it left."""
+        if not self.report_file:
+            return
+        path = Path(self.report_file)
+        try:
+            report = json.loads(path.read_text())
+            path.unlink()
+            count = int(report["nonfinite_losses"])
+        except FileNotFoundError:
+            return  # it left nothing
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            log.warning("ignoring the training process's report %s: %s", path, err)
+            return
+        self.nonfinite_losses = max(self.nonfinite_losses, count)
+
+
+def new_report_file() -> str:
+    """A path in a private temporary directory, removed when this process exits."""
+    directory = tempfile.mkdtemp(prefix="psctl-supervisor-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return str(Path(directory) / "report.json")
 
 
 def describe_exit(code: int) -> str:
@@ -106,6 +146,8 @@ class TrainingSupervisor:
         self.budget = RestartBudget(policy)
         self.tick = tick or (lambda: None)
         self.counters = counters or Counters()
+        if not self.counters.report_file:
+            self.counters.report_file = new_report_file()
         self.failures = failures or FailurePolicy()
         self.clock = clock
         self.sleep = sleep
@@ -117,6 +159,7 @@ class TrainingSupervisor:
         while True:
             self.child = self.start(self.counters)
             code = self._wait(self.child)
+            self.counters.take_report()
             failure = classify_exit(code)
             if failure is None:
                 return code  # finished, or stopped gracefully after a checkpoint
@@ -124,9 +167,10 @@ class TrainingSupervisor:
                 failure = Failure.STOP_SIGNAL  # the operator's: never restart after it
             decision = self.failures.decide(failure, scope=Scope.PROCESS)
             if decision not in RESTARTS:
-                # A configuration error (78), a bad command line (2), the job's own code
-                # raising (1) or a stop: restarting cannot help. The child's status is the
-                # job's; one killed by a signal ends it with the decision's.
+                # A configuration error (78), a bad command line (2), servers unreachable
+                # for --connect-timeout (69), the job's own code raising (1) or a stop:
+                # restarting cannot help. The child's status is the job's; one killed by a
+                # signal ends it with the decision's.
                 return code if code >= 0 else exit_status(decision)
             if decision is Decision.RESTART_WITH_BACKOFF:
                 self.counters.coordinator_failures += 1
@@ -138,19 +182,25 @@ class TrainingSupervisor:
                 delay = 0.5
                 reason = "the training process asked for a fresh start"
             if not self.budget.allow(self.clock()):
+                status = exit_status(Decision.GIVE_UP)
                 log.error(
-                    "%s; %d restarts within %.0fs: giving up (job FAILED)",
+                    "%s; %d restarts within %.0fs already: giving up (job FAILED, exit %d)",
                     reason,
                     self.policy.max_restarts,
                     self.policy.window,
+                    status,
                 )
-                return exit_status(Decision.FAIL)
+                return status
             self.counters.restarts += 1
             log.warning(
-                "%s: restarting it in %.1fs from the latest checkpoint (restart %d)",
+                "%s: restarting it in %.1fs from the latest checkpoint (restart %d; %d of "
+                "%d allowed within %.0fs)",
                 reason,
                 delay,
                 self.counters.restarts,
+                len(self.budget.times),
+                self.policy.max_restarts,
+                self.policy.window,
             )
             if self._sleep(delay):
                 return exit_status(Decision.ABORT)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.logs import forward_stderr, tensorflow_import_quietly
 from psctl.cluster.server import DEFAULT_BIND_HOST
 from psctl.cluster.spec import (
     ClusterConfig,
@@ -31,11 +32,14 @@ from psctl.coordinator.control.service import ControlServer, JobControl, TaskInf
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
+    Failure,
     FailurePolicy,
     Scope,
     Unreachable,
     classify,
+    describe,
     exit_status,
+    tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.launch.supervisor import (
@@ -74,8 +78,10 @@ def resolve_chief_cluster(cluster_file: str | None) -> tuple[ClusterConfig, str]
 
 
 def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
-    """Bounded wait until every ps and worker accepts TCP connections on its TF port."""
-    deadline = time.monotonic() + timeout
+    """Bounded wait until every ps and worker accepts TCP connections on its TF port;
+    ``Unreachable`` (the job ends with exit 69) after ``timeout`` seconds."""
+    started = time.monotonic()
+    deadline = started + timeout
     pending = [(t, i, a) for t, i, a in cluster.task_addresses() if t in ("ps", "worker")]
     announced = False
     while pending:
@@ -88,12 +94,18 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
                 still.append((task_type, index, address))
         pending = still
         if not pending:
+            if announced:
+                log.info("every server listens (after %.1fs)", time.monotonic() - started)
             return
+        names = ", ".join(f"{t}:{i} ({a})" for t, i, a in pending)
         if time.monotonic() >= deadline:
-            names = ", ".join(f"{t}:{i} ({a})" for t, i, a in pending)
-            raise Unreachable(f"servers not reachable after {timeout:.0f}s: {names}")
+            raise Unreachable(
+                f"servers not reachable after {timeout:.0f}s (--connect-timeout): {names}"
+            )
         if not announced:
-            log.info("waiting for %d server(s) to listen...", len(pending))
+            log.info(
+                "waiting up to %.0fs for %d server(s) to listen: %s", timeout, len(pending), names
+            )
             announced = True
         time.sleep(0.5)
 
@@ -115,15 +127,19 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     try:
         wait_for_tf_ports(cluster, timeout=args.connect_timeout)
     except Unreachable as err:
-        print(f"psctl: error: {err}", file=sys.stderr)
-        # RESTART: the supervisor retries within its budget.
-        return exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
+        # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
+        # systemd nor Kubernetes starts the job again (docs/operations.md).
+        status = exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
+        print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
+        return status
 
     from psctl.coordinator.job import load_job
 
+    with tensorflow_import_quietly():
+        import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
-    metrics = start_metrics(args.metrics_port, settings, cluster)
+    metrics = start_metrics(args.metrics_port, settings, cluster, counters)
     control = JobControl(
         job=settings.job,
         target_steps=settings.steps,
@@ -136,9 +152,6 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery
-        metrics.ps_failure(counters.ps_failures)
-        for _ in range(counters.restarts):
-            metrics.recovery()
     server = ControlServer(control, args.control_address)
     server.start()
     try:
@@ -146,14 +159,20 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             job, cluster, source, settings, control, metrics, counters, dispatcher, failures
         )
     except BaseException as err:
+        if classify(err) is Failure.NON_FINITE:
+            count_nonfinite(counters, metrics)
         return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
     finally:
         server.stop()
 
 
-def one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> None:
+    """A NaN/inf loss or model ends this process: counted in psctl_nonfinite_loss_total, and
+    left for the supervisor, so the next process's counter goes on from it (PsctlLossNaN)."""
+    counters.nonfinite_losses += 1
+    counters.leave_report()
+    if metrics is not None:
+        metrics.nonfinite_loss()
 
 
 def end_on_error(
@@ -175,7 +194,11 @@ def end_on_error(
         log.error("%s: restarting the training process from the latest checkpoint", err)
         control.set_state(State.RECOVERING, str(err))
         return exit_status(decision)
-    control.finish(State.FAILED, one_line(err))
+    if decision is Decision.FAIL:
+        # Not handled by psctl: the whole error, once (TensorFlow's per-call reports of it
+        # are at DEBUG). The CLI adds one line, and the traceback with -v.
+        log.error("job FAILED, not restarted: %s: %s", type(err).__name__, str(err).strip())
+    control.finish(State.FAILED, describe(err))
     raise err
 
 
@@ -188,24 +211,63 @@ def recover(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """RECOVERING: wait with backoff until every ps is SERVING again, then ask the
-    supervisor for a fresh training process (the only recovery TensorFlow supports)."""
-    log.error("cluster failure: %s", one_line(err))
-    control.set_state(State.RECOVERING, f"waiting for the ps tasks: {one_line(err)}")
-    failed = [t for t in control.unhealthy_tasks() if t.startswith("ps:")]
-    deadline = clock() + timeout
+    supervisor for a fresh training process (the only recovery TensorFlow supports).
+    Logs what failed, and what psctl does about it, in a line each."""
+    log.error("%s failed: %s", failed_tasks(err, control), describe(err))
+    control.set_state(State.RECOVERING, f"waiting for the ps tasks: {describe(err)}")
+    started = clock()
+    deadline = started + timeout
     delay = 0.5
     while clock() < deadline:
         sleep(delay + random.uniform(0, delay / 2))
         if control.all_ps_serving():
+            log.warning(
+                "restarting the training process from the latest checkpoint (after %.1fs; "
+                "the ps health checks pass)",
+                clock() - started,
+            )
             break
-        delay = min(delay * 2, 5.0)
+        delay = min(delay * 2, 2.0)  # the health checks run every 2 s
     else:
-        log.error("ps tasks not back after %.0fs; restarting anyway", timeout)
-    log.warning(
-        "restarting the training process from the latest checkpoint (ps down: %s)",
-        ", ".join(failed) or "unknown",
-    )
+        log.error(
+            "ps tasks not SERVING after %.0fs (--recovery-timeout): restarting anyway; the "
+            "new training process waits --connect-timeout for them, then the job ends "
+            "with exit 69",
+            timeout,
+        )
     return exit_status(Decision.WAIT_FOR_PS_THEN_RESTART)
+
+
+def failed_tasks(err: BaseException, control: JobControl) -> str:
+    """The tasks to blame, with their addresses: the ps tasks the error names, else those
+    the health checks saw fail, else whatever the error names."""
+    named = tasks_named(err)
+    unhealthy = control.unhealthy_tasks()
+    tasks = (
+        [t for t in named if t.startswith("ps:")]
+        or [t for t in unhealthy if t.startswith("ps:")]
+        or named
+        or unhealthy
+    )
+    addresses = {f"{t.type}:{t.index}": t.address for t in control.tasks}
+    shown = [f"{t} ({addresses[t]})" if addresses.get(t) else t for t in tasks]
+    return ", ".join(shown) or "a task TensorFlow did not name"
+
+
+class TrainingProcess(subprocess.Popen[bytes]):
+    """The training process, its stderr passed on by ``forward_stderr`` (TensorFlow's C++
+    reports of a lost task left out unless ``verbose``); ``wait`` returns once all of it
+    is out, so the supervisor's next line comes after the child's last."""
+
+    def __init__(self, argv: list[str], *, verbose: bool) -> None:
+        super().__init__(argv, stderr=subprocess.PIPE)
+        assert self.stderr is not None
+        self._forwarder = forward_stderr(self.stderr, verbose=verbose)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        self._forwarder.join(timeout=5.0)
+        return code
 
 
 def supervise_train(args: argparse.Namespace) -> int:
@@ -213,7 +275,10 @@ def supervise_train(args: argparse.Namespace) -> int:
     argv = psctl_argv(*args.raw_argv, "--once")
 
     def start(counters: Counters) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([*argv, "--supervisor-counters", json.dumps(asdict(counters))])
+        counters_json = json.dumps(asdict(counters))
+        return TrainingProcess(
+            [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
+        )
 
     supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
     with forward_stop_signals(supervisor):
@@ -221,9 +286,10 @@ def supervise_train(args: argparse.Namespace) -> int:
 
 
 def start_metrics(
-    port: int, settings: TrainSettings, cluster: ClusterConfig
+    port: int, settings: TrainSettings, cluster: ClusterConfig, counters: Counters
 ) -> CoordinatorMetrics | None:
-    """The coordinator's /metrics (its own registry); port 0 turns it off."""
+    """The coordinator's /metrics (its own registry), counting on from the earlier training
+    processes' ``counters``; port 0 turns it off."""
     if not port:
         return None
     from prometheus_client import CollectorRegistry
@@ -239,6 +305,11 @@ def start_metrics(
         num_workers=cluster.num_workers,
         num_ps=cluster.num_ps,
         batch_size=settings.batch_size,
+    )
+    metrics.carry_over(
+        restarts=counters.restarts,
+        ps_failures=counters.ps_failures,
+        nonfinite_losses=counters.nonfinite_losses,
     )
     serve_metrics(registry, host=os.environ.get("PSCTL_BIND_HOST", DEFAULT_BIND_HOST), port=port)
     log.info("metrics on :%d/metrics", port)
@@ -297,6 +368,8 @@ def _train(
         write_summary(summary, settings.summary_json)
         log.info("summary written to %s", settings.summary_json)
     control.finish(State.DONE)
+    if metrics is not None:
+        metrics.wait_until_scraped()  # so no alert takes this exit for a crash
     return 0
 
 

@@ -32,8 +32,8 @@ def check_finite(values: dict[str, float], step: int) -> None:
 
 
 class PublishStatus:
-    """Every ``every`` seconds with new steps: read the training metrics, guard against a
-    non-finite loss, publish them; every ``log_every`` seconds, a progress line."""
+    """Every ``every`` seconds with new steps: read the training metrics, publish them, guard
+    against a non-finite loss; every ``log_every`` seconds, a progress line."""
 
     def __init__(
         self,
@@ -67,9 +67,11 @@ class PublishStatus:
             return
         rate = (loop.completed - self.status_step) / (now - self.last_status)
         self.last_values = self.state.read_train_metrics()
+        # Published before the guard: a NaN loss shows in the status and psctl_train_loss
+        # before it ends the process (it is counted on the way out, train.py).
+        self.publisher.progress(loop.completed, rate, self.last_values)
         if loop.completed > self.start_step:  # else the window has no step yet
             check_finite(self.last_values, loop.completed)
-        self.publisher.progress(loop.completed, rate, self.last_values)
         self.last_status, self.status_step = now, loop.completed
         if now - self.last_log >= self.log_every:
             self.progress.report(loop.completed, rate * self.batch_size, self.last_values)

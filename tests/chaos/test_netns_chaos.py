@@ -45,8 +45,8 @@ pytestmark = pytest.mark.chaos
 HOSTS = {"coord": "10.78.0.1", "ps0": "10.78.0.2", "w0": "10.78.0.3", "w1": "10.78.0.4"}
 CONTROL = "127.0.0.1:7070"  # on the coordinator's host
 BIN_DIR = Path(sys.executable).parent
-# As the rendered units say: Restart=on-failure, RestartPreventExitStatus=78.
-POLICY = RestartPolicy(restart="on-failure", delay=1.0, prevent=frozenset({78}))
+# As the rendered units say: Restart=on-failure, RestartPreventExitStatus=2 78.
+POLICY = RestartPolicy(restart="on-failure", delay=1.0, prevent=frozenset({2, 78}))
 
 
 class NetnsJob:

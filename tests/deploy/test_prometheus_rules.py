@@ -18,14 +18,21 @@ from tests.conftest import REPO, require_tool
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "psctl.json"
+RUNBOOK = REPO / "docs" / "runbook.md"
 ALERTS = {
     "PsctlCoordinatorDown",
-    "PsctlTrainingStalled",
-    "PsctlWorkerDown",
     "PsctlPsDown",
+    "PsctlWorkerDown",
+    "PsctlTrainingStalled",
+    "PsctlWatchdogStall",
+    "PsctlServerNotServing",
     "PsctlCheckpointTooOld",
     "PsctlLossNaN",
+    "PsctlRestartLoop",
+    "PsctlMetricsMissing",
+    "PsctlTargetsMissing",
 }
+RECORDING_RULES = {"psctl:coordinator_finished"}
 
 
 def promtool(*args: str) -> str:
@@ -56,20 +63,56 @@ def test_scrape_config_is_valid_and_its_target_files_exist():
 @pytest.mark.timeout(90)
 def test_alert_rules_are_valid():
     output = promtool("check", "rules", "deploy/prometheus/alerts.yml")
-    assert f"SUCCESS: {len(ALERTS)} rules found" in output, output
+    assert f"SUCCESS: {len(ALERTS) + len(RECORDING_RULES)} rules found" in output, output
     text = (PROMETHEUS_DIR / "alerts.yml").read_text()
-    for name in ALERTS:
-        assert f"alert: {name}\n" in text, name
+    assert set(re.findall(r"- alert: (\w+)\n", text)) == ALERTS
+    assert set(re.findall(r"- record: ([\w:]+)\n", text)) == RECORDING_RULES
+
+
+def rule_blocks() -> dict[str, str]:
+    """Each alert's text in alerts.yml, by name (the file lists one rule per ``- `` item)."""
+    text = (PROMETHEUS_DIR / "alerts.yml").read_text()
+    blocks = re.split(r"\n      - (?=alert:|record:)", text)
+    return {m.group(1): b for b in blocks if (m := re.match(r"alert: (\w+)\n", b))}
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+@pytest.mark.timeout(30)
+def test_every_alert_links_its_runbook_section_and_has_a_severity():
+    anchors = markdown_anchors(RUNBOOK.read_text())
+    blocks = rule_blocks()
+    assert set(blocks) == ALERTS
+    for name, block in blocks.items():
+        url = re.search(r"\n +runbook_url: (\S+)\n", block)
+        assert url, f"{name} has no runbook_url"
+        path, _, anchor = url.group(1).partition("#")
+        assert path == "docs/runbook.md", (name, url.group(1))
+        assert anchor == name.lower() and anchor in anchors, (name, anchor)
+        assert re.search(r"\n +severity: (critical|warning)\n", block), name
 
 
 @pytest.mark.timeout(90)
 def test_alert_rule_unit_tests_pass():
-    # Among them: PsctlTrainingStalled fires when steps stop while running, and does not
-    # while steps increase, while paused, or while either step series still moves.
     output = promtool("test", "rules", "deploy/prometheus/alerts_test.yml")
     assert "SUCCESS" in output, output
+
+
+@pytest.mark.timeout(30)
+def test_every_alert_is_tested_firing_and_not_firing():
     tests = (PROMETHEUS_DIR / "alerts_test.yml").read_text()
-    assert "alertname: PsctlTrainingStalled" in tests
+    checks = re.findall(r"alertname: (\w+)\n +exp_alerts:(.*)\n", tests)
+    firing = {name for name, rest in checks if rest.strip() != "[]"}
+    silent = {name for name, rest in checks if rest.strip() == "[]"}
+    assert firing == ALERTS, sorted(ALERTS ^ firing)
+    assert silent == ALERTS, sorted(ALERTS ^ silent)
 
 
 def exported_series() -> set[str]:

@@ -138,6 +138,32 @@ def exec_argv(line: str, instance: str, env: Mapping[str, str]) -> list[str]:
     return argv
 
 
+SANDBOX = Path(__file__).with_name("sandbox.py")
+
+
+def sandboxed(
+    unit: Unit, argv: Sequence[str], *, writable: Sequence[str] = (), exposed: Sequence[str] = ()
+) -> list[str]:
+    """``argv`` under the unit's sandbox settings, as far as sandbox.py applies them
+    (``writable``: this run's stand-ins for StateDirectory=; ``exposed``: directories under
+    /root that must stay readable, as this checkout's Python lives there)."""
+    from tests.integration.sandbox import APPLIED
+
+    settings: dict[str, object] = {}
+    for section, key, val in unit:
+        if section != "Service" or key not in APPLIED:
+            continue
+        if key == "SystemCallFilter":
+            filters = settings.setdefault(key, [])
+            assert isinstance(filters, list)
+            filters.append(val)
+        else:
+            settings[key] = val
+    settings["ReadWritePaths"] = list(writable)
+    settings["ExposePaths"] = list(exposed)
+    return [sys.executable, str(SANDBOX), json.dumps(settings), "--", *argv]
+
+
 _CLEAN_SIGNALS = {signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE}
 
 

@@ -3,10 +3,13 @@
 One ps host, two worker hosts and a coordinator host, each its own network namespace with
 its own 10.x address. Every server starts from the exact ExecStart= line and environment of
 its rendered unit (instance substituted, as systemd would), with a NOTIFY_SOCKET that must
-receive READY=1. `psctl deploy check` on the coordinator host sees every server SERVING;
-the coordinator unit's `psctl train` trains the mlp job across the hosts; a worker host's
-server is SIGKILLed mid-training and started again by the test's Restart=on-failure loop
-(READY=1 again, at the same address). `psctl pause` holds the job until it is back, so it
+receive READY=1, under the unit's sandbox as far as tests/integration/sandbox.py applies it
+(a dynamic user, no capabilities, the system call filter, a read-only file system, private
+/tmp, no /home: its docstring lists what is applied and what is not). `psctl deploy check`
+on the coordinator host sees every server SERVING; the coordinator unit's `psctl train`,
+sandboxed too, trains the mlp job across the hosts; a worker host's server is SIGKILLed
+mid-training and started again by the test's Restart=on-failure loop (READY=1 again, at
+the same address). `psctl pause` holds the job until it is back, so it
 has steps left: it takes its share of them, and the job completes with eval accuracy >= 0.90.
 
 Needs root (network namespaces) and `ip` (tools/ensure-systemd-tools.sh installs it). The
@@ -42,10 +45,12 @@ from tests.integration.netns_hosts import (
     exec_argv,
     open_lab,
     parse_unit,
+    sandboxed,
     service_env,
     value,
     write_cluster,
 )
+from tests.integration.sandbox import NOBODY
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +64,9 @@ BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "LANG": "C.UTF-8",
 }
+# This checkout's venv points to a Python under /root, which ProtectHome= hides: the
+# sandbox leaves that one directory readable (a real host installs psctl in /opt).
+PYTHON_HOME = os.path.realpath(sys.base_prefix)
 
 
 @pytest.fixture
@@ -134,7 +142,12 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
     for host, address in HOSTS.items():  # "install": the host's files at its /etc/psctl
         shutil.copytree(out / address, lab.etc(host) / "psctl")
 
-    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/tmp"))  # short socket paths
+    # Not in /tmp, which is private to each sandboxed service; the dynamic user sends to it.
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))  # short socket paths
+    notify_dir.chmod(0o755)
+    # StateDirectory=psctl stands in here: writable by the dynamic user, outside /tmp.
+    state_dir = Path(tempfile.mkdtemp(prefix="psctl-mh", dir="/var/lib"))
+    os.chown(state_dir, NOBODY, NOBODY)
     services: dict[str, Service] = {}
     sockets: dict[str, NotifySocket] = {}
     coordinator: subprocess.Popen[bytes] | None = None
@@ -146,12 +159,13 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             instance = str(index)
             env = {**BASE_ENV, **service_env(unit, instance, host_path(lab, host))}
             sockets[name] = NotifySocket(notify_dir / f"{task_type}-{index}.sock")
+            sockets[name].path.chmod(0o777)
             env["NOTIFY_SOCKET"] = str(sockets[name].path)
             argv = exec_argv(value(unit, "Service", "ExecStart"), instance, env)
             assert argv[0] == str(BIN_DIR / f"{task_type}-server")
             services[name] = Service(
                 name=name,
-                argv=lab.exec(host, argv),
+                argv=lab.exec(host, sandboxed(unit, argv, exposed=[PYTHON_HOME])),
                 env=env,
                 policy=RestartPolicy.of(unit),
                 log_path=tmp_path / f"{task_type}-{index}.log",
@@ -170,14 +184,15 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         env = {**BASE_ENV, **service_env(unit, "", host_path(lab, "coord"))}
         # What a drop-in would set: this run's state directory and length.
         env.update(
-            PSCTL_CHECKPOINT_DIR=str(tmp_path / "checkpoints"),
-            PSCTL_SUMMARY_JSON=str(tmp_path / "summary.json"),
+            PSCTL_CHECKPOINT_DIR=str(state_dir / "checkpoints"),
+            PSCTL_SUMMARY_JSON=str(state_dir / "summary.json"),
             PSCTL_STEPS=str(STEPS),
             PSCTL_LOG_EVERY="2",
-            HOME=str(tmp_path),
+            HOME=str(state_dir),
         )
         argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
         assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
+        argv = sandboxed(unit, argv, writable=[str(state_dir)], exposed=[PYTHON_HOME])
         coordinator_log = tmp_path / "coordinator.log"
         with coordinator_log.open("wb") as log:
             coordinator = subprocess.Popen(
@@ -228,7 +243,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             assert service.running, f"{name} is down:\n{service.log_tail()}"
         cpu_used = cpu_seconds(restarted_pid) - cpu_at_ready[0]
         cpu_other = cpu_seconds(other.pid) - cpu_at_ready[1]
-        summary = json.loads((tmp_path / "summary.json").read_text())
+        summary = json.loads((state_dir / "summary.json").read_text())
         mark(f"job done: {summary}")
         mark(f"CPU since worker:1 came back: worker:1 {cpu_used:.1f}s, worker:0 {cpu_other:.1f}s")
         assert summary["global_step"] >= STEPS
@@ -245,6 +260,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         for sock in sockets.values():
             sock.close()
         shutil.rmtree(notify_dir, ignore_errors=True)
+        shutil.rmtree(state_dir, ignore_errors=True)
         print("\n".join(marks))
         for name, service in services.items():
             print(f"--- {name} log (starts {service.starts}, exits {service.exits})")

@@ -1,4 +1,6 @@
-"""A real Prometheus server scrapes psctl: targets up, series sane, rules and dashboard valid.
+"""A real Prometheus server scrapes psctl: targets up, series sane, rules and dashboard valid,
+and the alerts fire (or stay silent) against real jobs: a clean finish, a NaN loss in every
+training process (a restart loop).
 
 Needs `prometheus` and `promtool` on PATH (tools/ensure-prometheus.sh installs them). The
 tests never skip when they are missing: they fail and say how to install them.
@@ -26,7 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from psctl.cluster.ports import free_ports
 from psctl.coordinator.control.metrics import CoordinatorMetrics
-from tests.conftest import child_env, kill_if_running, psctl_argv, require_tool
+from tests.conftest import REPO, child_env, kill_if_running, psctl_argv, require_tool
 from tests.deploy.test_prometheus_rules import ALERTS as ALERT_NAMES
 from tests.deploy.test_prometheus_rules import DASHBOARD, PROMETHEUS_DIR
 
@@ -148,6 +150,13 @@ class Prometheus:
         if reply.get("status") != "success":
             raise AssertionError(f"{path} {params}: {reply.get('errorType')}: {reply.get('error')}")
         return reply["data"]
+
+    def alerts(self, name: str) -> list[dict[str, Any]]:
+        """The alert ``name``'s pending and firing instances."""
+        return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == name]
+
+    def firing(self, name: str) -> list[dict[str, Any]]:
+        return [a for a in self.alerts(name) if a["state"] == "firing"]
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         data = self.api("query", query=expr)
@@ -342,7 +351,7 @@ def test_prometheus_scrapes_coordinator_metrics(prometheus_factory):
         # goes on: running comes back within a scrape or two.
         wait_for(
             "psctl_coordinator_state running",
-            lambda: prom.value('psctl_coordinator_state{psctl_coordinator_state="running"}') == 1,
+            lambda: prom.value('psctl_coordinator_state{state="running"}') == 1,
             timeout=20,
             every=0.5,
         )
@@ -353,14 +362,7 @@ def test_prometheus_scrapes_coordinator_metrics(prometheus_factory):
         for title in ("Steps / s", "Examples / s", "Step time", "Loss", "Metrics", "Tasks up"):
             assert title in with_data, (title, with_data)
 
-        def nan_alert() -> list[dict[str, Any]]:
-            return [
-                a
-                for a in prom.api("alerts")["alerts"]
-                if a["labels"]["alertname"] == "PsctlLossNaN"
-            ]
-
-        alerts = wait_for("PsctlLossNaN to be pending", nan_alert, timeout=20)
+        alerts = wait_for("PsctlLossNaN", lambda: prom.alerts("PsctlLossNaN"), timeout=20)
         assert alerts[0]["state"] in ("pending", "firing")
         assert alerts[0]["labels"]["job"] == "psctl-coordinator"
 
@@ -401,40 +403,57 @@ def read_targets(path: Path) -> list[dict[str, Any]] | None:
     return groups if "psctl-coordinator" in jobs else None
 
 
+class LocalJob:
+    """``psctl local`` in a subprocess, its stderr watched; fails fast if it exits early."""
+
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.proc = subprocess.Popen(
+            psctl_argv("local", "--workdir", str(workdir), *args),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env or child_env(),
+        )
+        self.watcher = LineWatcher(self.proc)
+
+    def running(self, check: Callable[[], T | None]) -> Callable[[], T | None]:
+        """``check``, failing at once (with psctl local's last lines) once it has exited."""
+
+        def guarded() -> T | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"psctl local exited with {self.proc.returncode}:\n{self.watcher.tail()}"
+                )
+            return check()
+
+        return guarded
+
+    def wait_for_targets(self, *, timeout: float) -> tuple[Path, list[dict[str, Any]]]:
+        targets_file = self.workdir / "targets.json"
+        try:
+            groups = wait_for(
+                f"{targets_file} (psctl local writes it once its servers are up)",
+                self.running(lambda: read_targets(targets_file)),
+                timeout=timeout,
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}\npsctl local stderr:\n{self.watcher.tail()}") from None
+        return targets_file, groups
+
+    def kill(self) -> None:
+        kill_if_running(self.proc, 10)
+
+
 @pytest.mark.timeout(240)
 def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
     tool("prometheus")
     tool("promtool")
-    proc = subprocess.Popen(
-        psctl_argv("local", "--workdir", str(workdir), "--steps", "100000", "--log-every", "1"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=child_env(),
-    )
-    watcher = LineWatcher(proc)
+    job = LocalJob(workdir, "--steps", "100000", "--log-every", "1")
+    proc, watcher = job.proc, job.watcher
     try:
-
-        def running(check: Callable[[], Any]) -> Callable[[], Any]:
-            def guarded() -> Any:
-                if proc.poll() is not None:
-                    raise AssertionError(
-                        f"psctl local exited with {proc.returncode}:\n{watcher.tail()}"
-                    )
-                return check()
-
-            return guarded
-
-        targets_file = workdir / "targets.json"
-        try:
-            groups = wait_for(
-                f"{targets_file} (psctl local writes it once its servers are up)",
-                running(lambda: read_targets(targets_file)),
-                timeout=150,
-            )
-        except AssertionError as err:
-            raise AssertionError(f"{err}\npsctl local stderr:\n{watcher.tail()}") from None
+        targets_file, groups = job.wait_for_targets(timeout=150)
         assert len(groups) == 4, groups  # coordinator + 1 ps + 2 workers
         by_job: dict[str, int] = {}
         for group in groups:
@@ -447,7 +466,7 @@ def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
 
         wait_for(
             "the first 'train | step:' line",
-            running(lambda: watcher.seen("train | step:")),
+            job.running(lambda: watcher.seen("train | step:")),
             timeout=120,
         )
 
@@ -471,12 +490,12 @@ def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
 
         first = wait_for(
             "psctl_global_step from the coordinator",
-            running(lambda: prom.value('psctl_global_step{job="psctl-coordinator"}')),
+            job.running(lambda: prom.value('psctl_global_step{job="psctl-coordinator"}')),
             timeout=30,
         )
         wait_for(
             "psctl_global_step to rise",
-            running(
+            job.running(
                 lambda: (prom.value('psctl_global_step{job="psctl-coordinator"}') or 0) > first
             ),
             timeout=30,
@@ -484,11 +503,17 @@ def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
         )
         assert prom.value('psctl_task_info{job="psctl-ps"}') == 1
         assert prom.value('count(psctl_task_info{job="psctl-worker"})') == 2
+        assert (
+            prom.value(
+                'count(psctl_health_state{job=~"psctl-ps|psctl-worker",state="serving"} == 1)'
+            )
+            == 3
+        )
         # Checkpoints (every 500 steps) show as "checkpointing" for a moment while training
         # goes on: running comes back within a scrape or two.
         wait_for(
             "psctl_coordinator_state running",
-            lambda: prom.value('psctl_coordinator_state{psctl_coordinator_state="running"}') == 1,
+            lambda: prom.value('psctl_coordinator_state{state="running"}') == 1,
             timeout=20,
             every=0.5,
         )
@@ -500,12 +525,104 @@ def test_psctl_local_is_scraped_by_prometheus(workdir, prometheus_factory):
             timeout=20,
         )
         with_data = check_dashboard_queries(prom)
-        for title in ("Steps / s", "Examples / s", "Step time", "Tasks up", "Coordinator state"):
+        for title in (
+            "Steps / s",
+            "Examples / s",
+            "Step time",
+            "Tasks up",
+            "Coordinator state",
+            "Stalls",
+            "Server health",
+        ):
             assert title in with_data, (title, with_data)
+        for name in ("PsctlCoordinatorDown", "PsctlTrainingStalled", "PsctlMetricsMissing"):
+            assert prom.alerts(name) == [], (name, prom.alerts(name))
 
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
         watcher.thread.join(timeout=10)
         assert proc.returncode == 0, watcher.tail()
+
+        # A clean finish: the coordinator stayed until Prometheus saw DONE, so its exit is
+        # no page (without that, PsctlCoordinatorDown is pending within two scrapes).
+        assert prom.value('up{job="psctl-coordinator"}') is not None
+        wait_for(
+            "the coordinator's target to be down",
+            lambda: prom.value('up{job="psctl-coordinator"}') == 0,
+            timeout=15,
+        )
+        wait_for(
+            "psctl:coordinator_finished",
+            lambda: prom.value('psctl:coordinator_finished{job="psctl-coordinator"}') == 1,
+            timeout=15,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            assert prom.alerts("PsctlCoordinatorDown") == [], prom.alerts("PsctlCoordinatorDown")
+            time.sleep(1)
     finally:
-        kill_if_running(proc, 10)
+        job.kill()
+
+
+@pytest.mark.timeout(420)
+def test_nan_loss_and_restart_loop_fire_against_a_real_poisoned_job(
+    workdir, prometheus_factory, tmp_path
+):
+    # Every training process reads a NaN batch: each one publishes and counts the NaN loss,
+    # exits 75, and the supervisor starts the next from the latest finite checkpoint, until
+    # --max-restarts (4) is spent and the job ends FAILED.
+    tool("prometheus")
+    tool("promtool")
+    marker = tmp_path / "poisoned"
+    marker.write_text("every")
+    job = LocalJob(
+        workdir,
+        "--job",
+        str(REPO / "tests" / "jobs" / "poisoned.py"),
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "300",
+        "--max-restarts",
+        "4",
+        "--log-every",
+        "2",
+        env=child_env(PSCTL_TEST_POISON_MARKER=str(marker)),
+    )
+    try:
+        targets_file, _ = job.wait_for_targets(timeout=150)
+        prom = prometheus_factory(
+            [{"job_name": "psctl", "file_sd_configs": [{"files": [str(targets_file)]}]}]
+        )
+        check_rules_healthy(prom)
+
+        nan = wait_for(
+            "PsctlLossNaN to fire", lambda: prom.firing("PsctlLossNaN"), timeout=240, every=1.0
+        )
+        assert nan[0]["labels"]["job"] == "psctl-coordinator", nan
+        # Counted, and carried over: the count never went back at a restart.
+        assert (prom.value('max(psctl_nonfinite_loss_total{job="psctl-coordinator"})') or 0) >= 1
+        assert prom.value('resets(psctl_nonfinite_loss_total{job="psctl-coordinator"}[10m])') == 0
+
+        loop = wait_for(
+            "PsctlRestartLoop to fire",
+            lambda: prom.firing("PsctlRestartLoop"),
+            timeout=300,
+            every=1.0,
+        )
+        assert loop[0]["labels"]["job"] == "psctl-coordinator", loop
+        assert prom.value('resets(psctl_restarts_total{job="psctl-coordinator"}[10m])') == 0
+        assert job.watcher.seen("training loss is nan") or job.watcher.seen("is not finite")
+
+        # The budget runs out: the job ends FAILED. Its coordinator's last state was not
+        # DONE, so its exit pages.
+        job.proc.wait(timeout=300)
+        assert job.proc.returncode != 0, job.watcher.tail()
+        down = wait_for(
+            "PsctlCoordinatorDown to be pending",
+            lambda: prom.alerts("PsctlCoordinatorDown"),
+            timeout=30,
+        )
+        assert down[0]["labels"]["job"] == "psctl-coordinator", down
+    finally:
+        job.kill()

@@ -3,7 +3,8 @@
 The NaN guard must refuse to checkpoint the ruined model and restart from the last finite
 checkpoint; the fresh process reads clean data and finishes. The process that poisons its
 data writes its pid into $PSCTL_TEST_POISON_MARKER (the job builds its dataset twice per
-process: once for the element spec, once for the workers).
+process: once for the element spec, once for the workers). A marker that says ``every``
+poisons every training process instead: the job restarts in a loop.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ __all__ = [
 ]
 
 POISON_AT = 400  # the batch, in each worker's stream, whose features are NaN
+EVERY = "every"  # the marker's text that poisons every training process
 
 
 def _poisons() -> bool:
     marker = Path(os.environ["PSCTL_TEST_POISON_MARKER"])
+    if marker.exists() and marker.read_text() == EVERY:
+        return True
     if not marker.exists():
         marker.write_text(str(os.getpid()))
     return marker.read_text() == str(os.getpid())

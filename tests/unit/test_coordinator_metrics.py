@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -41,19 +43,24 @@ def test_identity_and_cluster_size(registry, metrics):
                 assert "task_type" not in sample.labels, sample
 
 
-def test_state_is_an_enum_of_the_fixed_states(registry, metrics):
-    assert value(registry, "psctl_coordinator_state", psctl_coordinator_state="starting") == 1
+def test_state_is_one_gauge_per_fixed_state_under_a_state_label(registry, metrics):
+    assert value(registry, "psctl_coordinator_state", state="starting") == 1
     for state in STATES:
         metrics.set_state(state)
         for other in STATES:
-            got = value(registry, "psctl_coordinator_state", psctl_coordinator_state=other)
+            got = value(registry, "psctl_coordinator_state", state=other)
             assert got == (1 if other == state else 0), (state, other)
     metrics.set_state("running")
-    assert value(registry, "psctl_health_state", psctl_health_state="serving") == 1
+    assert value(registry, "psctl_health_state", state="serving") == 1
     metrics.set_state("done")
-    assert value(registry, "psctl_health_state", psctl_health_state="not_serving") == 1
+    assert value(registry, "psctl_health_state", state="not_serving") == 1
     with pytest.raises(ValueError, match="unknown coordinator state"):
         metrics.set_state("sleeping")
+    # The conventional label, not the metric's own name (prometheus_client's Enum).
+    text = generate_latest(registry).decode()
+    assert 'psctl_coordinator_state{state="done"} 1.0' in text
+    assert 'psctl_health_state{state="not_serving"} 1.0' in text
+    assert "psctl_coordinator_state=" not in text and "psctl_health_state=" not in text
 
 
 def test_observe_call_counts_steps_examples_and_both_histograms(registry, metrics):
@@ -123,6 +130,48 @@ def test_failures_and_recoveries(registry, metrics):
     assert value(registry, "psctl_worker_failures_total") == 3
     assert value(registry, "psctl_ps_failures_total") == 1
     assert value(registry, "psctl_recoveries_total") == 1
+
+
+def test_counts_carried_over_from_earlier_training_processes(registry, metrics):
+    for name in ("restarts", "recoveries", "ps_failures", "nonfinite_loss"):
+        assert value(registry, f"psctl_{name}_total") == 0, name
+    metrics.carry_over(restarts=3, ps_failures=2, nonfinite_losses=1)
+    assert value(registry, "psctl_restarts_total") == 3
+    assert value(registry, "psctl_recoveries_total") == 3  # each restart restored a checkpoint
+    assert value(registry, "psctl_ps_failures_total") == 2
+    assert value(registry, "psctl_nonfinite_loss_total") == 1
+    metrics.nonfinite_loss()
+    metrics.recovery()
+    assert value(registry, "psctl_nonfinite_loss_total") == 2
+    assert value(registry, "psctl_recoveries_total") == 4
+    assert value(registry, "psctl_restarts_total") == 3  # only the supervisor restarts
+
+
+def test_wait_until_scraped_returns_at_once_when_nothing_scrapes(registry, metrics):
+    started = time.monotonic()
+    assert metrics.wait_until_scraped(max_seconds=10) is False
+    assert time.monotonic() - started < 1
+
+
+def test_wait_until_scraped_waits_for_the_next_scrape(registry, metrics):
+    generate_latest(registry)  # Prometheus has been scraping
+    generate_latest(registry)
+    metrics.set_state("done")
+    scraped: list[str] = []
+    scraper = threading.Timer(0.3, lambda: scraped.append(generate_latest(registry).decode()))
+    scraper.start()
+    assert metrics.wait_until_scraped(max_seconds=10) is True
+    scraper.join(timeout=5)
+    assert 'psctl_coordinator_state{state="done"} 1.0' in scraped[0]
+
+
+def test_wait_until_scraped_gives_up_after_two_scrape_intervals(registry, metrics):
+    generate_latest(registry)
+    time.sleep(0.2)
+    generate_latest(registry)  # scraped every 0.2 s: waits at most 2 x 0.2 + 1 s
+    started = time.monotonic()
+    assert metrics.wait_until_scraped(max_seconds=10) is False
+    assert time.monotonic() - started < 3
 
 
 def test_checkpoints(registry, metrics):

@@ -1,4 +1,4 @@
-"""`psctl deploy render`, the systemd units it writes, and the Kubernetes TFJob manifest.
+"""`psctl deploy render` and the systemd units it writes (Kubernetes: test_kubernetes.py).
 
 `systemd-analyze verify` checks every unit (the Debian package systemd ships it;
 tools/ensure-systemd-tools.sh installs it): these tests fail, never skip, without it.
@@ -17,8 +17,8 @@ import pytest
 from psctl.cluster import server as server_cli
 from psctl.cluster.errors import EXIT_CONFIG
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
-from psctl.cluster.spec import parse_tf_config
 from psctl.coordinator.cli import main as cli
+from psctl.coordinator.failures import EXIT_RESTART, EXIT_STATUS, EXIT_USAGE, FINAL_EXIT_STATUSES
 from psctl.coordinator.launch import deploy
 from tests.conftest import REPO, require_tool
 from tests.integration.netns_hosts import (
@@ -33,8 +33,6 @@ from tests.integration.netns_hosts import (
 
 BIN_DIR = str(Path(sys.executable).parent)  # real psctl, ps-server, worker-server
 SYSTEMD_DIR = REPO / "deploy" / "systemd"
-TFJOB = REPO / "deploy" / "kubernetes" / "tfjob.yaml"
-PVC = REPO / "deploy" / "kubernetes" / "checkpoints-pvc.yaml"
 
 # 2 ps, 3 workers on 4 server hosts (10.0.0.3 runs a ps and a worker), chief on its own.
 CLUSTER = {
@@ -65,7 +63,12 @@ HARDENING = {
     "LockPersonality": "yes",
     "CapabilityBoundingSet": "",
     "MemoryDenyWriteExecute": "false",
+    "SystemCallErrorNumber": "EPERM",
+    "ProtectProc": "invisible",
+    "PrivateMounts": "yes",
+    "UMask": "0077",
 }
+SYSTEM_CALL_FILTER = ["@system-service", "~@privileged @resources"]
 
 
 @pytest.fixture
@@ -148,15 +151,19 @@ def test_server_units_notify_restart_and_hardening(rendered: Path, role: str):
     u = parse_unit(text)
     assert value(u, "Service", "Type") == "notify"
     assert value(u, "Service", "Restart") == "on-failure"
-    assert value(u, "Service", "RestartPreventExitStatus") == str(EXIT_CONFIG)
+    # A bad instance (psctl-ps@foo: argparse's 2) stops there, as a configuration error does.
+    assert value(u, "Service", "RestartPreventExitStatus") == f"{EXIT_USAGE} {EXIT_CONFIG}"
     assert values(u, "Service", "EnvironmentFile") == [
         "/etc/psctl/psctl.env",
         f"-/etc/psctl/{role}-%i.env",
     ]
     for key, expected in HARDENING.items():
         assert value(u, "Service", key) == expected, key
+    assert values(u, "Service", "SystemCallFilter") == SYSTEM_CALL_FILTER
     assert value(u, "Unit", "PartOf") == "psctl.target"
     assert value(u, "Install", "WantedBy") == "psctl.target"
+    # Stopped after the coordinator of the same host (its final checkpoint needs them).
+    assert value(u, "Unit", "Before") == "psctl-coordinator.service"
     # The comment right above MemoryDenyWriteExecute=false says why.
     lines = text.splitlines()
     at = lines.index("MemoryDenyWriteExecute=false")
@@ -184,11 +191,19 @@ def test_coordinator_unit_runs_psctl_train_with_the_cli_flags(rendered: Path):
     host = rendered / "10.0.0.1"
     u = unit(host / "psctl-coordinator.service")
     assert value(u, "Service", "Restart") == "on-failure"
-    assert value(u, "Service", "RestartPreventExitStatus") == str(EXIT_CONFIG)
+    # psctl train retries inside (75 never leaves it): every status it ends with is final.
+    prevented = [int(s) for s in value(u, "Service", "RestartPreventExitStatus").split()]
+    assert prevented == list(FINAL_EXIT_STATUSES)
+    ends_with = {s for s in EXIT_STATUS.values() if s != EXIT_RESTART} | {EXIT_USAGE}
+    assert set(prevented) == ends_with and {EXIT_CONFIG, EXIT_USAGE} <= set(prevented)
     assert value(u, "Service", "StateDirectory") == "psctl"
     assert value(u, "Service", "KillMode") == "mixed"  # one SIGTERM, via the supervisor
     for key, expected in HARDENING.items():
         assert value(u, "Service", key) == expected, key
+    assert values(u, "Service", "SystemCallFilter") == SYSTEM_CALL_FILTER
+    # Starting it starts the servers of its host, which are ordered before it.
+    assert values(u, "Unit", "Wants") == ["network-online.target", "psctl.target"]
+    assert not values(u, "Unit", "After")[1:], "After=psctl.target would be a cycle"
     env = service_env(u, "", lambda p: host / p.removeprefix("/etc/psctl/"))
     argv = exec_argv(value(u, "Service", "ExecStart"), "", env)
     assert argv[0] == f"{BIN_DIR}/psctl"
@@ -212,7 +227,7 @@ def test_readme_per_host_has_the_commands_and_every_port(rendered: Path):
     chief = (rendered / "10.0.0.1" / "README.md").read_text()
     assert "systemctl start psctl-coordinator.service" in chief
     assert f"{BIN_DIR}/psctl deploy check --cluster /etc/psctl/cluster.json" in chief
-    for port in (2222, 9400, 7070):
+    for port in (2222, cli.DEFAULT_METRICS_PORT, 7070):
         assert re.search(rf"^\| chief \| {port} \|", chief, re.M), port
 
 
@@ -226,6 +241,45 @@ def test_systemd_analyze_verify_passes_on_every_rendered_unit(rendered: Path):
             elif name == deploy.COORDINATOR_UNIT:
                 names.append(name)
         verify(rendered / host, names)
+
+
+def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
+    """tests/integration/sandbox.py applies the units' sandbox to the multi-host test's
+    processes, or lists a setting as not applied (docs/deploy.md says which): a new
+    setting in the units must be one or the other."""
+    from tests.integration.sandbox import APPLIED, NOT_APPLIED
+
+    other = {"Type", "NotifyAccess", "EnvironmentFile", "Environment", "ExecStart", "Restart"}
+    other |= {"RestartSec", "RestartPreventExitStatus", "TimeoutStartSec", "TimeoutStopSec"}
+    other |= {"SyslogIdentifier", "LimitNOFILE", "KillMode"}
+    for host, files in HOST_FILES.items():
+        for name in files:
+            if name.endswith(".service"):
+                keys = {k for s, k, _ in unit(rendered / host / name) if s == "Service"}
+                assert keys - other <= APPLIED | NOT_APPLIED, (name, keys - other - APPLIED)
+
+
+@pytest.mark.parametrize(
+    ("host", "name", "most"),
+    [
+        ("10.0.0.1", "psctl-coordinator.service", 1.5),
+        ("10.0.0.3", "psctl-ps@.service", 1.5),
+        ("10.0.0.3", "psctl-worker@.service", 1.8),  # no PrivateDevices=: GPUs
+    ],
+)
+def test_units_expose_little_by_systemd_analyze_security(
+    rendered: Path, host: str, name: str, most: float
+):
+    proc = subprocess.run(
+        [systemd_analyze(), "security", "--offline=true", "--no-pager", f"./{name}"],
+        cwd=rendered / host,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
+    assert found, proc.stdout + proc.stderr
+    assert float(found[1]) <= most, proc.stdout
 
 
 def test_deploy_systemd_is_the_renderer_output(tmp_path: Path):
@@ -276,97 +330,3 @@ def test_psctl_deploy_does_not_import_tensorflow(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "rendered 5 hosts" in proc.stdout
-
-
-# ---------------------------------------------------------------- Kubernetes
-
-
-def load_json_yaml(path: Path) -> dict:
-    """The manifests are YAML in JSON's syntax plus full-line comments."""
-    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
-    return json.loads("\n".join(lines))
-
-
-def container(spec: dict, replica: str) -> dict:
-    pod = spec["spec"]["tfReplicaSpecs"][replica]["template"]["spec"]
-    (only,) = pod["containers"]
-    return only
-
-
-def console_scripts() -> set[str]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    return set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
-
-
-def test_tfjob_has_chief_ps_and_worker_replicas_as_the_operator_wants():
-    job = load_json_yaml(TFJOB)
-    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob")
-    replicas = job["spec"]["tfReplicaSpecs"]
-    assert set(replicas) == {"Chief", "PS", "Worker"}
-    assert replicas["Chief"]["replicas"] == 1
-    assert replicas["Chief"]["restartPolicy"] == "OnFailure"
-    for name in ("PS", "Worker"):
-        assert replicas[name]["replicas"] >= 1
-        assert replicas[name]["restartPolicy"] == "Always"
-    for name in replicas:
-        c = container(job, name)
-        # The operator finds the TF container and port by these names.
-        assert c["name"] == "tensorflow"
-        assert {"name": "tfjob-port", "containerPort": 2222} in c["ports"]
-        env = {e["name"]: e["value"] for e in c["env"]}
-        assert env["GRPC_FAIL_FAST"] == "use_caller"
-        assert "TF_CONFIG" not in env  # the operator sets it
-        assert c["command"][0] in console_scripts()
-    pvc = load_json_yaml(PVC)
-    volumes = replicas["Chief"]["template"]["spec"]["volumes"]
-    assert {"name": "state", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}} in (
-        volumes
-    )
-
-
-@pytest.mark.parametrize(("replica", "task_type"), [("PS", "ps"), ("Worker", "worker")])
-def test_tfjob_servers_probe_health_and_expose_metrics_on_the_cli_ports(replica, task_type):
-    job = load_json_yaml(TFJOB)
-    c = container(job, replica)
-    assert c["command"] == [f"{task_type}-server"]
-    args = server_cli.build_parser(task_type).parse_args(c["args"])
-    assert args.cluster is None  # the task comes from the operator's TF_CONFIG
-    tf_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "tfjob-port")
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports["health"] == tf_port + HEALTH_PORT_OFFSET
-    assert ports["metrics"] == tf_port + METRICS_PORT_OFFSET
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": ports["health"]}, probe
-    annotations = job["spec"]["tfReplicaSpecs"][replica]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(ports["metrics"])
-    # What the operator's TF_CONFIG looks like for this replica parses as this server's task.
-    tf_config = {
-        "cluster": {
-            "chief": ["psctl-mlp-chief-0.default.svc:2222"],
-            "ps": ["psctl-mlp-ps-0.default.svc:2222"],
-            "worker": [f"psctl-mlp-worker-{i}.default.svc:2222" for i in range(2)],
-        },
-        "task": {"type": task_type, "index": 0},
-        "environment": "cloud",
-    }
-    assert parse_tf_config(json.dumps(tf_config)).task_type == task_type
-
-
-def test_tfjob_chief_runs_psctl_train_with_flags_the_cli_knows():
-    job = load_json_yaml(TFJOB)
-    c = container(job, "Chief")
-    assert c["command"] == ["psctl", "train"]
-    args = cli.build_parser().parse_args([*c["command"][1:], *c["args"]])
-    assert args.command == "train" and args.cluster is None  # TF_CONFIG from the operator
-    assert args.control_address.startswith("127.0.0.1:")  # no authentication: loopback
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports["metrics"] == args.metrics_port
-    annotations = job["spec"]["tfReplicaSpecs"]["Chief"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(args.metrics_port)
-    mounts = [m["mountPath"] for m in c["volumeMounts"]]
-    assert any(args.checkpoint_dir.startswith(m + "/") for m in mounts), args.checkpoint_dir
-    assert any(args.summary_json.startswith(m + "/") for m in mounts), args.summary_json

@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from psctl.cluster.errors import ConfigError
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.ports import free_ports
+from psctl.coordinator.control.service import TaskInfo
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     CALL_DECISIONS,
+    EXIT_GAVE_UP,
     EXIT_INTERRUPTED,
     EXIT_RESTART,
     EXIT_STATUS,
+    FINAL_EXIT_STATUSES,
     PROCESS_DECISIONS,
     RESTARTS,
     Decision,
@@ -31,10 +38,13 @@ from psctl.coordinator.failures import (
     Unreachable,
     classify,
     classify_exit,
+    describe,
     exit_status,
+    tasks_named,
 )
 from psctl.coordinator.launch import train
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+from tests.conftest import child_env, psctl_argv
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -147,7 +157,7 @@ DECISIONS = [
     (Failure.NON_FINITE, Decision.RESTART, Decision.RESTART),
     (Failure.JOB_ERROR, Decision.FAIL, Decision.FAIL),
     (Failure.CONFIG_ERROR, Decision.FAIL_CONFIG, Decision.FAIL_CONFIG),
-    (Failure.UNREACHABLE, Decision.RESTART, Decision.RESTART),
+    (Failure.UNREACHABLE, Decision.FAIL_UNREACHABLE, Decision.FAIL_UNREACHABLE),
     (Failure.RESTART_REQUESTED, Decision.RESTART, Decision.RESTART),
     (Failure.TRAINING_CRASHED, Decision.RESTART_WITH_BACKOFF, Decision.RESTART_WITH_BACKOFF),
 ]
@@ -178,6 +188,8 @@ EXITS = [
     (Decision.WAIT_FOR_PS_THEN_RESTART, 75),
     (Decision.FAIL, 1),
     (Decision.FAIL_CONFIG, 78),
+    (Decision.FAIL_UNREACHABLE, 69),
+    (Decision.GIVE_UP, 70),
     (Decision.ABORT, 130),
 ]
 
@@ -195,7 +207,15 @@ def test_decisions_that_end_no_process_have_no_status(decision: Decision) -> Non
 
 def test_exit_rows_cover_the_table() -> None:
     assert dict(EXITS) == dict(EXIT_STATUS)
-    assert (EXIT_RESTART, EXIT_INTERRUPTED) == (75, 130)
+    assert (EXIT_RESTART, EXIT_INTERRUPTED, EXIT_GAVE_UP) == (75, 130, 70)
+
+
+def test_every_status_a_job_ends_with_is_final_but_0() -> None:
+    """What the coordinator unit puts in RestartPreventExitStatus=: every status the
+    supervisor can return, the bad command line's 2 included; never 75, which only asks
+    psctl's own supervisor for a fresh training process."""
+    assert FINAL_EXIT_STATUSES == (1, 2, 69, 70, 78, 130)
+    assert EXIT_RESTART not in FINAL_EXIT_STATUSES
 
 
 CHILD_EXITS = [
@@ -207,7 +227,8 @@ CHILD_EXITS = [
     (130, Failure.STOP_SIGNAL),
     (1, Failure.JOB_ERROR),
     (2, Failure.JOB_ERROR),  # argparse: a bad command line
-    (69, Failure.JOB_ERROR),
+    (69, Failure.UNREACHABLE),
+    (70, Failure.JOB_ERROR),  # only a supervisor ends with it
 ]
 
 
@@ -264,6 +285,11 @@ class FakeControl:
         self.ps_back_after = ps_back_after  # all_ps_serving() checks until True; 0: never
         self.checks = 0
         self.unhealthy = unhealthy or []
+        self.tasks = [
+            TaskInfo("chief", 0, "10.0.0.1:2222"),
+            TaskInfo("ps", 0, "10.0.0.2:2222", "10.0.0.2:3222"),
+            TaskInfo("worker", 1, "10.0.0.4:2222", "10.0.0.4:3222"),
+        ]
 
     def set_state(self, state: State, message: str = "") -> None:
         self.calls.append(("set_state", state, message))
@@ -338,18 +364,25 @@ def test_cluster_failure_waits_for_the_ps_then_restarts(
     assert control.checks == 3
     # Backoff 0.5, 1, 2 s, each with up to half again of jitter.
     assert all(d <= s <= d * 1.5 for d, s in zip([0.5, 1.0, 2.0], fake.sleeps, strict=True))
-    assert "ps down: ps:0" in caplog.text
-    assert "not back" not in caplog.text
+    # Two lines: what failed (the task and its address), what psctl does about it.
+    assert len(caplog.records) == 2, caplog.text
+    failed, action = (r.getMessage() for r in caplog.records)
+    assert failed.startswith("ps:0 (10.0.0.2:2222) failed: ") or failed.startswith(
+        "worker:1 (10.0.0.4:2222) failed: "
+    ), failed
+    assert action.startswith("restarting the training process from the latest checkpoint")
+    assert "not SERVING after" not in caplog.text
 
 
 def test_recovery_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
     control, fake = FakeControl(ps_back_after=0), FakeTime()
     with caplog.at_level(logging.WARNING):
         assert _end(FakeOpError(UNAVAILABLE, PS), control, fake, timeout=30.0) == EXIT_RESTART
-    assert 30.0 <= sum(fake.sleeps) <= 30.0 + 5.0 * 1.5
-    assert max(fake.sleeps) <= 5.0 * 1.5  # backoff capped at 5 s (+ jitter)
-    assert "ps tasks not back after 30s; restarting anyway" in caplog.text
-    assert "ps down: unknown" in caplog.text
+    assert 30.0 <= sum(fake.sleeps) <= 30.0 + 2.0 * 1.5
+    assert max(fake.sleeps) <= 2.0 * 1.5  # backoff capped at 2 s, the health checks' period
+    assert "ps tasks not SERVING after 30s (--recovery-timeout): restarting anyway" in caplog.text
+    assert "then the job ends with exit 69" in caplog.text
+    assert "ps:0 (10.0.0.2:2222) failed: FakeOpError: /job:ps/replica:0/task:0" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -367,7 +400,7 @@ def test_permanent_failure_marks_failed_and_raises(err: BaseException) -> None:
     with pytest.raises(type(err)) as raised:
         _end(err, control, fake)
     assert raised.value is err
-    assert control.calls == [("finish", State.FAILED, train.one_line(err))]
+    assert control.calls == [("finish", State.FAILED, describe(err))]
     assert fake.sleeps == []
 
 
@@ -510,10 +543,11 @@ def test_default_backoff_has_jitter_within_bounds() -> None:
 def test_supervisor_gives_up_after_the_budget(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR):
         status, script, sup = supervise([75, -signal.SIGKILL, 75], policy=NoJitter(max_restarts=2))
-    assert status == 1
+    # Its own status: not the job's code raising (1), not a configuration error (78).
+    assert status == EXIT_GAVE_UP == 70
     assert len(script.started_at) == 3
     assert sup.counters.restarts == 2
-    assert "2 restarts within 600s: giving up (job FAILED)" in caplog.text
+    assert "2 restarts within 600s already: giving up (job FAILED, exit 70)" in caplog.text
 
 
 def test_supervisor_budget_is_per_window() -> None:
@@ -522,7 +556,15 @@ def test_supervisor_budget_is_per_window() -> None:
     status, _, sup = supervise([75, 75, 75, 0], policy=policy, runs_for=700.0)
     assert (status, sup.counters.restarts) == (0, 3)
     status, _, sup = supervise([75, 75], policy=policy, runs_for=100.0)
-    assert (status, sup.counters.restarts) == (1, 1)
+    assert (status, sup.counters.restarts) == (EXIT_GAVE_UP, 1)
+
+
+def test_supervisor_never_retries_unreachable_servers() -> None:
+    """A ps that stays down: the training process waits --recovery-timeout and asks for a
+    restart (75); the next one finds the ps's port closed for --connect-timeout and exits
+    69, which ends the job however much budget is left."""
+    status, script, sup = supervise([75, EXIT_UNAVAILABLE], policy=NoJitter(max_restarts=10))
+    assert (status, len(script.started_at), sup.counters.restarts) == (69, 2, 1)
 
 
 @pytest.mark.parametrize(
@@ -575,3 +617,104 @@ def test_supervisor_stop_during_backoff() -> None:
     assert sup.run() == EXIT_INTERRUPTED
     assert len(script.started_at) == 1  # never started again
     assert max(fake.sleeps) <= 0.2  # slept in slices, ticking
+
+
+# ---- Servers that never come up: the real `psctl train`, end to end ---------------------
+
+
+@pytest.mark.timeout(30)
+def test_psctl_train_against_servers_that_never_listen_exits_69_after_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """The documented rule: exit 69 within --connect-timeout plus start-up, one attempt
+    (no restart by the supervisor, whatever --max-restarts allows)."""
+    chief, ps, worker = free_ports(3)  # free a moment ago: nobody listens there
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(
+        json.dumps(
+            {
+                "cluster": {
+                    "chief": [f"127.0.0.1:{chief}"],
+                    "ps": [f"127.0.0.1:{ps}"],
+                    "worker": [f"127.0.0.1:{worker}"],
+                }
+            }
+        )
+    )
+    argv = psctl_argv("train", "--cluster", str(cluster), "--connect-timeout", "2")
+    argv += ["--max-restarts", "10", "--metrics-port", "0", "--control-address", "127.0.0.1:0"]
+    started = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=25, env=child_env())
+    elapsed = time.monotonic() - started
+    assert proc.returncode == EXIT_UNAVAILABLE == 69, proc.stderr
+    assert 2.0 <= elapsed < 2.0 + 10.0, elapsed
+    assert proc.stderr.count("waiting up to 2s for 2 server(s) to listen") == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"psctl: error: servers not reachable after 2s (--connect-timeout): "
+        f"ps:0 (127.0.0.1:{ps}), worker:0 (127.0.0.1:{worker}); giving up (exit 69)"
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- What the logs say: one line per error, the tasks it names -------------------------
+
+TF_PS_KILLED = (
+    "Graph execution error:\n\nDetected at node while/body/_1/ReadVariableOp/_22 defined at "
+    "(most recent call last):\n<stack traces unavailable>\n2 root error(s) found.\n"
+    "  (0) UNAVAILABLE:  failed to connect to all addresses; last error: UNKNOWN: "
+    "ipv4:10.0.0.2:2222: Failed to connect to remote host: Connection refused\n"
+    "Additional GRPC error information from remote target /job:ps/replica:0/task:0/device:CPU:0"
+    " while calling /tensorflow.eager.EagerService/RunComponentFunction:\n"
+    ":UNKNOWN:Error received from peer  {grpc_status:14}\n"
+    "\t [[{{node while/body/_1/ReadVariableOp/_22}}]]\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:1 while "
+    "calling /tensorflow.eager.EagerService/Enqueue:\n"
+)
+
+
+def test_describe_skips_tensorflows_boilerplate() -> None:
+    err = FakeOpError(UNAVAILABLE, TF_PS_KILLED)
+    assert describe(err) == (
+        "FakeOpError: UNAVAILABLE:  failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:10.0.0.2:2222: Failed to connect to remote host: Connection refused"
+    )
+    assert describe(ValueError("boom\nsecond line")) == "ValueError: boom"
+    assert describe(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert describe(FakeOpError(UNAVAILABLE, "Graph execution error:\n")) == "FakeOpError"
+    job_bug = (
+        "Graph execution error:\n\nDetected at node while/assert_less/Assert defined at (most "
+        'recent call last):\n  File "/usr/lib/python3.11/threading.py", line 1002, in '
+        "_bootstrap\n\nassertion failed: [the loss is below 0.3]\n\t [[{{node while/Assert}}]]"
+    )
+    assert describe(FakeOpError(INVALID_ARGUMENT, job_bug)) == (
+        "FakeOpError: assertion failed: [the loss is below 0.3]"
+    )
+
+
+def test_tasks_named_follows_wrappers_in_order() -> None:
+    assert tasks_named(FakeOpError(UNAVAILABLE, TF_PS_KILLED)) == ["ps:0", "worker:1"]
+    wrapped = FakeWrapper(FakeOpError(UNAVAILABLE, f"{WORKER} -> {PS}"))
+    assert tasks_named(wrapped) == ["worker:1", "ps:0"]
+    assert tasks_named(_cycle()) == []
+    assert tasks_named(ValueError("no task")) == []
+
+
+def test_failed_tasks_prefers_the_ps_the_error_names() -> None:
+    control = FakeControl(unhealthy=["worker:1"])
+    named = FakeOpError(UNAVAILABLE, TF_PS_KILLED)
+    assert train.failed_tasks(named, control) == "ps:0 (10.0.0.2:2222)"  # type: ignore[arg-type]
+    assert train.failed_tasks(ValueError(), control) == "worker:1 (10.0.0.4:2222)"  # type: ignore[arg-type]
+    assert train.failed_tasks(ValueError(), FakeControl()) == "a task TensorFlow did not name"  # type: ignore[arg-type]
+
+
+def test_a_failure_psctl_does_not_handle_is_logged_in_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    err = FakeOpError(
+        INVALID_ARGUMENT, "Graph execution error:\n\nIncompatible shapes: [2] vs. [3]"
+    )
+    with caplog.at_level(logging.ERROR), pytest.raises(FakeOpError):
+        _end(err, FakeControl(), FakeTime())
+    assert "job FAILED, not restarted: FakeOpError: Graph execution error:" in caplog.text
+    assert "Incompatible shapes: [2] vs. [3]" in caplog.text

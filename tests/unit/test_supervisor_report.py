@@ -1,0 +1,104 @@
+"""What a training process leaves for its supervisor (a non-finite loss), handed on to the
+next one: psctl_nonfinite_loss_total counts on across restarts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from psctl.coordinator.failures import EXIT_RESTART
+from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_report_is_taken_once_and_removed(tmp_path: Path):
+    report = tmp_path / "report.json"
+    child = Counters(nonfinite_losses=2, report_file=str(report))
+    child.leave_report()
+    supervisor = Counters(restarts=1, nonfinite_losses=1, report_file=str(report))
+    supervisor.take_report()
+    assert supervisor == Counters(restarts=1, nonfinite_losses=2)
+    assert not report.exists()
+    supervisor.take_report()  # nothing left: nothing changes
+    assert supervisor.nonfinite_losses == 2
+
+
+def test_a_bad_report_is_ignored_with_a_warning(tmp_path: Path, caplog):
+    report = tmp_path / "report.json"
+    report.write_text("{not json")
+    counters = Counters(nonfinite_losses=1, report_file=str(report))
+    with caplog.at_level(logging.WARNING):
+        counters.take_report()
+    assert counters.nonfinite_losses == 1
+    assert "ignoring the training process's report" in caplog.text
+
+
+class Child:
+    """A training process that exits at once with ``code``, leaving ``nonfinite`` more
+    non-finite losses in its report as the real one does (train.count_nonfinite)."""
+
+    def __init__(self, counters: Counters, code: int, nonfinite: int) -> None:
+        self.returncode: int | None = None
+        self.code = code
+        if nonfinite:
+            mine = dataclasses.replace(counters)
+            mine.nonfinite_losses += nonfinite
+            mine.leave_report()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self.code
+        return self.code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+
+def test_the_next_training_process_gets_the_non_finite_count():
+    script = [(EXIT_RESTART, 1), (EXIT_RESTART, 1), (0, 0)]
+    handed: list[dict[str, object]] = []
+
+    def start(counters: Counters) -> Child:
+        # What train.py and local.py pass on the command line (--supervisor-counters).
+        handed.append(json.loads(json.dumps(dataclasses.asdict(counters))))
+        code, nonfinite = script[len(handed) - 1]
+        return Child(Counters(**handed[-1]), code, nonfinite)  # type: ignore[arg-type]
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(max_restarts=5),
+        sleep=lambda _: None,
+    )
+    assert supervisor.run() == 0
+    assert [h["nonfinite_losses"] for h in handed] == [0, 1, 2]
+    assert [h["restarts"] for h in handed] == [0, 1, 2]
+    report_file = str(handed[0]["report_file"])
+    assert report_file and all(h["report_file"] == report_file for h in handed)
+    assert not Path(report_file).exists()  # taken after each exit
+
+
+def test_a_non_finite_loss_is_counted_and_left_for_the_supervisor(tmp_path: Path):
+    from prometheus_client import CollectorRegistry
+
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.launch.train import count_nonfinite
+
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=1, num_ps=1, batch_size=8
+    )
+    metrics.carry_over(restarts=1, ps_failures=0, nonfinite_losses=1)  # the earlier process
+    counters = Counters(restarts=1, nonfinite_losses=1, report_file=str(tmp_path / "r.json"))
+    count_nonfinite(counters, metrics)
+    assert registry.get_sample_value("psctl_nonfinite_loss_total") == 2
+    supervisor = Counters(restarts=1, nonfinite_losses=1, report_file=counters.report_file)
+    supervisor.take_report()
+    assert supervisor.nonfinite_losses == 2
+    count_nonfinite(Counters(), None)  # no /metrics, no supervisor: nothing to do
