@@ -157,23 +157,29 @@ def mount_namespace(
                         _read_only(point, flags)
     if settings.get("PrivateTmp") == "yes":
         for tmp in ("/tmp", "/var/tmp"):
-            _mount("tmpfs", tmp, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+            # A fresh /tmp; a checkout that lives under it (a CI clone) stays readable.
+            _cover(tmp, exposed, "mode=1777", read_only=False)
     if settings.get("ProtectHome") == "yes":
         for home in ("/home", "/root", "/run/user"):
-            if not os.path.isdir(home):
-                continue
-            keep = [
-                (p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in exposed if _under(p, [home])
-            ]
-            _mount(
-                "tmpfs", home, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0711" if keep else "mode=000"
-            )
-            for path, fd in keep:
-                os.makedirs(path, mode=0o711, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
-                _read_only(path, 0)
-                os.close(fd)
-            _read_only(home, _MS_NOSUID | _MS_NODEV)
+            if os.path.isdir(home):
+                _cover(home, exposed, "mode=0711", read_only=True)
+
+
+def _cover(root: str, exposed: Sequence[str], mode: str, *, read_only: bool) -> None:
+    """An empty tmpfs over ``root``, with the ``exposed`` paths under it bound back in
+    read-only (as systemd's BindReadOnlyPaths= would); with none, ProtectHome's root is
+    closed (mode 000)."""
+    keep = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in exposed if _under(p, [root])]
+    if read_only and not keep:
+        mode = "mode=000"
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, mode)
+    for path, fd in keep:
+        os.makedirs(path, mode=0o711, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        _read_only(path, 0)
+        os.close(fd)
+    if read_only:
+        _read_only(root, _MS_NOSUID | _MS_NODEV)
 
 
 @functools.cache

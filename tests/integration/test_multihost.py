@@ -67,6 +67,8 @@ BASE_ENV = {
 # This checkout's venv points to a Python under /root, which ProtectHome= hides: the
 # sandbox leaves that one directory readable (a real host installs psctl in /opt).
 PYTHON_HOME = os.path.realpath(sys.base_prefix)
+# The checkout and its .venv: under /tmp or /root in some CI clones, which the units hide.
+CHECKOUT = os.path.realpath(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture
@@ -165,7 +167,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             assert argv[0] == str(BIN_DIR / f"{task_type}-server")
             services[name] = Service(
                 name=name,
-                argv=lab.exec(host, sandboxed(unit, argv, exposed=[PYTHON_HOME])),
+                argv=lab.exec(host, sandboxed(unit, argv, exposed=[PYTHON_HOME, CHECKOUT])),
                 env=env,
                 policy=RestartPolicy.of(unit),
                 log_path=tmp_path / f"{task_type}-{index}.log",
@@ -192,7 +194,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         )
         argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
         assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
-        argv = sandboxed(unit, argv, writable=[str(state_dir)], exposed=[PYTHON_HOME])
+        argv = sandboxed(unit, argv, writable=[str(state_dir)], exposed=[PYTHON_HOME, CHECKOUT])
         coordinator_log = tmp_path / "coordinator.log"
         with coordinator_log.open("wb") as log:
             coordinator = subprocess.Popen(
