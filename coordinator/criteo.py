@@ -15,7 +15,6 @@ so equal ids of different features land on different rows, and an empty cell is 
 
 from __future__ import annotations
 
-import glob as globlib
 import gzip
 import io
 import os
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.data import expand
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
@@ -85,18 +85,8 @@ def clear_cache() -> None:
 
 
 def _expand(pattern: str, field: str) -> list[str]:
-    if not pattern.strip():
-        raise ConfigError(field, "is empty", "give a file or a glob such as 'data/day_*.tsv'")
-    expanded = os.path.expanduser(pattern)
-    if os.path.isdir(expanded):
-        expanded = os.path.join(expanded, "*")
-    paths = sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
-    if not paths:
-        raise ConfigError(
-            field,
-            f"no files match {pattern!r}",
-            "check the path (quote a glob so the shell leaves it to psctl)",
-        )
+    """The files of a glob (coordinator/data.py's rules), all gzipped or all plain."""
+    paths = expand(pattern, field)
     gzipped = {p.endswith(".gz") for p in paths}
     if len(gzipped) > 1:
         raise ConfigError(
