@@ -126,11 +126,9 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     """psctl's ``Trainer`` as ``psctl train --max-shards N`` runs it (no checkpoints), stopped
     at the budget through its public loop hooks; the rate is its Summary's."""
     from psctl.cluster.spec import load_cluster_file
-    from psctl.coordinator.control.service import JobControl
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.hooks import LoopHooks
-    from psctl.coordinator.training.trainer import Trainer
 
     settings = TrainSettings(
         job=JOB,
@@ -164,19 +162,8 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
                 stamps["budget"] = time.monotonic()
                 controller.request_stop()  # the calls in flight finish, then the usual end
 
-    control = JobControl(
-        job=JOB,
-        target_steps=settings.steps,
-        steps_per_execution=settings.steps_per_execution,
-        tasks=[],
-        can_checkpoint=False,
-    )
-    trainer = Trainer(
-        job=load_job(JOB),
-        cluster=load_cluster_file(args.cluster),
-        settings=settings,
-        control=control,
-        hooks=Budget(),
+    trainer = throughput._new_trainer(
+        load_job(JOB), load_cluster_file(args.cluster), settings, hooks=Budget()
     )
     tables = [
         {"rows": t.rows, "shards": len(t.shards), "shard_rows": [int(s.shape[0]) for s in t.shards]}

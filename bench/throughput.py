@@ -124,7 +124,7 @@ def _new_trainer(
     from psctl.coordinator.training.trainer import Trainer
 
     control = JobControl(
-        job=JOB,
+        job=settings.job,
         target_steps=settings.steps,
         steps_per_execution=settings.steps_per_execution,
         tasks=[],
