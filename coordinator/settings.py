@@ -40,6 +40,9 @@ _ENV_HINTS = {
     "PSCTL_CONFIG": "give the job file as --config, or its [train] values as PSCTL_<NAME>",
 }
 UPDATE_MODES = ("default", "local")
+# "async": ParameterServerStrategy driven by a coordinator (the default); "sync":
+# MultiWorkerMirroredStrategy, every worker runs the loop and all-reduces gradients.
+STRATEGIES = ("async", "sync")
 AUTO = "auto"  # --steps-per-execution auto, stored as 0
 IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
@@ -81,6 +84,7 @@ class TrainSettings:
     """What a training run needs besides the cluster and the job code."""
 
     job: str = "mlp"
+    strategy: str = "async"  # "async": parameter servers; "sync": all-reduce over the workers
     steps: int = 1500
     batch_size: int = 64  # per worker
     steps_per_execution: int = 0  # steps per scheduled call; 0 = "auto" (coordinator/packing.py)
@@ -133,6 +137,10 @@ class TrainSettings:
                 "--steps-per-execution",
                 f"got {self.steps_per_execution!r}",
                 "give a whole number >= 1, or auto",
+            )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                "--strategy", f"got {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}"
             )
         if self.update_mode not in UPDATE_MODES:
             raise ConfigError(

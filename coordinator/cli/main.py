@@ -49,6 +49,13 @@ TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
         str,
         f"job: built-in name (mlp), module (pkg.job) or file (job.py); default {DEFAULTS.job}",
     ),
+    (
+        "--strategy",
+        str,
+        "async: parameter servers, a coordinator dispatches steps to the workers; sync: "
+        "every worker runs the loop and gradients are all-reduced each step "
+        f"(MultiWorkerMirroredStrategy; ps tasks unused) {default_help('strategy')}",
+    ),
     ("--steps", int, f"train until this global step {default_help('steps')}"),
     (
         "--epochs",
