@@ -58,4 +58,4 @@ package-check: install
 	$(BIN)/python tools/check_package.py
 
 clean:
-	rm -rf $(VENV) psctl-work .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) psctl-work .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

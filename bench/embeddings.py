@@ -115,11 +115,12 @@ def expected_mb(rows: int, optimizer: str, num_ps: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _job_env(args: argparse.Namespace) -> None:
-    """The ctr job's settings, read from this process's environment when it builds."""
-    os.environ["CTR_ROWS"] = str(args.table_rows)
-    os.environ["CTR_OPTIMIZER"] = args.optimizer
-    os.environ["CTR_EVAL_EXAMPLES"] = str(EVAL_EXAMPLES)
+def ctr_env(*, rows: int, optimizer: str, eval_examples: int) -> None:
+    """The ctr job's settings, set in this process's environment (read when the job builds;
+    children inherit them). Shared with bench/tta.py's ``--job ctr``."""
+    os.environ["CTR_ROWS"] = str(rows)
+    os.environ["CTR_OPTIMIZER"] = optimizer
+    os.environ["CTR_EVAL_EXAMPLES"] = str(eval_examples)
 
 
 def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
@@ -273,7 +274,7 @@ def child_main(args: argparse.Namespace) -> int:
     )
     for name in ("bench", "coordinator", "psctl"):
         logging.getLogger(name).setLevel(logging.INFO)
-    _job_env(args)
+    ctr_env(rows=args.table_rows, optimizer=args.optimizer, eval_examples=EVAL_EXAMPLES)
     result = CHILDREN[args.run_mode](args)
     _emit(args, result)
     return 0

@@ -9,6 +9,25 @@ from __future__ import annotations
 EXIT_CONFIG = 78  # EX_CONFIG: systemd units set RestartPreventExitStatus=78.
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a server or coordinator could not be reached.
 EXIT_FAILURE = 1
+ECHO_LIMIT = 80  # characters of a user's value that an error line repeats
+
+
+def echo(value: object, limit: int = ECHO_LIMIT) -> str:
+    """A user's value as an error line repeats it: ``repr()`` (one line, quotes and escapes
+    shown), cut to about ``limit`` characters with an ellipsis and the full length, so a
+    20 MB bad cell or a 5,000-digit number still makes a short line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        # repr() of a huge int is slow, and refused past sys.get_int_max_str_digits().
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    size = len(value) if isinstance(value, (str, bytes)) else None
+    try:
+        text = repr(value[: limit + 1] if size is not None else value)  # type: ignore[index]
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+    if len(text) <= limit:
+        return text
+    suffix = f" ({size} characters)" if size is not None and size > limit else ""
+    return text[: limit - 3] + "..." + suffix
 
 
 class ConfigError(Exception):

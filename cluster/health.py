@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,12 +16,25 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 # gRPC enables SO_REUSEPORT by default: a second server on a taken port would bind silently.
 _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+# Health over TLS: the servers' certificate and key (also --health-tls-cert/--health-tls-key),
+# and the CA every health client (the coordinator, psctl health, psctl deploy check) checks
+# it with. Kubernetes' grpc probes cannot speak TLS: leave these unset there.
+TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_HEALTH_TLS_CERT", "PSCTL_HEALTH_TLS_KEY"
+TLS_CA_ENV = "PSCTL_HEALTH_TLS_CA"
 
 
 class HealthService:
     """A grpc health server whose overall status starts NOT_SERVING."""
 
-    def __init__(self, *, host: str, port: int, max_workers: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        max_workers: int = 4,
+        tls_cert: str = "",
+        tls_key: str = "",
+    ) -> None:
         self._servicer = health.HealthServicer()
         self._servicer.set("", NOT_SERVING)
         self._server = grpc.server(
@@ -27,7 +42,13 @@ class HealthService:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = self._server.add_insecure_port(bind)
+        if tls_cert and tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())]
+            )
+            self.port = self._server.add_secure_port(bind, creds)
+        else:
+            self.port = self._server.add_insecure_port(bind)
         self._server.start()
 
     def set_serving(self, serving: bool) -> None:
@@ -50,8 +71,9 @@ class HealthResult:
 
 
 def check(address: str, *, timeout: float = 2.0) -> HealthResult:
-    """One Check RPC with a deadline; never raises for an unreachable server."""
-    with grpc.insecure_channel(address) as channel:
+    """One Check RPC with a deadline; never raises for an unreachable server. Over TLS when
+    ``$PSCTL_HEALTH_TLS_CA`` names the CA of the servers' health certificates."""
+    with _channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -60,6 +82,14 @@ def check(address: str, *, timeout: float = 2.0) -> HealthResult:
             detail = err.details() if isinstance(err, grpc.Call) else str(err)
             return HealthResult(address, "UNREACHABLE", f"{code.name if code else ''} {detail}")
     return HealthResult(address, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def _channel(address: str) -> grpc.Channel:
+    ca = os.environ.get(TLS_CA_ENV, "")
+    if not ca:
+        return grpc.insecure_channel(address)
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes())
+    return grpc.secure_channel(address, creds)
 
 
 def wait_serving(address: str, *, timeout: float, poll: float = 0.2) -> HealthResult:

@@ -105,6 +105,29 @@ class ProcessMetrics:
         )
 
 
-def serve_metrics(registry: CollectorRegistry, *, host: str, port: int) -> None:
-    """Serve /metrics from a daemon thread."""
-    start_http_server(port, addr=host, registry=registry)
+# /metrics over HTTPS: a PEM certificate and key for every process's /metrics (servers also
+# take them as --metrics-tls-cert/--metrics-tls-key).
+TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_METRICS_TLS_CERT", "PSCTL_METRICS_TLS_KEY"
+
+
+def serve_metrics(
+    registry: CollectorRegistry,
+    *,
+    host: str,
+    port: int,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> None:
+    """Serve /metrics from a daemon thread; HTTPS when ``certfile`` and ``keyfile`` are
+    given (else plain HTTP)."""
+    if bool(certfile) != bool(keyfile):
+        from psctl.cluster.errors import ConfigError
+
+        raise ConfigError(
+            "--metrics-tls-cert/--metrics-tls-key",
+            "only one is given",
+            f"give both (or {TLS_CERT_ENV} and {TLS_KEY_ENV})",
+        )
+    start_http_server(
+        port, addr=host, registry=registry, certfile=certfile or None, keyfile=keyfile or None
+    )

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,9 +26,38 @@ from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_i
 from psctl.cluster.requirements import require_tensorflow
 from psctl.cluster.spec import TaskConfig, resolve_task
 
+# The names only: psctl.cluster.metrics imports prometheus_client, deferred to serve().
+TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_METRICS_TLS_CERT", "PSCTL_METRICS_TLS_KEY"
+HEALTH_TLS_CERT_ENV, HEALTH_TLS_KEY_ENV = "PSCTL_HEALTH_TLS_CERT", "PSCTL_HEALTH_TLS_KEY"
+
 log = logging.getLogger(__name__)
 
-DEFAULT_BIND_HOST = "0.0.0.0"  # where the health and metrics ports listen
+BIND_HOST_ENV = "PSCTL_BIND_HOST"
+
+
+def bind_host(flag: str | None, environ: Mapping[str, str], task_host: str) -> str:
+    """Where a process's side ports (health, metrics) listen: ``flag``, else
+    ``$PSCTL_BIND_HOST``, else the task's own host from the cluster, when it is an address
+    of this machine. Never every interface (0.0.0.0) unless asked for."""
+    if flag:
+        return flag
+    if environ.get(BIND_HOST_ENV):
+        return environ[BIND_HOST_ENV]
+    try:
+        infos = socket.getaddrinfo(task_host, 0, type=socket.SOCK_STREAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((sockaddr[0], 0))
+        return str(sockaddr[0])
+    except (OSError, IndexError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigError(
+            "--bind-host",
+            f"the task's host {task_host!r} is not an address of this machine ({reason}), "
+            "and no bind address is set",
+            f"pass --bind-host or set {BIND_HOST_ENV} to this machine's address "
+            "(0.0.0.0: every interface)",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -40,6 +70,10 @@ class ServerOptions:
     inter_op_threads: int
     data_dispatcher: str | None = None  # worker only: host a tf.data service worker
     data_port: int = 0
+    metrics_tls_cert: str = ""  # both set: /metrics over HTTPS
+    metrics_tls_key: str = ""
+    health_tls_cert: str = ""  # both set: health over TLS
+    health_tls_key: str = ""
 
 
 def build_parser(task_type: str) -> argparse.ArgumentParser:
@@ -60,7 +94,29 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
     parser.add_argument(
         "--bind-host",
-        help=f"address the health and metrics ports listen on (default {DEFAULT_BIND_HOST})",
+        help="address the health and metrics ports listen on (default: this task's host "
+        "in the cluster, e.g. 127.0.0.1 for a loopback cluster; 0.0.0.0: every interface)",
+    )
+    parser.add_argument(
+        "--metrics-tls-cert",
+        metavar="PEM",
+        help="serve /metrics over HTTPS with this certificate (default $PSCTL_METRICS_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--metrics-tls-key",
+        metavar="PEM",
+        help="the certificate's private key (default $PSCTL_METRICS_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--health-tls-cert",
+        metavar="PEM",
+        help="serve health over TLS with this certificate (default $PSCTL_HEALTH_TLS_CERT; "
+        "clients then need $PSCTL_HEALTH_TLS_CA)",
+    )
+    parser.add_argument(
+        "--health-tls-key",
+        metavar="PEM",
+        help="the certificate's private key (default $PSCTL_HEALTH_TLS_KEY)",
     )
     parser.add_argument(
         "--shutdown-grace",
@@ -136,6 +192,12 @@ def resolve_options(
             f"ports collide (tf {task.port}, health {health}, metrics {metrics})",
             "give each a different port",
         )
+    for flag, cert, key in (
+        ("--metrics-tls-cert/--metrics-tls-key", args.metrics_tls_cert, args.metrics_tls_key),
+        ("--health-tls-cert/--health-tls-key", args.health_tls_cert, args.health_tls_key),
+    ):
+        if bool(cert) != bool(key):
+            raise ConfigError(flag, "only one is given", "give both")
     if not 0 <= args.shutdown_grace <= 4:
         raise ConfigError("--shutdown-grace", f"{args.shutdown_grace} s", "use 0 to 4 seconds")
     threads = args.inter_op_threads or max(task.cluster.num_workers + 2, os.cpu_count() or 1)
@@ -159,7 +221,11 @@ def resolve_options(
         task=task,
         data_dispatcher=dispatcher if data_port else None,
         data_port=data_port,
-        bind_host=args.bind_host or environ.get("PSCTL_BIND_HOST") or DEFAULT_BIND_HOST,
+        bind_host=bind_host(args.bind_host, environ, task.task_address.host),
+        metrics_tls_cert=args.metrics_tls_cert or environ.get(TLS_CERT_ENV, ""),
+        metrics_tls_key=args.metrics_tls_key or environ.get(TLS_KEY_ENV, ""),
+        health_tls_cert=args.health_tls_cert or environ.get(HEALTH_TLS_CERT_ENV, ""),
+        health_tls_key=args.health_tls_key or environ.get(HEALTH_TLS_KEY_ENV, ""),
         health_port=health,
         metrics_port=metrics,
         shutdown_grace=args.shutdown_grace,
@@ -209,13 +275,24 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     if opts.data_dispatcher:
         ports.check_port_free(opts.data_port, field="--data-port")
 
-    health = HealthService(host=opts.bind_host, port=opts.health_port)
+    health = HealthService(
+        host=opts.bind_host,
+        port=opts.health_port,
+        tls_cert=opts.health_tls_cert,
+        tls_key=opts.health_tls_key,
+    )
     registry = CollectorRegistry()
     metrics = ProcessMetrics(
         registry=registry, task_type=task.task_type, task_index=task.task_index
     )
     if opts.metrics_port:
-        serve_metrics(registry, host=opts.bind_host, port=opts.metrics_port)
+        serve_metrics(
+            registry,
+            host=opts.bind_host,
+            port=opts.metrics_port,
+            certfile=opts.metrics_tls_cert,
+            keyfile=opts.metrics_tls_key,
+        )
     log.info("%s starting TF server on %s", name, task.address)
     started = time.monotonic()
     server = _start_tf_server(opts)

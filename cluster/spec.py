@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass
 from typing import Any
 
-from psctl.cluster.errors import ConfigError
+from psctl.cluster.errors import ECHO_LIMIT, ConfigError, echo
 
 TASK_TYPES: tuple[str, ...] = ("chief", "worker", "ps", "evaluator")
 
@@ -21,10 +21,16 @@ _ORDER: tuple[str, ...] = ("chief", "ps", "worker", "evaluator")
 _SINGLE: tuple[str, ...] = ("chief", "evaluator")
 # Task types every cluster needs.
 _REQUIRED: tuple[str, ...] = ("ps", "worker")
+SYNC_REQUIRED: tuple[str, ...] = ("worker",)  # --strategy sync: all-reduce over the workers
 
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
-_KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HOST_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*")
+_KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# A DNS label (underscores allowed, as many internal names have them); a host name is one or
+# more of them joined by dots: no empty label, so never "." or "..".
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_NUMERIC_HOST = re.compile(r"[0-9.]*[0-9][0-9.]*")  # digits and dots: must be IPv4
+_SCOPE_ID = re.compile(r"[A-Za-z0-9_-]{1,32}")  # an IPv6 zone: an interface name or number
+_MAX_HOST = 253
 
 _EXAMPLE_TF_CONFIG = (
     '{"cluster": {"chief": ["host0:2222"], "ps": ["host1:2222"], "worker": ["host2:2222"]}, '
@@ -54,7 +60,7 @@ def _field(source: str, path: str) -> str:
 
 
 def _key_path(parent: str, key: str) -> str:
-    step = key if _KEY_NAME.fullmatch(key) else f"[{json.dumps(key)}]"
+    step = key if _KEY_NAME.fullmatch(key) else f"[{_show(key)}]"
     if not parent:
         return step
     return f"{parent}.{step}" if not step.startswith("[") else f"{parent}{step}"
@@ -78,12 +84,38 @@ def _kind(value: object) -> str:
 
 
 def _show(value: object) -> str:
-    """A short, one-line rendering of a user's value."""
+    """A short, one-line rendering of a user's value, as JSON writes it where it can."""
+    if isinstance(value, str) and len(value) > ECHO_LIMIT:
+        return echo(value)
+    if isinstance(value, (list, dict)) or (isinstance(value, int) and value.bit_length() > 64):
+        return echo(value)  # cut before rendering: it may be huge or deeply nested
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    except (TypeError, ValueError, RecursionError):
+        return echo(value)
+    return text if len(text) <= ECHO_LIMIT else text[: ECHO_LIMIT - 3] + "..."
+
+
+def _check_host(host: str, *, field: str, shown: str) -> None:
+    """ConfigError unless ``host`` is an IPv4 address or a host name (labels joined by dots)."""
+    if len(host) > _MAX_HOST:
+        problem = f"is longer than {_MAX_HOST} characters"
+    elif _NUMERIC_HOST.fullmatch(host):
+        try:
+            ipaddress.IPv4Address(host)
+            return
+        except ValueError:
+            problem = "is not a valid IPv4 address"
+    elif all(_LABEL.fullmatch(label) for label in host.split(".")):
+        return
+    else:
+        problem = "is not a valid host name"
+    raise _error(
+        field,
+        f"address {shown}: {_show(host)} {problem}",
+        "use an IP address or a host name: labels of letters, digits, '-' and '_' "
+        "(at most 63 each) joined by single dots",
+    )
 
 
 def _plural(count: int, task_type: str) -> str:
@@ -100,7 +132,7 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
     """Split ``host:port`` (IPv6 as ``[::1]:2222``) into host (brackets removed) and port."""
     if not isinstance(address, str):
         raise _error(field, f"is {_kind(address)}, not a host:port string", 'write "host:port"')
-    shown = json.dumps(address)
+    shown = _show(address)
     if not address:
         raise _error(field, "is an empty address", 'write "host:port", e.g. "10.0.0.5:2222"')
     if any(ch.isspace() for ch in address):
@@ -120,13 +152,19 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
         if not host:
             raise _error(field, f"address {shown} has an empty host", 'write "[::1]:2222"')
         try:
-            ipaddress.IPv6Address(host)
+            scope = ipaddress.IPv6Address(host).scope_id
         except ValueError:
             raise _error(
                 field,
-                f"address {shown}: {json.dumps(host)} is not an IPv6 address",
+                f"address {shown}: {_show(host)} is not an IPv6 address",
                 "put only IPv6 addresses in brackets; write hostnames and IPv4 as host:port",
             ) from None
+        if scope is not None and not _SCOPE_ID.fullmatch(scope):
+            raise _error(
+                field,
+                f"address {shown}: zone {_show(scope)} is not an interface name",
+                'write the zone as an interface name or number, e.g. "[fe80::1%eth0]:2222"',
+            )
         if not rest.startswith(":"):
             raise _error(
                 field, f"address {shown} has no port", 'write "[host]:port", e.g. "[::1]:2222"'
@@ -136,7 +174,9 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
         host, sep, port_text = address.rpartition(":")
         if not sep:
             raise _error(
-                field, f"address {shown} has no port", f'write "host:port", e.g. "{address}:2222"'
+                field,
+                f"address {shown} has no port",
+                f'write "host:port", e.g. "{address if len(address) <= 40 else "host"}:2222"',
             )
         if ":" in host:
             raise _error(
@@ -150,21 +190,17 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
                 f"address {shown} has an empty host",
                 'write "host:port", e.g. "localhost:2222"',
             )
-        if not _HOST_NAME.fullmatch(host):
-            raise _error(
-                field,
-                f"address {shown}: {json.dumps(host)} is not a valid host name",
-                "use a host name or an IP address (letters, digits, '.', '-', '_')",
-            )
+        _check_host(host, field=field, shown=shown)
     if not port_text:
         raise _error(field, f"address {shown} has an empty port", "give a port number 1..65535")
     if not (port_text.isascii() and port_text.isdigit()):
         raise _error(
             field,
-            f"address {shown}: port {json.dumps(port_text)} is not an integer",
+            f"address {shown}: port {_show(port_text)} is not an integer",
             "give a port number 1..65535",
         )
-    port = int(port_text)
+    # int() refuses thousands of digits; past 5 the port is out of range anyway.
+    port = int(port_text) if len(port_text.lstrip("0")) <= 5 else 65536
     if not (0 if allow_port_zero else 1) <= port <= 65535:
         raise _error(
             field, f"address {shown}: port {port} is out of range", "give a port number 1..65535"
@@ -193,9 +229,21 @@ class Address:
         return Address(self.host, port)
 
 
+def canonical_host(host: str) -> str:
+    """One spelling per host: host names in lower case (DNS ignores case), IP addresses as
+    ``ipaddress`` writes them (``::0001`` -> ``::1``; an IPv4-mapped IPv6 address as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
 def _endpoint(address: Address) -> tuple[str, int]:
-    """What makes two addresses the same endpoint (host names are case-insensitive)."""
-    return address.host.lower(), address.port
+    """What makes two addresses the same endpoint."""
+    return canonical_host(address.host), address.port
 
 
 def _parse_job(task_type: str, texts: Sequence[str]) -> tuple[Address, ...]:
@@ -317,7 +365,7 @@ class ClusterConfig:
             if task_type != "chief" and _endpoint(other) == _endpoint(chief):
                 raise _error(
                     field,
-                    f"address {json.dumps(address)} is also used by cluster.{task_type}[{index}]",
+                    f"address {_show(address)} is also used by cluster.{task_type}[{index}]",
                     "give the chief its own host:port",
                 )
         jobs = dict(self.jobs)
@@ -389,8 +437,16 @@ def _decode(text: str, source: str) -> object:
     except _DuplicateKeyError as e:
         raise _error(
             source,
-            f"a JSON object has the key {json.dumps(e.key)} twice",
+            f"a JSON object has the key {_show(e.key)} twice",
             "give each key once",
+        ) from None
+    except RecursionError:
+        raise _error(
+            source, "is nested too deeply to read", "give a flat cluster: type -> address list"
+        ) from None
+    except ValueError:  # an integer of thousands of digits (sys.get_int_max_str_digits)
+        raise _error(
+            source, "holds a number too long to read", "use integers of a few digits"
         ) from None
 
 
@@ -417,7 +473,9 @@ def _object_member(
     return member
 
 
-def _wrapped_cluster(top: Mapping[str, object], source: str) -> ClusterConfig:
+def _wrapped_cluster(
+    top: Mapping[str, object], source: str, required: tuple[str, ...] = _REQUIRED
+) -> ClusterConfig:
     """The cluster of ``{"cluster": {...}, ...}``."""
     section = _object_member(
         top,
@@ -426,17 +484,22 @@ def _wrapped_cluster(top: Mapping[str, object], source: str) -> ClusterConfig:
         add='add "cluster": {"ps": ["host:port", ...], "worker": ["host:port", ...]}',
         rewrite='make it an object like {"ps": ["host:port"], "worker": ["host:port"]}',
     )
-    return _validate_jobs(section, source, "cluster")
+    return _validate_jobs(section, source, "cluster", required)
 
 
-def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> ClusterConfig:
+def _validate_jobs(
+    section: Mapping[str, object],
+    source: str,
+    prefix: str,
+    required: tuple[str, ...] = _REQUIRED,
+) -> ClusterConfig:
     """Validate a mapping of task type -> address list; ``prefix`` is its path in the source."""
     for key in section:
         if key not in TASK_TYPES:
             field = _field(source, _key_path(prefix, str(key)))
             if key == "master":
                 raise _error(field, 'task type "master" is not supported', _MASTER_FIX)
-            raise _error(field, f"unknown task type {json.dumps(key)}", f"use one of {_ALLOWED}")
+            raise _error(field, f"unknown task type {_show(key)}", f"use one of {_ALLOWED}")
 
     jobs: dict[str, tuple[str, ...]] = {}
     parsed: dict[str, tuple[Address, ...]] = {}
@@ -451,7 +514,7 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
             raise _error(
                 job_field,
                 f"is a string ({_show(value)}), not a list of addresses",
-                f'write a list: "{task_type}": [{json.dumps(value)}]',
+                f'write a list: "{task_type}": [{_show(value)}]',
             )
         if not isinstance(value, (list, tuple)):
             raise _error(
@@ -481,7 +544,7 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
             if endpoint in seen:
                 raise _error(
                     task_field,
-                    f"address {json.dumps(address)} is also used by {seen[endpoint]}",
+                    f"address {_show(address)} is also used by {seen[endpoint]}",
                     "give every task its own host:port",
                 )
             seen[endpoint] = task_path
@@ -491,7 +554,7 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
             jobs[task_type] = tuple(addresses)
             parsed[task_type] = tuple(parsed_addresses)
 
-    for task_type in _REQUIRED:
+    for task_type in required:
         if task_type not in jobs:
             field = _field(source, _key_path(prefix, task_type))
             problem = "is empty" if task_type in section else "is missing"
@@ -503,13 +566,15 @@ def _validate_jobs(section: Mapping[str, object], source: str, prefix: str) -> C
     return ClusterConfig(jobs, parsed)
 
 
-def parse_cluster(obj: object, *, source: str) -> ClusterConfig:
+def parse_cluster(
+    obj: object, *, source: str, required: tuple[str, ...] = _REQUIRED
+) -> ClusterConfig:
     """Validate decoded JSON: ``{"cluster": {...}, ...}`` or a bare ``{"ps": [...], ...}``."""
     top = _top_object(obj, source)
     if "cluster" in top:
-        return _wrapped_cluster(top, source)
+        return _wrapped_cluster(top, source, required)
     if any(key in TASK_TYPES or key == "master" for key in top):
-        return _validate_jobs(top, source, "")
+        return _validate_jobs(top, source, "", required)
     raise _error(
         _field(source, "cluster"),
         "is missing",
@@ -518,14 +583,23 @@ def parse_cluster(obj: object, *, source: str) -> ClusterConfig:
     )
 
 
-def parse_cluster_json(text: str, *, source: str) -> ClusterConfig:
+def parse_cluster_json(
+    text: str, *, source: str, required: tuple[str, ...] = _REQUIRED
+) -> ClusterConfig:
     """Parse a whole TF_CONFIG or cluster file, wrapped in ``"cluster"`` or bare."""
-    return parse_cluster(_decode(text, source), source=source)
+    return parse_cluster(_decode(text, source), source=source, required=required)
 
 
-def load_cluster_file(path: str | os.PathLike[str]) -> ClusterConfig:
-    """Read and validate a cluster file (its ``"task"``, if any, is ignored)."""
+def load_cluster_file(
+    path: str | os.PathLike[str], *, required: tuple[str, ...] = _REQUIRED
+) -> ClusterConfig:
+    """Read and validate a cluster file (its ``"task"``, if any, is ignored); ``required``:
+    the task types it must have (SYNC_REQUIRED: workers only)."""
     source = os.fspath(path)
+    return parse_cluster_json(_read_cluster_file(source), source=source, required=required)
+
+
+def _read_cluster_file(source: str) -> str:
     try:
         with open(source, encoding="utf-8") as f:
             text = f.read()
@@ -547,7 +621,7 @@ def load_cluster_file(path: str | os.PathLike[str]) -> ClusterConfig:
         raise _error(
             source, f"is not UTF-8 text ({e.reason} at byte {e.start})", "save it as UTF-8 JSON"
         ) from None
-    return parse_cluster_json(text, source=source)
+    return text
 
 
 def _check_task_type(task_type: object, cluster: ClusterConfig, field: str, where: str) -> str:
@@ -556,11 +630,11 @@ def _check_task_type(task_type: object, cluster: ClusterConfig, field: str, wher
     if task_type == "master":
         raise _error(field, 'task type "master" is not supported', _MASTER_FIX)
     if task_type not in TASK_TYPES:
-        raise _error(field, f"unknown task type {json.dumps(task_type)}", f"use one of {_ALLOWED}")
+        raise _error(field, f"unknown task type {_show(task_type)}", f"use one of {_ALLOWED}")
     if task_type not in cluster.jobs:
         raise _error(
             field,
-            f"task type {json.dumps(task_type)} has no tasks in {where}",
+            f"task type {_show(task_type)} has no tasks in {where}",
             f"add {task_type} addresses to the cluster or use one of: {', '.join(cluster.jobs)}",
         )
     return task_type
@@ -579,16 +653,22 @@ def _check_task_index(
     if index < 0 or index >= count:
         raise _error(
             field,
-            f"{index} is out of range for {_plural(count, task_type)}",
+            f"{_show(index)} is out of range for {_plural(count, task_type)}",
             f"{how} an index in {_index_range(count)}",
         )
     return index
 
 
-def parse_tf_config(text: str, *, source: str = "TF_CONFIG") -> TaskConfig:
+def parse_tf_config(
+    text: str, *, source: str = "TF_CONFIG", required: tuple[str, ...] = _REQUIRED
+) -> TaskConfig:
     """Parse a TF_CONFIG: ``{"cluster": {...}, "task": {"type": T, "index": I}}``."""
     top = _top_object(_decode(text, source), source)
-    cluster = _wrapped_cluster(top, source)
+    return _parse_task(top, _wrapped_cluster(top, source, required), source)
+
+
+def _parse_task(top: Mapping[str, object], cluster: ClusterConfig, source: str) -> TaskConfig:
+    """TF_CONFIG's ``"task": {"type": T, "index": I}``, checked against ``cluster``."""
     task = _object_member(
         top,
         "task",
@@ -675,6 +755,25 @@ def resolve_cluster(
         )
     top = _top_object(_decode(text, "TF_CONFIG"), "TF_CONFIG")
     return _wrapped_cluster(top, "TF_CONFIG"), "TF_CONFIG"
+
+
+def check_config(
+    *, cluster_file: str | None, environ: Mapping[str, str]
+) -> tuple[ClusterConfig, str, TaskConfig | None]:
+    """``psctl check-config``: the cluster from ``FILE`` or TF_CONFIG as ``resolve_cluster``
+    reads it, and its ``"task"``, when it has one, checked against it (the type has tasks,
+    the index is in range); returns (cluster, source, task or None)."""
+    if cluster_file is not None:
+        source = os.fspath(cluster_file)
+        decoded = _decode(_read_cluster_file(source), source)
+        cluster = parse_cluster(decoded, source=source)
+    else:
+        cluster, source = resolve_cluster(cluster_file=None, environ=environ)
+        decoded = _decode(environ["TF_CONFIG"], source)
+    top = _top_object(decoded, source)
+    # A bare mapping of task types has no "task": parse_cluster refused it as a task type.
+    task = _parse_task(top, cluster, source) if "task" in top else None
+    return cluster, source, task
 
 
 def require_chief(cluster: ClusterConfig, *, source: str) -> str:

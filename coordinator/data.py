@@ -15,11 +15,12 @@ Formats (told apart by the file name; one glob holds one format):
 Every file is read in full once on the coordinator before training starts (cached per glob),
 so a bad file is a :class:`~cluster.errors.ConfigError` naming the file and the line (or
 record): no files, an empty file, a missing label column, headers that differ between files,
-a blank line, a row with the wrong number of cells, a cell that is not a finite number, a
-record that does not match the schema, and (when the job says what it needs) the wrong
-feature count or a label outside the job's classes. The check reads about 30 MB of CSV a
-second on one core. Paths are made absolute there: every worker must see the files at the
-same paths (one machine, or a shared file system).
+a blank line, a row with the wrong number of cells, a cell that is not a finite number as
+TensorFlow's CSV reader reads them (ASCII digits; lines end in \\n or \\r\\n; no byte order
+mark), a feature beyond float32, a record that does not match the schema, and (when the job
+says what it needs) the wrong feature count or a label outside the job's classes. The check
+reads about 30 MB of CSV a second on one core. Paths are made absolute there: every worker
+must see the files at the same paths (one machine, or a shared file system).
 
 Sharding: :func:`train_dataset` is called per worker with ``ctx.worker_index`` a scalar
 tensor. With at least as many files as workers, worker ``i`` reads files ``i, i + n, ...``
@@ -38,12 +39,12 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import tensorflow as tf
 
-from psctl.cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError, echo
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
@@ -51,6 +52,20 @@ if TYPE_CHECKING:
 CSV_SUFFIXES = (".csv",)
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")
 DEFAULT_SHUFFLE_BUFFER = 10_000  # examples (CSV lines or serialized records) per worker
+# What TensorFlow's CSV reader (tf.data.TextLineDataset, then tf.io.decode_csv) parses, and so
+# what the check accepts: lines end in \n or \r\n (TextLineDataset drops every \r, so a lone
+# \r would join two lines into one); a cell is an ASCII decimal number with spaces or tabs
+# around it, or one in double quotes. float() takes more (other scripts' digits, Unicode
+# spaces, nan, infinity, 1_000): every cell is matched against this first. No nested
+# quantifiers, so a bad 20 MB cell fails in linear time.
+_NUMBER = r"[ \t]*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*"
+_NUMBER_CELL = re.compile(f'{_NUMBER}|"{_NUMBER}"')
+_NOT_FINITE = re.compile(r'[ \t"]*[+-]?(?:nan|inf|infinity)[ \t"]*', re.IGNORECASE)
+# Features are read as float32; labels as float64, then cast to the job's label dtype
+# (float32 unless it says otherwise): past this, either would be infinite.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_PLAIN_ROW = re.compile(r"[0-9eE.+\- \t,]+")  # only characters of unquoted numbers
+_BOM = "\ufeff"
 
 
 @dataclass(frozen=True)
@@ -236,10 +251,28 @@ def _cell(text: str) -> str:
 
 
 def _number(text: str) -> float:
-    """float() as TensorFlow's CSV decoder reads it (no digit separators)."""
+    """float() without digit separators: whether a header cell looks like a number."""
     if "_" in text:
         raise ValueError(text)
     return float(text)
+
+
+def _row_pattern(width: int) -> re.Pattern[str]:
+    """A whole data row of ``width`` number cells."""
+    return re.compile(f"(?:{_NUMBER_CELL.pattern})(?:,(?:{_NUMBER_CELL.pattern})){{{width - 1}}}")
+
+
+def _line_body(line: str, path: str, line_no: int, field: str) -> str:
+    """A line without its end (read with newline="", which also splits at a lone \r)."""
+    if line.endswith("\n"):
+        return line[:-2] if line.endswith("\r\n") else line[:-1]
+    if line.endswith("\r"):
+        raise ConfigError(
+            field,
+            f"{path} line {line_no} ends in a lone carriage return (\\r, old Mac line ends)",
+            "end lines with \\n or \\r\\n: TensorFlow splits lines at \\n only",
+        )
+    return line  # the last line, without an end
 
 
 def _scan_csv(pattern: str, paths: list[str], label_column: str, field: str) -> DataFiles:
@@ -248,7 +281,7 @@ def _scan_csv(pattern: str, paths: list[str], label_column: str, field: str) -> 
     labels = _Labels()
     for path in paths:
         try:
-            with open(path, encoding="utf-8", newline=None) as handle:
+            with open(path, encoding="utf-8", newline="") as handle:
                 header, count = _scan_csv_file(
                     handle, path, header, paths[0], label_column, labels, field
                 )
@@ -288,13 +321,20 @@ def _scan_csv_file(
     line_no = 1
     try:
         first = handle.readline()
+        if first.startswith(_BOM):
+            raise ConfigError(
+                field,
+                f"{path} starts with a byte order mark (BOM, U+FEFF)",
+                "save it as UTF-8 without a BOM (a spreadsheet's plain CSV, not 'CSV UTF-8')",
+            )
+        first = _line_body(first, path, 1, field)
         if not first.strip():
             raise ConfigError(
                 field,
                 f"{path} is empty" if not first else f"{path} line 1 is blank",
-                f"start the file with a header row naming each column and {label_column!r}",
+                f"start the file with a header row naming each column and {echo(label_column)}",
             )
-        names = [_cell(c) for c in first.rstrip("\n").split(",")]
+        names = [_cell(c) for c in first.split(",")]
         if not header:
             header = _check_header(path, names, label_column, field)
         elif names != header:
@@ -306,33 +346,29 @@ def _scan_csv_file(
             )
         label_index = header.index(label_column)
         width = len(header)
+        row = _row_pattern(width)
         count = 0
         for line_no, line in enumerate(handle, start=2):
-            if not line.strip():
+            body = _line_body(line, path, line_no, field)
+            if not body.strip(" \t"):
                 raise ConfigError(
                     field,
                     f"{path} line {line_no} is blank",
                     "remove blank lines (every line after the header is an example)",
                 )
-            cells = line.split(",")
-            if len(cells) != width:
-                raise ConfigError(
-                    field,
-                    f"{path} line {line_no}: {len(cells)} cells, the header has {width}",
-                    "give every row one value per column",
-                )
-            try:
-                values = [_number(c) for c in cells]
-            except ValueError:
-                values = _numbers_or_error(cells, header, path, line_no, field)
-            if not math.isfinite(sum(values)):
-                for column, value in zip(header, values, strict=True):
-                    if not math.isfinite(value):
-                        raise ConfigError(
-                            field,
-                            f"{path} line {line_no}, column {column!r}: {value}",
-                            "give finite numbers (no nan or inf)",
-                        )
+            cells = body.split(",")
+            if len(cells) == width and _PLAIN_ROW.fullmatch(body):
+                # float() reads exactly _NUMBER's numbers from these characters (quick).
+                try:
+                    values = [float(c) for c in cells]
+                except ValueError:
+                    _row_error(body, header, path, line_no, field)
+            elif row.fullmatch(body):  # quoted cells
+                values = [float(c.replace('"', "")) for c in cells]
+            else:
+                _row_error(body, header, path, line_no, field)
+            if max(map(abs, values)) > FLOAT32_MAX:  # inf too; nan cannot match the patterns
+                _check_range(values, header, path, line_no, field)
             labels.add(values[label_index], path, line_no)
             count += 1
     except UnicodeDecodeError:
@@ -345,27 +381,58 @@ def _scan_csv_file(
     return header, count
 
 
-def _numbers_or_error(
-    cells: list[str], header: list[str], path: str, line_no: int, field: str
-) -> list[float]:
-    """The slow path: quoted cells are numbers too; otherwise name the bad cell."""
-    values = []
+def _row_error(body: str, header: list[str], path: str, line_no: int, field: str) -> NoReturn:
+    """Raise the ConfigError for a row that is not ``len(header)`` number cells."""
+    cells = body.split(",")
+    if len(cells) != len(header):
+        raise ConfigError(
+            field,
+            f"{path} line {line_no}: {len(cells)} cells, the header has {len(header)}",
+            "give every row one value per column",
+        )
     for column, cell in zip(header, cells, strict=True):
-        text = _cell(cell)
-        try:
-            values.append(_number(text))
-        except ValueError:
-            what = "an empty cell" if not text else f"{text!r} is not a number"
+        if _NUMBER_CELL.fullmatch(cell):
+            continue
+        text = cell.strip(" \t")
+        if text in ("", '""'):
+            what = "an empty cell"
+        elif _NOT_FINITE.fullmatch(text):
+            what = f"{text} is not a finite number"
+        elif not text.isascii():
+            what = f"{echo(cell)} is not a number (it holds non-ASCII characters)"
+        elif '"' in text:
+            what = f"{echo(cell)} is not a number in quotes that open and close the cell"
+        else:
+            what = f"{echo(cell)} is not a number"
+        raise ConfigError(
+            field,
+            f"{path} line {line_no}, column {echo(column)}: {what}",
+            "write a plain number such as 3, -0.25 or 1e-3 in every cell (or remove the row)",
+        )
+    raise AssertionError(f"{path} line {line_no}: no bad cell in a row that did not match")
+
+
+def _check_range(
+    values: list[float], header: list[str], path: str, line_no: int, field: str
+) -> None:
+    """Numbers too large: infinite (float64 overflow), or beyond float32."""
+    for column, value in zip(header, values, strict=True):
+        if not math.isfinite(value):
             raise ConfigError(
                 field,
-                f"{path} line {line_no}, column {column!r}: {what}",
-                "write a number in every cell (or remove the row)",
-            ) from None
-    return values
+                f"{path} line {line_no}, column {echo(column)}: {value}",
+                "give finite numbers (no nan or inf)",
+            )
+        if abs(value) > FLOAT32_MAX:
+            raise ConfigError(
+                field,
+                f"{path} line {line_no}, column {echo(column)}: {value:g} is beyond float32",
+                f"give numbers within +-{FLOAT32_MAX:.6g} (they are read as float32)",
+            )
 
 
 def _short(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
+    shown = ", ".join(name if len(name) <= 40 else echo(name, 40) for name in names[:limit])
     more = f", ... ({len(names)} columns)" if len(names) > limit else ""
     return f"[{shown}{more}]"
 
@@ -382,7 +449,7 @@ def _check_header(path: str, names: list[str], label_column: str, field: str) ->
         raise ConfigError(
             field,
             f"{path} line 1 holds numbers, not column names",
-            f"start the file with a header row naming each column and {label_column!r}",
+            f"start the file with a header row naming each column and {echo(label_column)}",
         )
     if "" in names:
         raise ConfigError(
@@ -391,12 +458,12 @@ def _check_header(path: str, names: list[str], label_column: str, field: str) ->
     seen = set()
     for name in names:
         if name in seen:
-            raise ConfigError(field, f"{path} line 1: column {name!r} twice", "rename one")
+            raise ConfigError(field, f"{path} line 1: column {echo(name)} twice", "rename one")
         seen.add(name)
     if label_column not in names:
         raise ConfigError(
             field,
-            f"{path} line 1: no label column {label_column!r} in {_short(names)}",
+            f"{path} line 1: no label column {echo(label_column)} in {_short(names)}",
             "name the label column in --label-column (default label)",
         )
     if len(names) < 2:

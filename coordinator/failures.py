@@ -28,6 +28,7 @@ __all__ = [
     "Decision",
     "Failure",
     "FailurePolicy",
+    "PeerLost",
     "RestartFromCheckpoint",
     "Scope",
     "Unreachable",
@@ -49,6 +50,13 @@ class RestartFromCheckpoint(Exception):
     EXIT_RESTART, and the supervisor starts a new one that restores the latest checkpoint."""
 
 
+class PeerLost(Exception):
+    """Sync mode (--strategy sync): an all-reduce with another worker failed or timed out (a
+    worker died, froze or restarted). Collectives cannot go on in this process: it exits
+    with EXIT_RESTART, and every worker's supervisor starts the group again from the latest
+    checkpoint."""
+
+
 class Unreachable(Exception):
     """Servers still not listening after --connect-timeout: the job ends with
     EXIT_UNAVAILABLE. The wait was the retry; no layer above tries again."""
@@ -64,6 +72,7 @@ class Failure(enum.Enum):
     JOB_ERROR = "job_error"  # the job's code, or anything not recognised, raised
     CONFIG_ERROR = "config_error"  # ConfigError: a mistake only the operator can fix
     UNREACHABLE = "unreachable"  # servers not listening after --connect-timeout: exit 69
+    PEER_LOST = "peer_lost"  # sync mode: a collective with another worker failed: PeerLost
     # A training process's exit, as its supervisor sees it:
     RESTART_REQUESTED = "restart_requested"  # it exited EXIT_RESTART
     TRAINING_CRASHED = "training_crashed"  # it was killed by a signal
@@ -101,6 +110,7 @@ CALL_DECISIONS: Mapping[Failure, Decision] = MappingProxyType(
         Failure.JOB_ERROR: Decision.FAIL,
         Failure.CONFIG_ERROR: Decision.FAIL_CONFIG,
         Failure.UNREACHABLE: Decision.FAIL_UNREACHABLE,
+        Failure.PEER_LOST: Decision.RESTART,
         Failure.RESTART_REQUESTED: Decision.RESTART,
         Failure.TRAINING_CRASHED: Decision.RESTART_WITH_BACKOFF,
     }
@@ -189,6 +199,8 @@ def classify(err: BaseException) -> Failure:
         return Failure.CONFIG_ERROR
     if isinstance(err, Unreachable):
         return Failure.UNREACHABLE
+    if isinstance(err, PeerLost):
+        return Failure.PEER_LOST
     if isinstance(err, KeyboardInterrupt):
         return Failure.STOP_SIGNAL
     if _op_error_code(err) in _WORKER_LOSS_CODES:

@@ -9,6 +9,10 @@ name (``--job mlp``) that defines::
     dataset_fn(ctx: DataContext) -> tf.data.Dataset       # per worker, batched
     eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset  # optional
     metrics = ["accuracy"]                   # optional
+
+``create_optimizer``, ``loss_fn`` and ``metrics`` may instead come from ``create_model()``
+returning a compiled model (``model.compile(optimizer=..., loss=..., metrics=...)``), as in
+TensorFlow's multi-worker tutorial; what the job defines itself wins.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from psctl.cluster.errors import ConfigError
 if TYPE_CHECKING:
     from psctl.coordinator.settings import TrainSettings
 
-REQUIRED = ("create_model", "create_optimizer", "loss_fn", "dataset_fn")
+REQUIRED = ("create_model", "dataset_fn")
+# What a compiled model can give instead (its compile() arguments).
+FROM_COMPILE = ("create_optimizer", "loss_fn")
 BUILTIN_PACKAGE = "psctl.jobs"
 
 
@@ -55,6 +61,25 @@ class DataContext:
     # batch; no sharding, the context says worker 0 of 1). psctl repeats it and the tf.data
     # service hands its pieces to the workers, so every example is read once per epoch.
     one_pass: bool = False
+
+    # tf.distribute.InputContext's names, so that a dataset function written for
+    # distribute_datasets_from_function (as in TensorFlow's tutorials) reads the same.
+    @property
+    def input_pipeline_id(self) -> Any:
+        return self.worker_index
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self.num_workers
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size`` split over the workers (one replica per worker)."""
+        if global_batch_size % self.num_workers:
+            raise ValueError(
+                f"global batch size {global_batch_size} is not divisible by "
+                f"{self.num_workers} workers"
+            )
+        return global_batch_size // self.num_workers
 
     @classmethod
     def from_settings(
@@ -132,16 +157,166 @@ def load_job(spec: str) -> Job:
     eval_fn = getattr(module, "eval_dataset_fn", None)
     if eval_fn is not None and not callable(eval_fn):
         raise ConfigError(f"--job {spec}", "eval_dataset_fn is not callable", "make it a function")
-    metrics = getattr(module, "metrics", [])
-    if isinstance(metrics, str) or not isinstance(metrics, Sequence):
+    metrics = getattr(module, "metrics", None)
+    if metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence)):
         raise ConfigError(f"--job {spec}", "metrics must be a list", 'e.g. metrics = ["accuracy"]')
+    given = {name: getattr(module, name, None) for name in FROM_COMPILE}
+    needed = [name for name, fn in given.items() if not callable(fn)]
+    if not needed and metrics is not None:
+        return Job(
+            name=spec,
+            create_model=module.create_model,
+            create_optimizer=module.create_optimizer,
+            loss_fn=module.loss_fn,
+            dataset_fn=module.dataset_fn,
+            eval_dataset_fn=eval_fn,
+            metrics=list(metrics),
+            module=module,
+        )
+    compiled = FromCompile(spec, module.create_model, needed=needed)
     return Job(
         name=spec,
-        create_model=module.create_model,
-        create_optimizer=module.create_optimizer,
-        loss_fn=module.loss_fn,
+        create_model=compiled.create_model,
+        create_optimizer=(
+            compiled.create_optimizer if "create_optimizer" in needed else module.create_optimizer
+        ),
+        loss_fn=compiled.loss_fn if "loss_fn" in needed else module.loss_fn,
         dataset_fn=module.dataset_fn,
         eval_dataset_fn=eval_fn,
-        metrics=list(metrics),
+        metrics=list(metrics) if metrics is not None else compiled.metrics,
         module=module,
     )
+
+
+class FromCompile:
+    """The optimizer, loss and metrics a job leaves to its compiled model.
+
+    They are read from the model each time ``create_model()`` runs (under the strategy's
+    scope, where psctl builds it; never earlier, since sync mode must create its strategy
+    before any TensorFlow op), and handed out fresh: a new optimizer from the compiled one's
+    config in the caller's scope, the loss per example, metric objects cloned per use.
+    """
+
+    def __init__(self, spec: str, create_model: Callable[[], Any], *, needed: list[str]) -> None:
+        self._spec = spec
+        self._create_model = create_model
+        self._needed = needed
+        self._optimizer: Any = None
+        self._loss: Callable[[Any, Any], Any] | None = None
+        self._metrics: list[Any] | None = None
+        self.metrics = _LazyList(self._read_metrics)
+
+    def create_model(self) -> Any:
+        model = self._create_model()
+        self._read(model)
+        return model
+
+    def create_optimizer(self) -> Any:
+        optimizer = self._arguments()._optimizer
+        return type(optimizer).from_config(optimizer.get_config())
+
+    def loss_fn(self, labels: Any, predictions: Any) -> Any:
+        loss = self._arguments()._loss
+        assert loss is not None
+        return loss(labels, predictions)
+
+    def _read_metrics(self) -> list[Any]:
+        return list(self._arguments()._metrics or [])
+
+    def _arguments(self) -> FromCompile:
+        if self._metrics is None:  # nothing has built the model yet: build one to read it
+            self.create_model()
+        return self
+
+    def _fail(self, problem: str, fix: str) -> ConfigError:
+        return ConfigError(f"--job {self._spec}", problem, fix)
+
+    def _read(self, model: Any) -> None:
+        if not getattr(model, "compiled", False):
+            if not self._needed:  # metrics are optional
+                self._metrics = []
+                return
+            raise self._fail(
+                f"does not define {', '.join(self._needed)}, and create_model() returns a "
+                "model that is not compiled",
+                f"add def {self._needed[0]}(...) to the job, or return the model after "
+                "model.compile(optimizer=..., loss=...)",
+            )
+        args = compile_arguments(model)
+        if "create_optimizer" in self._needed and args.get("optimizer") is None:
+            raise self._fail(
+                "does not define create_optimizer and create_model()'s compile() has no optimizer",
+                "pass compile(optimizer=...) or add def create_optimizer()",
+            )
+        if "loss_fn" in self._needed:
+            self._loss = self._per_example_loss(args.get("loss"))
+        self._optimizer = args.get("optimizer")
+        metrics = args.get("metrics") or []
+        if isinstance(metrics, str) or not isinstance(metrics, Sequence):
+            raise self._fail(
+                "compile(metrics=...) is not a flat list (one list per output is not supported)",
+                'pass compile(metrics=["accuracy", ...]) or set metrics = [...] in the job',
+            )
+        self._metrics = list(metrics)
+
+    def _per_example_loss(self, loss: Any) -> Callable[[Any, Any], Any]:
+        """compile()'s loss, per example as ``loss_fn`` returns it."""
+        import copy
+
+        import keras
+
+        if loss is None:
+            raise self._fail(
+                "does not define loss_fn and create_model()'s compile() has no loss",
+                "pass compile(loss=...) or add def loss_fn(labels, predictions)",
+            )
+        if isinstance(loss, (dict, list, tuple)):
+            raise self._fail(
+                "compile() has one loss per output, which psctl does not train",
+                "add def loss_fn(labels, predictions) returning per-example losses",
+            )
+        found = keras.losses.get(loss)
+        if isinstance(found, keras.losses.Loss):
+            found = copy.copy(found)  # the job's object stays as it is
+            found.reduction = "none"
+        if not callable(found):
+            raise self._fail(f"cannot use compile(loss={loss!r})", "pass a Keras loss")
+        result: Callable[[Any, Any], Any] = found
+        return result
+
+
+class _LazyList(Sequence[Any]):
+    """A list read when first used (metrics from a compiled model: known once it is built)."""
+
+    def __init__(self, read: Callable[[], list[Any]]) -> None:
+        self._read = read
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._read()[index]
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return f"metrics from compile(): {self._read()!r}"
+
+
+def compile_arguments(model: Any) -> dict[str, Any]:
+    """The arguments of the model's ``compile()``: the objects it was given where Keras
+    keeps them, else rebuilt from its public ``get_compile_config()``."""
+    kept = getattr(getattr(model, "_compile_config", None), "config", None)
+    if isinstance(kept, dict):
+        return kept
+    import keras
+
+    config = dict(model.get_compile_config())
+    if isinstance(config.get("optimizer"), (dict, str)):
+        config["optimizer"] = keras.optimizers.get(config["optimizer"])
+    if isinstance(config.get("loss"), dict):
+        config["loss"] = keras.losses.deserialize(config["loss"])
+    metrics = config.get("metrics")
+    if isinstance(metrics, list):
+        config["metrics"] = [
+            keras.metrics.deserialize(m) if isinstance(m, dict) else m for m in metrics
+        ]
+    return config

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from psctl.cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError, echo
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +33,18 @@ OTHER_ENV = {
     "PSCTL_DATA_PORT": "a worker's tf.data service worker port (cluster/server.py)",
     "PSCTL_CONTROL_ADDRESS": "the coordinator unit's --control-address (coordinator.env)",
     "PSCTL_COORDINATOR_METRICS_PORT": "the coordinator unit's --metrics-port (coordinator.env)",
+    # The control API's credentials (flags of psctl local / train and the client commands).
+    "PSCTL_CONTROL_TOKEN_FILE": "--control-token-file (coordinator/control/security.py)",
+    "PSCTL_CONTROL_READ_TOKEN_FILE": "--control-read-token-file (coordinator/control/security.py)",
+    "PSCTL_CONTROL_TLS_CERT": "--control-tls-cert (coordinator/control/security.py)",
+    "PSCTL_CONTROL_TLS_KEY": "--control-tls-key (coordinator/control/security.py)",
+    "PSCTL_CONTROL_TLS_CA": "--control-tls-ca (coordinator/control/security.py)",
+    "PSCTL_INSECURE_CONTROL": "--insecure-control (coordinator/control/security.py)",
+    "PSCTL_METRICS_TLS_CERT": "/metrics over HTTPS: its certificate (cluster/metrics.py)",
+    "PSCTL_METRICS_TLS_KEY": "/metrics over HTTPS: the certificate's key (cluster/metrics.py)",
+    "PSCTL_HEALTH_TLS_CERT": "a server's health over TLS: its certificate (cluster/health.py)",
+    "PSCTL_HEALTH_TLS_KEY": "a server's health over TLS: the key (cluster/health.py)",
+    "PSCTL_HEALTH_TLS_CA": "health clients: the CA of the servers' health certificates",
     # Set by the test suite, inherited by the psctl processes the tests start.
     "PSCTL_CHAOS_RESULTS": "tests/chaos: a file the measured table is appended to",
     "PSCTL_TEST_POISON_MARKER": "tests/jobs/poisoned.py: its marker file",
@@ -48,6 +62,49 @@ IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per wor
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
 DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
 DEFAULT_METRICS_PORT = 9940
+
+# Bounds. The Control API reports steps as protobuf int64 and steps per execution as int32
+# (protos/psctl/control/v1/control.proto); Prometheus gauges and JSON readers hold numbers as
+# float64, exact up to 2**53. A step count above that is years of training at any rate.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_STEP = 2**53
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: timers far beyond it overflow (threading.TIMEOUT_MAX)
+# Whole-number settings: name -> (lowest, highest). Any other (the seed) takes the int64
+# range, as protobuf and TensorFlow's seeds do.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "steps": (1, MAX_STEP),
+    "checkpoint_every": (1, MAX_STEP),
+    "eval_every": (0, MAX_STEP),  # 0: no inline evaluation
+    "epochs": (0, INT32_MAX),  # 0: train to --steps
+    "batch_size": (1, INT32_MAX),
+    "eval_batch_size": (1, INT32_MAX),
+    "steps_per_execution": (0, INT32_MAX),  # 0: auto
+    "local_steps": (1, INT32_MAX),
+    "keep_checkpoints": (1, INT32_MAX),
+    "max_shards": (1, INT32_MAX),
+    "min_shard_bytes": (1, INT64_MAX),
+    "max_in_flight": (0, INT32_MAX),  # 0: IN_FLIGHT_PER_WORKER per worker
+}
+# Finite float settings: name -> (above this, at most this).
+_FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "local_scale": (0.0, 1e6),
+    "log_every": (0.0, MAX_SECONDS),
+    "stall_timeout": (0.0, MAX_SECONDS),
+}
+# An integer or a decimal number as a flag or PSCTL_* value: ASCII only (int() and float()
+# would also take other scripts' digits, "1_000", "inf" and surrounding Unicode spaces).
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_KEY = re.compile(r"[A-Za-z0-9_-]{1,80}")  # a TOML key shown as is in an error line
+_BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+# What 0 means where a whole-number setting may be 0.
+_ZERO_MEANS = {
+    "eval_every": "off",
+    "epochs": "off, train to --steps",
+    "steps_per_execution": "auto",
+    "max_in_flight": f"{IN_FLIGHT_PER_WORKER} per worker",
+}
 
 
 def flag_for(name: str) -> str:
@@ -67,11 +124,16 @@ def flag_values(args: argparse.Namespace, flags: Iterable[str]) -> dict[str, Any
 
 def parse_steps_per_execution(value: Any) -> int:
     """``auto`` (any case) is 0; anything else a whole number (checked by TrainSettings)."""
-    if isinstance(value, str) and value.strip().lower() == AUTO:
-        return 0
-    if isinstance(value, bool):
+    if isinstance(value, str):
+        text = value.strip(" \t")
+        if text.lower() == AUTO:
+            return 0
+        if not _INT_TEXT.fullmatch(text):
+            raise ValueError(value)
+        return int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(value)
-    return int(value)
+    return value
 
 
 def show_steps_per_execution(value: int) -> str:
@@ -110,52 +172,67 @@ class TrainSettings:
     epochs: int = 0  # >0: train this many passes over the data through the tf.data service
 
     def __post_init__(self) -> None:
-        positive = (
-            "steps",
-            "batch_size",
-            "checkpoint_every",
-            "local_steps",
-            "keep_checkpoints",
-            "eval_batch_size",
-            "max_shards",
-            "min_shard_bytes",
+        check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)
+
+
+def _range_fix(name: str, low: int, high: int) -> str:
+    zero = f" (0: {_ZERO_MEANS[name]})" if low == 0 and name in _ZERO_MEANS else ""
+    return f"give a whole number from {low} to {high:,}{zero}"
+
+
+def _int_range(name: str) -> tuple[int, int]:
+    return _INT_RANGES.get(name, (-INT64_MAX - 1, INT64_MAX))
+
+
+def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None:
+    """Raise ConfigError for the first bad setting in ``values`` (every field, by name);
+    ``where(name)`` names where it came from: ``--steps``, ``PSCTL_STEPS``, ``job.toml:
+    train.steps``."""
+    for name, value in values.items():
+        kind = _TYPES.get(name)
+        if kind == "int":
+            low, high = _int_range(name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(
+                    where(name), f"{echo(value)} is not a whole number", _range_fix(name, low, high)
+                )
+            if not low <= value <= high:
+                raise ConfigError(where(name), f"got {echo(value)}", _range_fix(name, low, high))
+        elif kind == "float":
+            above, most = _FLOAT_RANGES.get(name, (-math.inf, math.inf))
+            fix = f"give a number above {above:g} and at most {most:g}"
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(where(name), f"{echo(value)} is not a number", fix)
+            if not math.isfinite(value) or not above < value <= most:
+                raise ConfigError(where(name), f"got {echo(value)}", fix)
+        elif kind == "str":
+            if not isinstance(value, str):
+                raise ConfigError(where(name), f"{echo(value)} is not a string", "give a string")
+            if "\0" in value:
+                raise ConfigError(where(name), f"{echo(value)} holds a NUL character", "remove it")
+        elif kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(where(name), f"{echo(value)} is not true or false", "give true/false")
+    for name, choices in (("strategy", STRATEGIES), ("update_mode", UPDATE_MODES)):
+        if name in values and values[name] not in choices:
+            raise ConfigError(
+                where(name), f"got {echo(values[name])}", f"use one of {', '.join(choices)}"
+            )
+    if values.get("update_mode") == "local" and values.get("epochs"):
+        raise ConfigError(
+            where("update_mode"),
+            f"local with {where('epochs')}",
+            "use update mode default with epochs",
         )
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(flag_for(name), f"got {value!r}", "give a whole number >= 1")
-        if not self.stall_timeout > 0:
-            raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}", "give seconds > 0")
-        if not self.log_every > 0:
-            raise ConfigError("--log-every", f"got {self.log_every!r}", "give seconds > 0")
-        if self.eval_every < 0:
-            raise ConfigError("--eval-every", f"got {self.eval_every}", "give a whole number >= 1")
-        if self.epochs < 0:
-            raise ConfigError("--epochs", f"got {self.epochs}", "give a whole number >= 1")
-        if isinstance(self.steps_per_execution, bool) or self.steps_per_execution < 0:
-            raise ConfigError(
-                "--steps-per-execution",
-                f"got {self.steps_per_execution!r}",
-                "give a whole number >= 1, or auto",
-            )
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(
-                "--strategy", f"got {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}"
-            )
-        if self.update_mode not in UPDATE_MODES:
-            raise ConfigError(
-                "--update-mode",
-                f"got {self.update_mode!r}",
-                f"use one of {', '.join(UPDATE_MODES)}",
-            )
-        if self.update_mode == "local" and self.epochs:
-            raise ConfigError(
-                "--update-mode", "local with --epochs", "use --update-mode default with --epochs"
-            )
-        if not self.local_scale > 0:
-            raise ConfigError("--local-scale", f"got {self.local_scale!r}", "give a factor > 0")
-        if self.max_in_flight < 0:
-            raise ConfigError("--max-in-flight", f"got {self.max_in_flight}", "give >= 0")
+    if values.get("strategy") == "sync":
+        # Sync mode all-reduces over the workers: nothing lives on ps tasks, and every
+        # worker must run the same steps (docs/sync.md).
+        for name, off, fix in (
+            ("update_mode", "default", "use update mode default with strategy sync"),
+            ("max_shards", 1, "drop it: sync mode keeps a whole copy of the model per worker"),
+            ("eval_every", 0, "drop it, or evaluate the checkpoints with psctl evaluate"),
+        ):
+            if values.get(name, off) != off:
+                raise ConfigError(where(name), f"{echo(values[name])} with strategy sync", fix)
 
 
 _TYPES = {f.name: f.type for f in fields(TrainSettings)}
@@ -167,32 +244,121 @@ def default_help(name: str, show: Callable[[Any], str] = str) -> str:
     return f"(default {show(getattr(DEFAULTS, name))})"
 
 
-def _coerce(name: str, value: Any, where: str) -> Any:
+def _toml(value: Any) -> str:
+    """A value as TOML writes it, for error lines (``false``, not ``False``)."""
+    return str(value).lower() if isinstance(value, bool) else echo(value)
+
+
+def _kind_of(value: Any) -> str:
+    """A TOML value's kind, with its article."""
+    kinds = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    kinds.update({list: "an array", dict: "a table"})
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+def _int_text(name: str, text: str, where: str) -> int:
+    low, high = _int_range(name)
+    digits = text.strip(" \t")
+    if not _INT_TEXT.fullmatch(digits):
+        raise ConfigError(where, f"{echo(text)} is not a whole number", _range_fix(name, low, high))
+    if len(digits.lstrip("+-0")) > 30:  # int() refuses thousands of digits; this is enough
+        raise ConfigError(where, f"{echo(text)} is out of range", _range_fix(name, low, high))
+    return int(digits)
+
+
+def _float_text(text: str, where: str) -> float:
+    number = text.strip(" \t")
+    if not _FLOAT_TEXT.fullmatch(number):
+        raise ConfigError(where, f"{echo(text)} is not a number", "give a decimal number, e.g. 2.5")
+    return float(number)
+
+
+def _coerce(name: str, value: Any, where: str, *, text: bool) -> Any:
+    """``value`` as setting ``name`` holds it. ``text``: a string may spell a number or a
+    boolean (flags, PSCTL_*); otherwise (TOML) the value must have the setting's own type:
+    a TOML float for a whole number, or a boolean for a path, is an error, not converted."""
     kind = _TYPES[name]
-    try:
-        if name == "steps_per_execution":
-            return parse_steps_per_execution(value)
-        if kind in ("int", int):
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value)
-        if kind in ("float", float):
+    is_text = isinstance(value, str)
+    if name == "steps_per_execution" and is_text and value.strip(" \t").lower() == AUTO:
+        return 0
+    if kind == "int":
+        if is_text and text:
+            return _int_text(name, value, where)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(
+                where,
+                f"{_toml(value)} is {_kind_of(value)}, not a whole number",
+                _range_fix(name, *_int_range(name)),
+            )
+        return value
+    if kind == "float":
+        if is_text and text:
+            return _float_text(value, where)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(
+                where, f"{_toml(value)} is {_kind_of(value)}, not a number", "give a number"
+            )
+        try:
             return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(where, f"{value!r} is not a valid {kind}", f"give a {kind}") from None
+        except OverflowError:
+            raise ConfigError(where, f"{echo(value)} is out of range", "give a number") from None
+    if kind == "bool":
+        if is_text and text and value.strip().lower() in _BOOL_TEXT:
+            return _BOOL_TEXT[value.strip().lower()]
+        if not isinstance(value, bool):
+            raise ConfigError(
+                where, f"{_toml(value)} is {_kind_of(value)}, not a boolean", "give true or false"
+            )
+        return value
+    if kind == "str" and not is_text:
+        raise ConfigError(
+            where,
+            f"{_toml(value)} is {_kind_of(value)}, not a string",
+            'give a string (in TOML, in quotes: key = "value")',
+        )
+    return value
 
 
-def load_toml(path: str) -> dict[str, Any]:
+def _read_toml(path: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(
             "--config", f"no file at {path}", "give an existing TOML job file"
         ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            "--config", f"{path} is a directory", "give the TOML job file's path"
+        ) from None
+    except OSError as err:
+        raise ConfigError(
+            "--config", f"cannot read {path}: {err.strerror or err}", "check the path"
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            "--config",
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start})",
+            "save the job file as UTF-8 TOML",
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config {path}", f"invalid TOML: {err}", "fix the syntax") from None
+    except (ValueError, RecursionError):  # an integer of thousands of digits; deep nesting
+        raise ConfigError(
+            f"--config {path}",
+            "a number is too long or a value nested too deeply",
+            "write plain settings: key = value",
+        ) from None
+
+
+def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
+    """The [train] table (or the whole file): setting name -> (value, where it is written)."""
+    data = _read_toml(path)
     table = data.get("train", data)
+    prefix = "train." if "train" in data else ""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: train", "is not a table", "write [train] with key = value")
     out = {}
@@ -200,10 +366,18 @@ def load_toml(path: str) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in _TYPES:
             raise ConfigError(
-                f"{path}: {key}", "is not a setting", f"use one of {', '.join(sorted(_TYPES))}"
+                f"{path}: {prefix}{key if _KEY.fullmatch(key) else echo(key)}",
+                "is not a setting",
+                f"use one of {', '.join(sorted(_TYPES))}",
             )
-        out[name] = _coerce(name, value, f"{path}: {key}")
+        where = f"{path}: {prefix}{key}"
+        out[name] = (_coerce(name, value, where, text=False), where)
     return out
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The settings a TOML job file holds, each of its setting's type (ConfigError if not)."""
+    return {name: value for name, (value, _) in _load_toml(path).items()}
 
 
 def env_name(name: str) -> str:
@@ -245,13 +419,19 @@ def resolve_settings(
     env = os.environ if environ is None else environ
     check_environ(env)
     merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
     if config_file:
-        merged.update(load_toml(config_file))
+        for name, (value, where) in _load_toml(config_file).items():
+            merged[name], source[name] = value, where
     for name in _TYPES:
         key = env_name(name)
         if env.get(key):
-            merged[name] = _coerce(name, env[key], key)
+            merged[name], source[name] = _coerce(name, env[key], key, text=True), key
     for name, value in flags.items():
         if value is not None and name in _TYPES:
-            merged[name] = _coerce(name, value, flag_for(name))
+            where = flag_for(name)
+            merged[name], source[name] = _coerce(name, value, where, text=True), where
+    # Checked here, to name where each value came from; TrainSettings checks them again.
+    values = {name: getattr(DEFAULTS, name) for name in _TYPES}
+    check_values({**values, **merged}, lambda name: source.get(name, flag_for(name)))
     return TrainSettings(**merged)

@@ -17,6 +17,7 @@ from psctl.coordinator.control.client import (
     cmd_stop,
     cmd_watch,
 )
+from psctl.coordinator.control.security import ENV
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS
 
 
@@ -27,7 +28,56 @@ def add_address(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help=f"coordinator's control address (default {DEFAULT_CONTROL_ADDRESS})",
     )
+    add_control_security(parser, server=False)
     return parser
+
+
+def add_control_security(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """The control API's credential flags (docs/security.md); each has a PSCTL_* variable.
+    ``server``: the coordinator's (psctl local / train), else a client command's."""
+    group = parser.add_argument_group(
+        "control API credentials (default: the job's token files of this user, plaintext "
+        "on loopback)"
+    )
+    group.add_argument(
+        "--control-token-file",
+        metavar="FILE",
+        help=(
+            "the control token (every command): required off loopback "
+            if server
+            else "the job's control or read-only token "
+        )
+        + f"(${ENV['token_file']})",
+    )
+    if server:
+        group.add_argument(
+            "--control-read-token-file",
+            metavar="FILE",
+            help=f"a read-only token, for status and watch (${ENV['read_token_file']})",
+        )
+    cert, key, ca = (
+        (
+            "this coordinator's TLS certificate (PEM)",
+            "its private key",
+            "client CA: require client certificates it signed (mTLS)",
+        )
+        if server
+        else (
+            "client certificate for mTLS (PEM)",
+            "its private key",
+            "CA that signed the coordinator's certificate (turns TLS on)",
+        )
+    )
+    group.add_argument("--control-tls-cert", metavar="PEM", help=f"{cert} (${ENV['tls_cert']})")
+    group.add_argument("--control-tls-key", metavar="PEM", help=f"{key} (${ENV['tls_key']})")
+    group.add_argument("--control-tls-ca", metavar="PEM", help=f"{ca} (${ENV['tls_ca']})")
+    if server:
+        group.add_argument(
+            "--insecure-control",
+            action="store_true",
+            help="allow a non-loopback --control-address without TLS and a token file "
+            f"(${ENV['insecure']}=1)",
+        )
 
 
 def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:

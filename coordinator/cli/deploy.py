@@ -51,6 +51,13 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         help=f"where the env files and cluster.json go on the hosts (default {DEFAULT_CONFIG_DIR})",
     )
     render_p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    render_p.add_argument(
+        "--strategy",
+        choices=("async", "sync"),
+        default="async",
+        help="async: ps and worker servers plus the coordinator; sync: a training unit on "
+        "every worker host (psctl train --strategy sync), no ps (default %(default)s)",
+    )
     check_p = dsub.add_parser(
         "check",
         help="reach every server's TF port and health service; non-zero if any is not up",

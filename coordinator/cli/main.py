@@ -14,7 +14,7 @@ from typing import Any
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
 from psctl.cluster.requirements import require_tensorflow
-from psctl.coordinator.cli.client import add_client_commands
+from psctl.coordinator.cli.client import add_client_commands, add_control_security
 from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
 from psctl.coordinator.cli.export import add_export_command
@@ -151,6 +151,7 @@ def add_control_address(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="psctl's control API (default %(default)s; port 0 picks a free one)",
     )
+    add_control_security(parser, server=True)
 
 
 def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Parameter-server training for TensorFlow 2.",
         epilog=(
             "Exit status: 0 ok, 1 failure, 2 bad command line, 69 unreachable, 70 restart budget "
-            "used up, 78 configuration error, 130 interrupted."
+            "used up, 77 control credential refused, 78 configuration error, 130 interrupted."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -197,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         metavar="FILE",
         help="cluster file (TF_CONFIG's JSON); default: $TF_CONFIG with chief",
+    )
+    train.add_argument(
+        "--task-index",
+        type=int,
+        metavar="N",
+        help="--strategy sync: which worker of the cluster this host runs (0 is the chief); "
+        "default: TF_CONFIG's task index",
     )
     train.add_argument(
         "--tasks-file",
@@ -235,10 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from psctl.cluster.spec import format_table, resolve_cluster
+    from psctl.cluster.spec import check_config, format_table
 
-    cluster, source = resolve_cluster(cluster_file=args.file, environ=os.environ)
+    cluster, source, task = check_config(cluster_file=args.file, environ=os.environ)
     print(format_table(cluster, source=source))
+    if task is not None:
+        print(f"task: {task.task_type} {task.task_index} ({task.address})")
     return 0
 
 

@@ -9,14 +9,21 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import grpc
 
-from psctl.cluster import health
 from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
 from psctl.cluster.spec import Address, resolve_cluster
 from psctl.control.v1 import control_pb2
+from psctl.coordinator.control.security import (
+    EXIT_NOT_ALLOWED,
+    ControlSecurity,
+    bearer,
+    is_denied,
+    token_paths,
+)
 from psctl.coordinator.control.stubs import control_stub
 
 RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
@@ -30,9 +37,48 @@ class ControlError(Exception):
         self.exit_status = exit_status
 
 
-def _describe(err: grpc.RpcError, address: str) -> ControlError:
+@dataclass(frozen=True)
+class Target:
+    """A coordinator's control address, and how to reach it: the channel's TLS settings
+    and the bearer token (None: none found; the coordinator then refuses the call)."""
+
+    address: str
+    security: ControlSecurity
+    token: str | None
+
+    @classmethod
+    def of(cls, address: str, security: ControlSecurity | None = None) -> Target:
+        security = security or ControlSecurity.from_args(None)
+        return cls(address, security, security.client_token(address))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Target:
+        return cls.of(args.address, ControlSecurity.from_args(args))
+
+    def channel(self) -> grpc.Channel:
+        return self.security.channel(self.address)
+
+    @property
+    def metadata(self) -> list[tuple[str, str]]:
+        return bearer(self.token)
+
+
+def _describe(err: grpc.RpcError, address: str, target: Target | None = None) -> ControlError:
     code = err.code() if isinstance(err, grpc.Call) else None
     details = err.details() if isinstance(err, grpc.Call) else str(err)
+    if is_denied(code):
+        assert code is not None
+        hint = ""
+        if target is not None and target.token is None and not target.security.token_file:
+            control, _ = token_paths(address)
+            hint = (
+                f" (no token of this user's for the address in {control.parent}: run as the "
+                "job's user, or pass --control-token-file)"
+            )
+        return ControlError(
+            f"the coordinator at {address} refused the call ({code.name}): {details}{hint}",
+            EXIT_NOT_ALLOWED,
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         reason = "connection refused" if "refused" in (details or "").lower() else details
         return ControlError(f"no coordinator at {address}: {reason}", EXIT_UNAVAILABLE)
@@ -42,13 +88,15 @@ def _describe(err: grpc.RpcError, address: str) -> ControlError:
     return ControlError(f"{name}: {details}", EXIT_FAILURE)
 
 
-def call(address: str, method: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
-    with grpc.insecure_channel(address) as channel:
+def call(address: str | Target, method: str, request: Any, *, timeout: float = RPC_TIMEOUT) -> Any:
+    """One Control RPC with a deadline; an address alone finds this user's token for it."""
+    target = address if isinstance(address, Target) else Target.of(address)
+    with target.channel() as channel:
         stub = control_stub(channel)
         try:
-            return getattr(stub, method)(request, timeout=timeout)
+            return getattr(stub, method)(request, timeout=timeout, metadata=target.metadata)
         except grpc.RpcError as err:
-            raise _describe(err, address) from None
+            raise _describe(err, target.address, target) from None
 
 
 def state_name(value: int) -> str:
@@ -120,7 +168,7 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = call(args.address, "GetStatus", control_pb2.GetStatusRequest())
+    status = call(Target.from_args(args), "GetStatus", control_pb2.GetStatusRequest())
     if args.json:
         print(json.dumps(status_dict(status), indent=2, sort_keys=True))
     else:
@@ -132,12 +180,14 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Redraw on a terminal; one line per update when piped."""
     request = control_pb2.WatchStatusRequest(interval_seconds=args.interval)
     tty = out.isatty()
-    with grpc.insecure_channel(args.address) as channel:
+    target = Target.from_args(args)
+    with target.channel() as channel:
         stub = control_stub(channel)
         # The stream lives as long as the job: its deadline is --duration (or a day).
         deadline = args.duration or 86400.0
+        stream = stub.WatchStatus(request, timeout=deadline, metadata=target.metadata)
         try:
-            for count, status in enumerate(stub.WatchStatus(request, timeout=deadline), 1):
+            for count, status in enumerate(stream, 1):
                 if tty:
                     out.write("\x1b[H\x1b[2J" + format_status(status) + "\n")
                 else:
@@ -152,13 +202,13 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         except grpc.RpcError as err:
             if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return 0  # --duration elapsed
-            raise _describe(err, args.address) from None
+            raise _describe(err, args.address, target) from None
     return 0
 
 
 def _simple(method: str, request: Any, verb: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        response = call(args.address, method, request)
+        response = call(Target.from_args(args), method, request)
         print(f"{verb}: job was {state_name(response.state)}")
         return 0
 
@@ -171,7 +221,7 @@ cmd_resume = _simple("Resume", control_pb2.ResumeRequest(), "resume requested")
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     response = call(
-        args.address, "Checkpoint", control_pb2.CheckpointRequest(), timeout=args.timeout
+        Target.from_args(args), "Checkpoint", control_pb2.CheckpointRequest(), timeout=args.timeout
     )
     print(f"checkpoint {response.checkpoint.path} at step {response.checkpoint.step}")
     return 0
@@ -179,7 +229,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     """Ask for a graceful stop, then wait (bounded) until the coordinator is gone."""
-    response = call(args.address, "Stop", control_pb2.StopRequest())
+    target = Target.from_args(args)
+    response = call(target, "Stop", control_pb2.StopRequest())
     print(
         f"stop requested (job was {state_name(response.state)}); waiting up to {args.timeout:.0f}s",
         flush=True,
@@ -188,7 +239,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     last = None
     while time.monotonic() < deadline:
         try:
-            last = call(args.address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2.0)
+            last = call(target, "GetStatus", control_pb2.GetStatusRequest(), timeout=2.0)
         except ControlError:
             print("coordinator stopped" + (f" at step {last.global_step}" if last else ""))
             return 0
@@ -203,6 +254,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     """Like grpc_health_probe over every server of the cluster; non-zero if any is not
     SERVING."""
+    from psctl.cluster import health  # only this command: `psctl status` starts faster
+
     cluster, source = resolve_cluster(cluster_file=args.cluster, environ=_environ())
     explicit = explicit_health_addresses(args.cluster)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]

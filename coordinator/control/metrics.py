@@ -262,6 +262,14 @@ class CoordinatorMetrics:
             "1 while the stall watchdog sees no step finish for --stall-timeout, else 0.",
             registry=r,
         )
+        self._allreduce_seconds = Histogram(
+            "psctl_allreduce_seconds",
+            "Sync mode (--strategy sync) only: seconds the all-reduce that starts each call "
+            "took on the chief; it waits for the slowest worker, so it is the workers' skew "
+            "plus one all-reduce's latency. Observed once per call.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self._stalls = Counter(
             "psctl_stalls",
             "Stalls the watchdog reported (no step finished for --stall-timeout).",
@@ -360,6 +368,10 @@ class CoordinatorMetrics:
         per_step = seconds / steps
         for _ in range(steps):
             self._step_seconds.observe(per_step)
+
+    def observe_allreduce(self, seconds: float) -> None:
+        """Sync mode: one call's opening all-reduce took ``seconds`` (sync.py)."""
+        self._allreduce_seconds.observe(seconds)
 
     def set_global_step(self, step: int) -> None:
         self._global_step.set(step)

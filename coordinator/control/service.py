@@ -25,6 +25,14 @@ from psctl.cluster import health as health_check
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import split_host_port
 from psctl.control.v1 import control_pb2, control_pb2_grpc
+from psctl.coordinator.control.security import (
+    MAX_STREAMS,
+    UNARY_THREADS,
+    AuthInterceptor,
+    ControlSecurity,
+    PublishedTokens,
+    Tokens,
+)
 from psctl.coordinator.control.state import (
     ACTIVITIES,
     ACTIVITY_HOST_STATES,
@@ -432,12 +440,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 f"interval_seconds {interval} is out of range; use "
                 f"{WATCH_MIN_INTERVAL} to {WATCH_MAX_INTERVAL} (0 means 1 s)",
             )
+        # Woken when the client goes: its thread (and its stream slot) is free at once.
+        gone = threading.Event()
+        context.add_callback(gone.set)
         while context.is_active():
             status = self.control.snapshot()
             yield status
             if status.state in (s.value for s in FINAL_STATES):
                 return
-            time.sleep(interval)
+            gone.wait(interval)
 
     def Checkpoint(
         self, request: Any, context: grpc.ServicerContext
@@ -478,12 +489,33 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
 
 class ControlServer:
-    """Control + grpc.health.v1 + reflection on one address."""
+    """Control + grpc.health.v1 + reflection on one address.
 
-    def __init__(self, control: JobControl, address: str) -> None:
+    Every call but a health Check needs one of ``tokens`` (``AuthInterceptor``); streams
+    are bounded (``MAX_STREAMS``) and unary calls keep ``UNARY_THREADS`` threads of their
+    own, so open ``psctl watch`` streams never lock out `psctl status` or `stop`. With
+    ``security.tls_cert`` the port speaks TLS only.
+    """
+
+    def __init__(
+        self,
+        control: JobControl,
+        address: str,
+        *,
+        tokens: Tokens | None = None,
+        security: ControlSecurity | None = None,
+        max_streams: int = MAX_STREAMS,
+    ) -> None:
         host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
+        self.security = security or ControlSecurity()
+        self.tokens = tokens or Tokens.generate()
+        self.auth = AuthInterceptor(self.tokens, max_streams=max_streams)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)]
+            futures.ThreadPoolExecutor(
+                max_workers=max_streams + UNARY_THREADS, thread_name_prefix="control"
+            ),
+            interceptors=[self.auth],
+            options=[("grpc.so_reuseport", 0)],
         )
         add_control_servicer(ControlServicer(control), self.server)
         self.health = health.HealthServicer()
@@ -495,8 +527,12 @@ class ControlServer:
         )
         reflection.enable_server_reflection(names, self.server)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        credentials = self.security.server_credentials()
         try:
-            bound = self.server.add_insecure_port(bind)
+            if credentials is None:
+                bound = self.server.add_insecure_port(bind)
+            else:
+                bound = self.server.add_secure_port(bind, credentials)
         except RuntimeError:
             bound = 0
         if not bound:
@@ -506,6 +542,7 @@ class ControlServer:
                 "stop what holds it or pass another --control-address",
             )
         self.address = f"{host}:{bound}"
+        self.published: PublishedTokens | None = None  # start_control_server's token files
         self._stop_polling = threading.Event()
         self._control = control
 
@@ -519,9 +556,36 @@ class ControlServer:
             name="task-health",
             daemon=True,
         ).start()
-        log.info("control API on %s (pid %d)", self.address, os.getpid())
+        log.info(
+            "control API on %s (pid %d, %s)",
+            self.address,
+            os.getpid(),
+            "TLS" if self.security.tls_cert else "plaintext",
+        )
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop_polling.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(grace + 1.0)
+
+
+def start_control_server(
+    control: JobControl, address: str, security: ControlSecurity
+) -> ControlServer:
+    """The one way a training process serves the Control API: check the flags (off
+    loopback: TLS and a token file, or --insecure-control; exit 78), read or make the
+    tokens, publish them for this user when the launcher has not (a bare ``train --once``),
+    listen and start. ``server.published`` (or None) is removed by ``stop_control_server``.
+    """
+    security.check_server(address)
+    tokens = security.server_tokens()
+    server = ControlServer(control, address, tokens=tokens, security=security)
+    server.published = None if security.token_file else PublishedTokens(server.address, tokens)
+    server.start()
+    return server
+
+
+def stop_control_server(server: ControlServer, grace: float = 1.0) -> None:
+    server.stop(grace)
+    if server.published is not None:
+        server.published.remove()

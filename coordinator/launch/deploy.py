@@ -19,11 +19,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError, echo
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
 from psctl.cluster.spec import (
+    SYNC_REQUIRED,
     Address,
     ClusterConfig,
+    canonical_host,
     load_cluster_file,
     require_chief,
 )
@@ -111,10 +113,14 @@ def plan_hosts(
     that would share a port are a ConfigError.
     """
     explicit = health_addresses or {}
+    # By host as spelt first; two spellings of one host (Host1 and host1, ::1 and ::0001)
+    # are one host, and one directory.
     hosts: dict[str, list[ServerTask]] = {}
+    names: dict[str, str] = {}
     chief = cluster.task_address("chief", 0) if cluster.chief is not None else None
     if chief is not None:
-        hosts[chief.host] = []
+        names[canonical_host(chief.host)] = chief.host
+        hosts[canonical_host(chief.host)] = []
     for task_type, index, address in cluster.task_addresses():
         if task_type not in SERVER_ROLES:
             continue
@@ -125,10 +131,12 @@ def plan_hosts(
             health_port = side_port(address.port, HEALTH_PORT_OFFSET, field=f"{field} health port")
         metrics_port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
         task = ServerTask(task_type, index, address, health_port, metrics_port)
-        hosts.setdefault(address.host, []).append(task)
+        names.setdefault(canonical_host(address.host), address.host)
+        hosts.setdefault(canonical_host(address.host), []).append(task)
+    chief_key = canonical_host(chief.host) if chief is not None else None
     plans = [
-        HostPlan(host, tuple(tasks), chief.port if chief and host == chief.host else None)
-        for host, tasks in hosts.items()
+        HostPlan(names[key], tuple(tasks), chief.port if chief and key == chief_key else None)
+        for key, tasks in hosts.items()
     ]
     for plan in plans:
         _check_host_ports(plan)
@@ -311,6 +319,8 @@ StateDirectory=psctl
 SyslogIdentifier=psctl-coordinator
 # A dynamic user has no home: Keras and matplotlib keep their caches in the state directory.
 Environment=HOME={STATE_DIR}
+# The job's control tokens (0600) land in $HOME: {CONTROL_TOKEN_FILE} and .read.token
+# beside it; on this host: sudo psctl status --control-token-file {CONTROL_TOKEN_FILE}
 """
     order = f"""\
 # Starting it starts this host's servers too (their units order them Before= this one).
@@ -366,8 +376,9 @@ GRPC_FAIL_FAST=use_caller
 # TensorFlow's C++ INFO and WARNING lines stay out of the journal (0 shows them).
 TF_CPP_MIN_LOG_LEVEL=2
 PYTHONUNBUFFERED=1
-# Where the health and metrics ports listen (default 0.0.0.0). TensorFlow's own port always
-# listens on every interface: keep the cluster on a private network.
+# Where the health and metrics ports listen (default: this host's address in the cluster
+# file; 0.0.0.0 for every interface). TensorFlow's own port always listens on every
+# interface: keep the cluster on a private network (docs/security.md).
 #PSCTL_BIND_HOST={bind}
 """
 
@@ -382,6 +393,10 @@ PSCTL_METRICS_PORT={task.metrics_port}
 """
 
 
+# Where the coordinator unit's job token lands: its HOME is the state directory.
+CONTROL_TOKEN_FILE = f"{STATE_DIR}/.local/state/psctl/127.0.0.1_{_CONTROL_PORT}.token"
+
+
 def coordinator_env() -> str:
     return f"""\
 # psctl train settings (EnvironmentFile of {COORDINATOR_UNIT}). Any training flag works as
@@ -391,8 +406,15 @@ PSCTL_JOB={DEFAULTS.job}
 PSCTL_STEPS={DEFAULTS.steps}
 PSCTL_CHECKPOINT_DIR={STATE_DIR}/checkpoints
 PSCTL_SUMMARY_JSON={STATE_DIR}/summary.json
-# psctl's control API (psctl status/stop/...): no authentication, keep it on loopback.
+# psctl's control API (psctl status/stop/...). Every call needs the job's token: on
+# loopback psctl train writes a new one per job, for root to read, to
+# {CONTROL_TOKEN_FILE}
+# Another address needs TLS and a token file of yours (docs/security.md):
 PSCTL_CONTROL_ADDRESS={CONTROL_ADDRESS}
+#PSCTL_CONTROL_TOKEN_FILE={DEFAULT_CONFIG_DIR}/control.token
+#PSCTL_CONTROL_TLS_CERT={DEFAULT_CONFIG_DIR}/control.pem
+#PSCTL_CONTROL_TLS_KEY={DEFAULT_CONFIG_DIR}/control.key
+#PSCTL_CONTROL_TLS_CA={DEFAULT_CONFIG_DIR}/control-clients-ca.pem
 # The coordinator's Prometheus /metrics (0 turns it off).
 PSCTL_COORDINATOR_METRICS_PORT={COORDINATOR_METRICS_PORT}
 """
@@ -567,6 +589,8 @@ def render(
         )
     text = Path(cluster_file).read_text(encoding="utf-8")
     chief_host = next(p.host for p in plans if p.chief_port is not None)
+    for plan in plans:  # every name checked before anything is written
+        _host_dir(out, plan.host)
     out.mkdir(parents=True, exist_ok=True)
     units = unit_files(bin_dir=bin_dir, config_dir=config_dir)
     for plan in plans:
@@ -585,17 +609,158 @@ def render(
         if plan.chief_port is not None:
             files[COORDINATOR_UNIT] = units[COORDINATOR_UNIT]
             files["coordinator.env"] = coordinator_env()
-        _write_dir(out / plan.host, files)
-    (out / "README.md").write_text(
-        index_readme(plans, source=cluster_file, coordinator_host=chief_host)
+        _write_dir(out, _host_dir(out, plan.host), files)
+    _write_dir(
+        out,
+        out,
+        {"README.md": index_readme(plans, source=cluster_file, coordinator_host=chief_host)},
     )
     return plans
 
 
-def _write_dir(path: Path, files: Mapping[str, str]) -> None:
+# ---------------------------------------------------------------- --strategy sync
+
+SYNC_UNIT = "psctl-sync@.service"
+
+
+def _sync_unit(*, bin_dir: str, config_dir: str) -> str:
+    head = f"""\
+# psctl sync training: one worker of a --strategy sync job (MultiWorkerMirroredStrategy).
+# The instance (%i) is the worker's index in the cluster file: `systemctl start
+# {SYNC_UNIT.replace("@", "@0")}` runs cluster.worker[0], the chief (checkpoints, the
+# control API, metrics). Start one on every worker host; they wait for each other.
+# Written by `psctl deploy render --strategy sync`; see docs/sync.md.
+"""
+    service = f"""\
+Type=exec
+EnvironmentFile={config_dir}/psctl.env
+# Training settings (PSCTL_JOB, PSCTL_STEPS, PSCTL_CHECKPOINT_DIR, ...) and ports.
+EnvironmentFile={config_dir}/sync.env
+ExecStart={bin_dir}/psctl train --strategy sync --cluster ${{PSCTL_CLUSTER}} --task-index %i \\
+    --control-address ${{PSCTL_CONTROL_ADDRESS}} \\
+    --metrics-port ${{PSCTL_COORDINATOR_METRICS_PORT}}
+# psctl train restarts its own training process (a lost peer, a crash) within its budget:
+# every status it ends with is final (as the coordinator unit's).
+Restart=on-failure
+RestartSec=5
+RestartPreventExitStatus={" ".join(str(s) for s in FINAL_EXIT_STATUSES)}
+# SIGTERM is a graceful stop of the whole group: checkpoint (chief), evaluation, exit 0.
+KillMode=mixed
+TimeoutStopSec=300
+# Checkpoints (the chief's) and the summary: {STATE_DIR}.
+StateDirectory=psctl
+SyslogIdentifier=psctl-sync-%i
+Environment=HOME={STATE_DIR}
+"""
+    return _unit(
+        head=head,
+        description="psctl sync training (worker %i)",
+        order=f"Wants={TARGET}\n",
+        start_limit="StartLimitIntervalSec=600\n",
+        service=service,
+        devices=_WORKER_DEVICES,
+    )
+
+
+def sync_env() -> str:
+    """The training settings of a sync worker: the coordinator's, read by every worker
+    (only worker 0 serves the control API and metrics and writes checkpoints)."""
+    return coordinator_env().replace(COORDINATOR_UNIT, SYNC_UNIT)
+
+
+def render_sync(
+    *, cluster_file: str, out: Path, bin_dir: str, config_dir: str, force: bool
+) -> list[tuple[str, list[int]]]:
+    """``--strategy sync``: OUT/<host>/ for every worker host, a training unit per worker
+    (no ps or worker-server units; ps entries are ignored); returns (host, worker indexes)."""
+    bin_dir = _absolute_dir(bin_dir, "--bin-dir")
+    config_dir = _absolute_dir(config_dir, "--config-dir")
+    cluster = load_cluster_file(cluster_file, required=SYNC_REQUIRED)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConfigError(
+            "--out", f"{out} exists and is not empty", "give a new directory or pass --force"
+        )
+    hosts: dict[str, tuple[str, list[int]]] = {}
+    for task_type, index, address in cluster.task_addresses():
+        if task_type == "worker":
+            key = canonical_host(address.host)
+            hosts.setdefault(key, (address.host, []))[1].append(index)
+    plans = list(hosts.values())
+    for host, _ in plans:
+        _host_dir(out, host)
+    out.mkdir(parents=True, exist_ok=True)
+    text = Path(cluster_file).read_text(encoding="utf-8")
+    unit = _sync_unit(bin_dir=bin_dir, config_dir=config_dir)
+    for host, indexes in plans:
+        starts = " ".join(SYNC_UNIT.replace("@", f"@{i}") for i in indexes)
+        readme = "\n".join(
+            [
+                f"# psctl on {host} (--strategy sync)",
+                "",
+                f"Runs worker(s) {', '.join(map(str, indexes))} of a synchronous job"
+                + (" (worker 0 is the chief)." if 0 in indexes else "."),
+                "Run as root in this directory:",
+                "",
+                "```sh",
+                f"install -d -m 0755 {config_dir}",
+                f"install -m 0644 cluster.json psctl.env sync.env {config_dir}/",
+                f"install -m 0644 {SYNC_UNIT} {TARGET} {UNIT_DIR}/",
+                "systemctl daemon-reload",
+                f"systemctl start {starts}",
+                "```",
+                "",
+                "Open the workers' TF ports to the other worker hosts"
+                + (
+                    f"; the chief's control API stays on loopback ({CONTROL_ADDRESS}) and "
+                    f"its metrics are on port {COORDINATOR_METRICS_PORT}."
+                    if 0 in indexes
+                    else "."
+                ),
+                "",
+            ]
+        )
+        files = {
+            "README.md": readme,
+            "cluster.json": text,
+            "psctl.env": host_env(config_dir=config_dir, host=host),
+            "sync.env": sync_env(),
+            SYNC_UNIT: unit,
+            TARGET: _TARGET_UNIT,
+        }
+        _write_dir(out, _host_dir(out, host), files)
+    return plans
+
+
+def _host_dir(out: Path, host: str) -> Path:
+    """OUT/<host>: a host name used as one path component, never a way out of OUT."""
+    if host in ("", ".", "..") or any(ch in host for ch in "/\\\0") or host != host.strip():
+        raise ConfigError(
+            f"cluster: host {echo(host)}",
+            "cannot name a directory of --out",
+            "use a host name or an IP address",
+        )
+    return out / host
+
+
+def _inside(out: Path, path: Path) -> Path:
+    """``path`` with its links resolved; ConfigError unless it lies under ``out``."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(out.resolve()):
+        raise ConfigError(
+            "--out",
+            f"{path} leads to {resolved}, outside {out}",
+            "give a new --out directory (links inside it point elsewhere)",
+        )
+    return resolved
+
+
+def _write_dir(out: Path, path: Path, files: Mapping[str, str]) -> None:
+    """Write ``files`` into ``path``, every one checked to stay under ``out`` (a link left
+    in a reused --out could point anywhere)."""
+    _inside(out, path)
     path.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
-        target = path / name
+        target = _inside(out, path / name)
         target.write_text(content, encoding="utf-8")
         target.chmod(0o644)
 
@@ -620,6 +785,18 @@ def _warn_about_bin_dir(bin_dir: str) -> None:
 def cmd_render(args: argparse.Namespace) -> int:
     bin_dir = args.bin_dir or default_bin_dir()
     out = Path(args.out)
+    if getattr(args, "strategy", "async") == "sync":
+        hosts = render_sync(
+            cluster_file=args.cluster,
+            out=out,
+            bin_dir=bin_dir,
+            config_dir=args.config_dir,
+            force=args.force,
+        )
+        print(f"rendered {len(hosts)} worker hosts into {out}/ (--strategy sync):")
+        for host, indexes in hosts:
+            print(f"  {host}/  worker {', '.join(map(str, indexes))}")
+        return 0
     plans = render(
         cluster_file=args.cluster,
         out=out,

@@ -26,6 +26,7 @@ from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import Address, ClusterConfig, format_table
+from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
 from psctl.coordinator.launch.argv import psctl_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,
@@ -36,6 +37,7 @@ from psctl.coordinator.launch.supervisor import (
     forward_stop_signals,
 )
 from psctl.coordinator.settings import flag_for, resolve_settings
+from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 log = logging.getLogger("psctl.local")
 
@@ -273,7 +275,13 @@ def default_workdir() -> Path:
     return Path("psctl-work") / time.strftime("local-%Y%m%d-%H%M%S")
 
 
-def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def train_argv(
+    local: LocalCluster,
+    flags: dict[str, Any],
+    args: argparse.Namespace,
+    security: ControlSecurity | None = None,
+) -> list[str]:
+    """The training process's command line; ``security``: its control credentials."""
     argv = psctl_argv(
         "train",
         "--cluster",
@@ -287,6 +295,7 @@ def train_argv(local: LocalCluster, flags: dict[str, Any], args: argparse.Namesp
         "--recovery-timeout",
         str(args.recovery_timeout),
         "--once",
+        *(security.as_argv() if security else []),
     )
     if args.config:
         argv += ["--config", args.config]
@@ -311,7 +320,13 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     else:  # fail before starting any server
         ports.check_port_free(control.port, host=control.host, field="--control-address")
     args.control_address = str(control)
+    ControlSecurity.from_args(args, os.environ).check_server(args.control_address)
     settings = resolve_settings(flags=flags, config_file=args.config)  # bad input: fail now
+    check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # before any server
+    if settings.strategy == "sync":
+        from psctl.coordinator.launch.sync import local_sync_main  # no servers: N trainers
+
+        return local_sync_main(args, flags, workdir)
     local = LocalCluster(
         num_ps=args.ps,
         num_workers=args.workers,
@@ -320,6 +335,11 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         data_service=settings.epochs > 0,
     )
     log.info("work dir %s", workdir)
+    # The job's tokens in this user's runtime directory: the same user's `psctl status` /
+    # `stop --address ADDR` find them; every training process is given them.
+    published, security = publish_for_launch(
+        args.control_address, ControlSecurity.from_args(args, os.environ)
+    )
     # A signal before the coordinator starts must still stop the servers: raise into `finally`.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
@@ -340,7 +360,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             args.control_address,
             args.control_address,
         )
-        argv = train_argv(local, flags, args)
+        argv = train_argv(local, flags, args, security)
 
         def start(counters: Counters) -> subprocess.Popen[bytes]:
             # Without the launcher the servers go too, and a coordinator waiting for them
@@ -367,6 +387,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         return err.exit_status
     finally:
         local.stop()
+        published.remove()
         log.info("all servers stopped")
 
 

@@ -20,15 +20,22 @@ from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.logs import forward_stderr, tensorflow_import_quietly
-from psctl.cluster.server import DEFAULT_BIND_HOST
+from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import (
+    Address,
     ClusterConfig,
     TaskConfig,
     load_cluster_file,
     parse_tf_config,
     require_chief,
 )
-from psctl.coordinator.control.service import ControlServer, JobControl, TaskInfo
+from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
+from psctl.coordinator.control.service import (
+    JobControl,
+    TaskInfo,
+    start_control_server,
+    stop_control_server,
+)
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
@@ -49,6 +56,7 @@ from psctl.coordinator.launch.supervisor import (
     forward_stop_signals,
 )
 from psctl.coordinator.settings import TrainSettings, resolve_settings, show_steps_per_execution
+from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -111,8 +119,13 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
 
 
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
-    cluster, source = resolve_chief_cluster(args.cluster)
     settings = resolve_settings(flags=flags, config_file=args.config)
+    if settings.strategy == "sync":
+        from psctl.coordinator.launch.sync import sync_train_main  # every worker trains
+
+        return sync_train_main(args, settings)
+    cluster, source = resolve_chief_cluster(args.cluster)
+    check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # not after training
     dispatcher = None
     if settings.epochs:
         dispatcher = require_dispatcher(
@@ -152,8 +165,9 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery
-    server = ControlServer(control, args.control_address)
-    server.start()
+    server = start_control_server(
+        control, args.control_address, ControlSecurity.from_args(args, os.environ)
+    )
     try:
         return _train(
             job, cluster, source, settings, control, metrics, counters, dispatcher, failures
@@ -163,7 +177,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             count_nonfinite(counters, metrics)
         return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
     finally:
-        server.stop()
+        stop_control_server(server)
 
 
 def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> None:
@@ -272,7 +286,16 @@ class TrainingProcess(subprocess.Popen[bytes]):
 
 def supervise_train(args: argparse.Namespace) -> int:
     """`psctl train` without --once: run the training process under the restart policy."""
-    argv = psctl_argv(*args.raw_argv, "--once")
+    control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
+    if control.port == 0:  # one port for every training process, and for the token files
+        control = control.with_port(ports.free_ports(1, control.host)[0])
+    # The job's tokens, written once for this user and kept by every training process.
+    published, security = publish_for_launch(
+        str(control), ControlSecurity.from_args(args, os.environ)
+    )
+    argv = psctl_argv(
+        *args.raw_argv, *security.as_argv(), "--control-address", str(control), "--once"
+    )
 
     def start(counters: Counters) -> subprocess.Popen[bytes]:
         counters_json = json.dumps(asdict(counters))
@@ -281,8 +304,11 @@ def supervise_train(args: argparse.Namespace) -> int:
         )
 
     supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
-    with forward_stop_signals(supervisor):
-        return supervisor.run()
+    try:
+        with forward_stop_signals(supervisor):
+            return supervisor.run()
+    finally:
+        published.remove()
 
 
 def start_metrics(
@@ -311,8 +337,10 @@ def start_metrics(
         ps_failures=counters.ps_failures,
         nonfinite_losses=counters.nonfinite_losses,
     )
-    serve_metrics(registry, host=os.environ.get("PSCTL_BIND_HOST", DEFAULT_BIND_HOST), port=port)
-    log.info("metrics on :%d/metrics", port)
+    host = bind_host(None, os.environ, cluster.task_address("chief", 0).host)
+    cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
+    serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
+    log.info("metrics on %s://%s:%d/metrics", "https" if cert else "http", host, port)
     return metrics
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.training.checkpoints import Checkpointer
@@ -14,12 +14,16 @@ from psctl.coordinator.training.model import TrainState
 from psctl.coordinator.training.progress import Progress
 from psctl.coordinator.training.publish import Publisher
 
-if TYPE_CHECKING:
-    from psctl.coordinator.training.controller import Controller
+
+class Loop(Protocol):
+    """What an action reads of its loop: the steps finished so far (the controller's, or
+    the synchronous loop's, sync.py)."""
+
+    completed: int
 
 
 class Action(Protocol):
-    def __call__(self, loop: Controller) -> None: ...
+    def __call__(self, loop: Loop) -> None: ...
 
 
 def check_finite(values: dict[str, float], step: int) -> None:
@@ -61,7 +65,7 @@ class PublishStatus:
         """No rate over a pause: the next window starts now."""
         self.last_status, self.status_step = time.monotonic(), completed
 
-    def __call__(self, loop: Controller) -> None:
+    def __call__(self, loop: Loop) -> None:
         now = time.monotonic()
         if now - self.last_status < self.every or loop.completed <= self.status_step:
             return
@@ -87,7 +91,7 @@ class CheckpointEvery:
         self.every = every
         self.next_step = (start_step // every + 1) * every
 
-    def __call__(self, loop: Controller) -> None:
+    def __call__(self, loop: Loop) -> None:
         error = self.checkpointer.take_error()
         if error is not None:
             raise error
@@ -102,5 +106,5 @@ class EvalEvery:
     def __init__(self, evals: InlineEval) -> None:
         self.evals = evals
 
-    def __call__(self, loop: Controller) -> None:
+    def __call__(self, loop: Loop) -> None:
         self.evals.tick(loop.completed)

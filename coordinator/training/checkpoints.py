@@ -4,7 +4,9 @@ thread, saves on request (``psctl checkpoint``) and the final one.
 Saving variables spread over several tasks traces a new tf.function per save, and
 registering it waits on EVERY worker: one frozen worker blocks the save (seen). So saves go
 through a mirror of the same objects on the coordinator, filled by plain reads of the ps
-variables: same checkpoint layout, no function, and faster.
+variables: same checkpoint layout, no function, and faster. Restores go through it too: a
+checkpoint is read and checked on the coordinator (checkpoint_files.py) before any value
+reaches the ps, so a damaged one is skipped for the next newest.
 
 Workers keep training while a checkpoint is written, so the ps's global step moves during
 the save. The checkpoint stores the step read just before (ckpt-N holds step N); the model
@@ -28,6 +30,11 @@ import tensorflow as tf
 from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.checkpoint_files import (
+    load_checked,
+    restore_newest,
+    set_aside_unreadable_state,
+)
 from psctl.coordinator.training.model import JobModel, TrainState
 from psctl.coordinator.training.tables import Table
 
@@ -64,9 +71,12 @@ class Checkpointer:
         mirror = JobModel(job, x_spec, y_spec)
         self._transfers = transfers(state, mirror)
         self._mirror = mirror.checkpoint(self.saved_step)
-        self.manager = tf.train.CheckpointManager(
-            self._mirror, settings.checkpoint_dir, max_to_keep=settings.keep_checkpoints
-        )
+        self._keep = settings.keep_checkpoints
+        set_aside_unreadable_state(settings.checkpoint_dir)  # restore() writes a new one
+        self.manager = self._manager(settings.checkpoint_dir)
+
+    def _manager(self, directory: str) -> Any:
+        return tf.train.CheckpointManager(self._mirror, directory, max_to_keep=self._keep)
 
     @property
     def enabled(self) -> bool:
@@ -77,20 +87,25 @@ class Checkpointer:
         return None if self.manager is None else self.manager.latest_checkpoint
 
     def restore(self) -> int:
-        """Restore the newest checkpoint, if any; returns the global step to start from."""
-        path = self.latest
-        if path is None:
+        """Restore the newest usable checkpoint, if any; returns the global step to start
+        from. A damaged one is skipped with a line saying why (checkpoint_files.py), and
+        ``NoUsableCheckpoint`` (exit 78) ends the job when none of those present is usable."""
+        if self.manager is None:
             return 0
         started = time.monotonic()
-        if self.state.tables:
-            # Through the mirror: the checkpoint holds each table whole, and the shards take
-            # their rows from it, however many ps tasks there are now.
-            self._mirror.restore(path).assert_existing_objects_matched()
-            for transfer in self._transfers:
-                transfer.write(transfer.mirror.numpy())
-        else:
-            # Restored straight into the ps variables (every task is up at start).
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+        directory = self.manager.directory
+        mirrors = [transfer.mirror for transfer in self._transfers]
+        # Into the coordinator's mirror first, where a damaged file costs nothing but a
+        # line: the next newest is tried before anything reaches the ps. The checkpoint
+        # holds each table whole, and the shards take their rows from it, however many ps
+        # tasks there are now.
+        found = restore_newest(directory, lambda p: load_checked(self._mirror, p, mirrors))
+        if found is None:
+            return 0
+        self.manager = self._manager(directory)  # it read the state file before a rewrite
+        for transfer in self._transfers:
+            transfer.write(transfer.mirror.numpy())
+        path = found.prefix
         step = int(self.saved_step.numpy())
         self.state.global_step.assign(step)
         log.info(

@@ -19,6 +19,10 @@ Policies (see docs/performance.md, "Local-step mode"):
   the same statistics several times.
 - Loss and mean metrics are summed over the K steps on the worker and added to the ps
   rows once per call; other (non-mean) metrics update on the ps every step.
+- Embedding tables sharded over the ps (tables.py) are never copied to the worker: each
+  local step looks up the rows its batch needs on the ps and updates those rows there with
+  ``SparseUpdater`` (the job optimizer's sparse rule, step count ``iterations + i + 1``),
+  as the default mode does. ``scale`` applies to the dense variables only.
 """
 
 from __future__ import annotations
@@ -104,13 +108,15 @@ def make_local_train_fn(
     other_metrics: Sequence[Any],
     global_step: Any,
     scale: float,
+    sparse: Any = None,
 ) -> Any:
     """The scheduled function of local-step mode: ``train_fn(iterator, num_steps)`` runs
     ``num_steps`` local steps and returns the seconds it ran on its worker, like the default
-    mode's."""
+    mode's. ``sparse`` (a ``SparseUpdater``) updates the psctl tables on the ps every step."""
     local = LocalOptimizer(optimizer)
     trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
     iterations = optimizer.iterations
+    shards = sparse.shards if sparse is not None else []
 
     def read(variables: Sequence[Any]) -> list[tf.Tensor]:
         return [tf.identity(v.value) for v in variables]
@@ -122,13 +128,15 @@ def make_local_train_fn(
         started = tf.timestamp()
         with tf.control_dependencies([started]):  # timestamps are not ordered by themselves
             start = read(trainable)
+            first = tf.cast(tf.identity(iterations.value), tf.float32)  # the tables' step count
         lr = local.learning_rate()
 
         def body(
             i: tf.Tensor, params: list[tf.Tensor], state: list[tf.Tensor],
             stats: list[tf.Tensor], sums: tf.Tensor,
         ) -> tuple[Any, ...]:  # fmt: skip
-            batch = next(iterator)
+            with tf.control_dependencies([i]):  # after the previous step's table updates
+                batch = next(iterator)
             x, y = batch[0], batch[1]
             with tf.GradientTape() as tape:
                 tape.watch(params)
@@ -138,8 +146,13 @@ def make_local_train_fn(
                 loss = tf.reduce_mean(loss_fn(y, predictions))
                 if losses:
                     loss += tf.add_n(losses)
-            grads = tape.gradient(loss, params)
-            params, state = local.update(i, lr, params, grads, state)
+            grads = tape.gradient(loss, [*params, *shards])
+            if sparse is not None:  # the tables' rows, on the ps, this step
+                sparse.apply(
+                    grads[len(params) :],
+                    step=first + 1.0 + tf.cast(i, tf.float32),
+                )
+            params, state = local.update(i, lr, params, grads[: len(params)], state)
             rows = [sum_count(loss)]
             rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
             for metric in other_metrics:

@@ -31,6 +31,10 @@ class JobModel:
         if not self.model.built:
             self.model.build(x_spec.shape)
         self.optimizer = job.create_optimizer()
+        if getattr(self.model, "compiled", False):
+            # compile()'s own optimizer is not the one that trains (psctl's is made fresh,
+            # in this scope): the model points at psctl's, so a checkpoint holds one.
+            self.model.optimizer = self.optimizer
         self.optimizer.build(self.model.trainable_variables)
         pred_shape = self.model.compute_output_spec(
             keras.KerasTensor(x_spec.shape, dtype=x_spec.dtype)

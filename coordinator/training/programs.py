@@ -59,8 +59,12 @@ class StepProgram(Protocol):
     def stopped_early(self, final_step: int) -> bool: ...
 
 
-def make_replica_step(state: TrainState, loss_fn: Callable[[Any, Any], Any]) -> Any:
-    """One training step on one batch, run under ``strategy.run`` on a worker."""
+def make_replica_step(
+    state: TrainState, loss_fn: Callable[[Any, Any], Any], *, replicas: int = 1
+) -> Any:
+    """One training step on one batch, run under ``strategy.run`` on a worker. With
+    ``replicas`` above 1 (sync mode) the optimizer sums the replicas' gradients: each
+    replica's is scaled by 1/replicas, so that the update is that of their mean."""
     model, optimizer, sparse = state.model, state.optimizer, state.sparse
     mean_sums, mean_metrics, other_metrics = (
         state.mean_sums,
@@ -75,8 +79,9 @@ def make_replica_step(state: TrainState, loss_fn: Callable[[Any, Any], Any]) -> 
             loss = tf.reduce_mean(loss_fn(y, predictions))
             if model.losses:
                 loss += tf.add_n(model.losses)
+            objective = loss / replicas if replicas > 1 else loss
         dense = model.trainable_variables
-        grads = tape.gradient(loss, dense + (sparse.shards if sparse else []))
+        grads = tape.gradient(objective, dense + (sparse.shards if sparse else []))
         if sparse is not None:  # tables first: the step count is the one Keras will use
             sparse.apply(grads[len(dense) :])
         optimizer.apply_gradients(zip(grads[: len(dense)], dense, strict=True))
@@ -105,7 +110,9 @@ class DefaultProgram:
         self.iterator = self.make_iterator()
 
     def make_function(self) -> Any:
-        replica_step = make_replica_step(self.rt.state, self.rt.job.loss_fn)
+        # 1 under ParameterServerStrategy on CPU workers; the worker count in sync mode.
+        replicas = int(self.rt.strategy.num_replicas_in_sync)
+        replica_step = make_replica_step(self.rt.state, self.rt.job.loss_fn, replicas=replicas)
         global_step, strategy = self.rt.state.global_step, self.rt.strategy
 
         # No autograph (see local_step.py): the loop is the tf.while_loop it would make.
@@ -149,7 +156,8 @@ class DefaultProgram:
 
 class LocalStepProgram(DefaultProgram):
     """``--update-mode local``: each call runs its K steps on a worker-local copy of the
-    variables and pushes the change to the ps once (local_step.py)."""
+    dense variables and pushes the change to the ps once; psctl tables are updated on the
+    ps every step (local_step.py)."""
 
     def make_function(self) -> Any:
         state = self.rt.state
@@ -162,4 +170,5 @@ class LocalStepProgram(DefaultProgram):
             other_metrics=state.other_metrics,
             global_step=state.global_step,
             scale=self.rt.settings.local_scale,
+            sparse=state.sparse,
         )

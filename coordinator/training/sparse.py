@@ -97,12 +97,12 @@ class SparseUpdater:
         """Every table's shards, in the order ``apply`` takes their gradients."""
         return [shard for table in self.tables for shard in table.shards]
 
-    def apply(self, grads: Sequence[Any]) -> None:
-        """One step on the rows in ``grads`` (one per shard, as ``shards``). Call it before
-        the Keras optimizer's ``apply_gradients``: the step count is the one it is about to
-        use."""
+    def apply(self, grads: Sequence[Any], step: Any = None) -> None:
+        """One step on the rows in ``grads`` (one per shard, as ``shards``). ``step`` is the
+        1-based step count of the update; by default the one the Keras optimizer's
+        ``apply_gradients`` is about to use (call this before it)."""
         lr = tf.cast(tf.convert_to_tensor(self.optimizer.learning_rate), tf.float32)
-        step = tf.cast(self.optimizer.iterations + 1, tf.float32)
+        step = tf.cast(self.optimizer.iterations + 1 if step is None else step, tf.float32)
         grads = list(grads)
         for table in self.tables:
             for i, shard in enumerate(table.shards):

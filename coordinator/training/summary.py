@@ -41,6 +41,15 @@ class Summary:
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
+def accuracy_of(values: dict[str, float]) -> float | None:
+    """The run's accuracy: the metric named "accuracy", else the only one whose Keras name
+    ends in it (a compiled ``SparseCategoricalAccuracy()`` is "sparse_categorical_accuracy")."""
+    if "accuracy" in values:
+        return values["accuracy"]
+    found = [value for name, value in values.items() if name.endswith("accuracy")]
+    return found[0] if len(found) == 1 else None
+
+
 def write_summary(summary: Summary, path: str) -> None:
     """Write atomically, so a reader never sees half a file."""
     write_json_atomic(path, asdict(summary), sort_keys=True, newline=True)

@@ -14,7 +14,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
@@ -37,7 +36,7 @@ from psctl.coordinator.training.programs import (
 from psctl.coordinator.training.progress import Progress
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.strategy import connect
-from psctl.coordinator.training.summary import Summary
+from psctl.coordinator.training.summary import Summary, accuracy_of
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -120,12 +119,6 @@ class Trainer:
                 worker_failures=lambda: self.control.failure_counts().get("worker", 0),
             )
         if self.settings.update_mode == "local":
-            if self.state.tables:
-                raise ConfigError(
-                    "--update-mode local",
-                    "does not update sharded embedding tables yet",
-                    "use --update-mode default with --max-shards, or drop --max-shards",
-                )
             return LocalStepProgram(self.rt)
         return DefaultProgram(self.rt)
 
@@ -214,8 +207,8 @@ class Trainer:
             start_step=start_step,
             target_steps=final_step if s.epochs else target,
             loss=values.get("loss"),
-            accuracy=values.get("accuracy"),
-            eval_accuracy=eval_values.get("accuracy"),
+            accuracy=accuracy_of(values),
+            eval_accuracy=accuracy_of(eval_values),
             eval_loss=eval_values.get("loss"),
             eval_auc=eval_values.get("auc"),
             examples_per_sec=rate * s.batch_size,

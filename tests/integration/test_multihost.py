@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.procs import die_with_parent
+from psctl.coordinator.launch import deploy
 from tests.conftest import cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (
     SERVERS,
@@ -77,13 +78,18 @@ def lab() -> Iterator[NetnsLab]:
         yield hosts
 
 
+# The client commands' credential: the coordinator unit's job token, which it writes under
+# its HOME (the state directory) once the test knows where that is.
+CONTROL_ENV: dict[str, str] = {}
+
+
 def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         argv,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**BASE_ENV, "HOME": os.environ.get("HOME", "/root")},
+        env={**BASE_ENV, "HOME": os.environ.get("HOME", "/root"), **CONTROL_ENV},
         stdin=subprocess.DEVNULL,
     )
 
@@ -192,6 +198,8 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             PSCTL_LOG_EVERY="2",
             HOME=str(state_dir),
         )
+        token = deploy.CONTROL_TOKEN_FILE.replace(deploy.STATE_DIR, str(state_dir), 1)
+        CONTROL_ENV["PSCTL_CONTROL_TOKEN_FILE"] = token
         argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
         assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
         argv = sandboxed(unit, argv, writable=[str(state_dir)], exposed=[PYTHON_HOME, CHECKOUT])
@@ -263,9 +271,90 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             sock.close()
         shutil.rmtree(notify_dir, ignore_errors=True)
         shutil.rmtree(state_dir, ignore_errors=True)
+        CONTROL_ENV.clear()
         print("\n".join(marks))
         for name, service in services.items():
             print(f"--- {name} log (starts {service.starts}, exits {service.exits})")
             print(service.log_tail(15))
         with contextlib.suppress(OSError):
             print("--- coordinator log\n" + (tmp_path / "coordinator.log").read_text()[-4000:])
+
+
+SYNC_STEPS = 600
+
+
+@pytest.mark.timeout(300)
+def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
+    """`psctl deploy render --strategy sync`: a training unit on each worker host (nothing on
+    the ps or coordinator hosts), each started from its rendered ExecStart= and environment
+    under the unit's sandbox; the two workers all-reduce across the namespaces and the
+    chief (worker 0) writes the checkpoints and the summary."""
+    cluster_file = tmp_path / "cluster.json"
+    write_cluster(cluster_file, HOSTS)  # its chief and ps are ignored in sync mode
+    out = tmp_path / "rendered"
+    render = run(
+        [
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "render",
+            "--strategy",
+            "sync",
+            "--cluster",
+            str(cluster_file),
+            "--out",
+            str(out),
+            "--bin-dir",
+            str(BIN_DIR),
+        ],
+        timeout=60,
+    )
+    assert render.returncode == 0, render.stderr
+    workers = {"w0": 0, "w1": 1}
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(HOSTS[h] for h in workers)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    states: dict[str, Path] = {}
+    try:
+        for host, index in workers.items():
+            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
+            unit = parse_unit((out / HOSTS[host] / deploy.SYNC_UNIT).read_text())
+            states[host] = Path(tempfile.mkdtemp(prefix=f"psctl-sync-{host}", dir="/var/lib"))
+            os.chown(states[host], NOBODY, NOBODY)
+            env = {**BASE_ENV, **service_env(unit, str(index), host_path(lab, host))}
+            env.update(
+                PSCTL_CHECKPOINT_DIR=str(states[host] / "checkpoints"),
+                PSCTL_SUMMARY_JSON=str(states[host] / "summary.json"),
+                PSCTL_STEPS=str(SYNC_STEPS),
+                PSCTL_LOG_EVERY="2",
+                HOME=str(states[host]),
+            )
+            argv = exec_argv(value(unit, "Service", "ExecStart"), str(index), env)
+            assert argv[:4] == [str(BIN_DIR / "psctl"), "train", "--strategy", "sync"]
+            argv = sandboxed(
+                unit, argv, writable=[str(states[host])], exposed=[PYTHON_HOME, CHECKOUT]
+            )
+            with (tmp_path / f"{host}.log").open("wb") as log:
+                procs[host] = subprocess.Popen(
+                    lab.exec(host, argv),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent(signal.SIGKILL),
+                )
+        for host, proc in procs.items():
+            tail = lambda h=host: (tmp_path / f"{h}.log").read_text(errors="replace")[-3000:]  # noqa: E731
+            try:
+                assert proc.wait(timeout=240) == 0, tail()
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{host} did not finish:\n{tail()}")
+        summary = json.loads((states["w0"] / "summary.json").read_text())
+        assert summary["global_step"] == SYNC_STEPS
+        assert summary["num_workers"] == 2 and summary["num_ps"] == 0
+        assert summary["eval_accuracy"] >= 0.90, summary
+        assert not (states["w1"] / "checkpoints").exists()  # only the chief writes
+        assert "worker 1 done at global step 600" in (tmp_path / "w1.log").read_text()
+    finally:
+        for proc in procs.values():
+            kill_if_running(proc, 10)
+        for state in states.values():
+            shutil.rmtree(state, ignore_errors=True)

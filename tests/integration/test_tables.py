@@ -111,25 +111,3 @@ def test_sharded_table_trains_checkpoints_and_restores_into_more_ps(run_cli, wor
         COMPARE, str(exported / "600"), str(ckpt / "ckpt-600"), str(REPO / JOB), timeout=120
     )
     assert float(diff.strip().splitlines()[-1]) < 1e-5
-
-
-def test_local_step_mode_refuses_sharded_tables_in_one_line(run_cli, workdir: Path):
-    proc = run_cli(
-        local_argv(
-            workdir,
-            "--job",
-            JOB,
-            "--ps",
-            "2",
-            "--max-shards",
-            "2",
-            "--update-mode",
-            "local",
-            "--steps",
-            "100",
-        ),
-        timeout=200,
-    )
-    assert proc.returncode == 78, proc.stderr[-3000:]
-    assert "--update-mode local: does not update sharded embedding tables" in proc.stderr
-    assert "Traceback" not in proc.stderr

@@ -17,6 +17,43 @@ from psctl.coordinator.control.state import State
 pytestmark = pytest.mark.timeout(60)
 
 
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base, metadata):
+        self.method, self.timeout, self.metadata = base.method, base.timeout, metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = base.wait_for_ready
+        self.compression = base.compression
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the control token to every call, as the psctl client commands do."""
+
+    def __init__(self, token):
+        self.metadata = [("authorization", f"Bearer {token}")]
+
+    def _add(self, details):
+        return _Details(details, list(details.metadata or []) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._add(details), requests)
+
+
+def token_channel(server: ControlServer, token: str | None = None) -> grpc.Channel:
+    """A channel to ``server`` whose calls carry its control token (or ``token``)."""
+    channel = grpc.insecure_channel(server.address)
+    return grpc.intercept_channel(channel, _Bearer(token or server.tokens.control))
+
+
 @pytest.fixture
 def control():
     return JobControl(
@@ -32,8 +69,8 @@ def control():
 def stub(control):
     server = ControlServer(control, "127.0.0.1:0")
     server.start()
-    channel = grpc.insecure_channel(server.address)
-    yield control_pb2_grpc.ControlStub(channel), server.address
+    channel = token_channel(server)
+    yield control_pb2_grpc.ControlStub(channel), server
     channel.close()
     server.stop(grace=0)
 
@@ -131,7 +168,7 @@ def test_checkpoint_without_directory_is_failed_precondition():
     server = ControlServer(control, "127.0.0.1:0")
     server.start()
     try:
-        with grpc.insecure_channel(server.address) as channel:
+        with token_channel(server) as channel:
             other = control_pb2_grpc.ControlStub(channel)
             code, details = code_of(other.Checkpoint, control_pb2.CheckpointRequest())
     finally:
@@ -140,8 +177,8 @@ def test_checkpoint_without_directory_is_failed_precondition():
 
 
 def test_health_and_reflection_are_served(stub):
-    _, address = stub
-    with grpc.insecure_channel(address) as channel:
+    _, server = stub
+    with token_channel(server) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         resp = health.Check(
             health_pb2.HealthCheckRequest(service="psctl.control.v1.Control"), timeout=5
@@ -158,13 +195,13 @@ def test_health_and_reflection_are_served(stub):
 def test_control_address_in_use_is_a_clear_error(stub):
     from psctl.cluster.errors import ConfigError
 
-    _, address = stub
+    _, server = stub
     with pytest.raises(ConfigError, match="--control-address"):
         ControlServer(
             JobControl(
                 job="x", target_steps=1, steps_per_execution=1, tasks=[], can_checkpoint=False
             ),
-            address,
+            server.address,
         )
 
 

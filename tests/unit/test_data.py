@@ -379,3 +379,53 @@ def test_mlp_one_pass_is_every_example_once():
     one_pass = dataclasses.replace(ctx(batch=1000), one_pass=True)
     x, y = read_all(mlp.dataset_fn(one_pass))
     assert len(y) == mlp.TRAIN_EXAMPLES == len(np.unique(x, axis=0))
+
+
+# -- exactly what TensorFlow's CSV reader parses ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a,label\n\u0661,1\n", "line 2, column 'a': '\u0661' is not a number (it holds non-ASCII"),
+        ("a,label\n\uff11,1\n", "line 2, column 'a': '\uff11' is not a number (it holds non-ASCII"),
+        ("a,label\n1\xa0,1\n", "line 2, column 'a': '1\\xa0' is not a number (it holds non-ASCII"),
+        ("a,label\r1,1\r", "bad.csv line 1 ends in a lone carriage return"),
+        ("a,label\n1,1\r2,0\n", "bad.csv line 2 ends in a lone carriage return"),
+        ("\ufeffa,label\n1,1\n", "bad.csv starts with a byte order mark (BOM, U+FEFF)"),
+        ("a,label\n1e39,1\n", "line 2, column 'a': 1e+39 is beyond float32"),
+        ("a,label\n1e999,1\n", "line 2, column 'a': inf; give finite numbers"),
+        ("a,label\n1,-Infinity\n", "line 2, column 'label': -Infinity is not a finite number"),
+        ('a,label\n "1",1\n', "column 'a': ' \"1\"' is not a number in quotes that open and close"),
+        ("a,label\n0x10,1\n", "column 'a': '0x10' is not a number"),
+        ('a,label\n"",1\n', "column 'a': an empty cell"),
+        ("a,label\n1,2\n \t\n", "bad.csv line 3 is blank"),
+    ],
+)
+def test_csv_tensorflow_cannot_parse_is_refused(tmp_path: Path, text: str, expected: str):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(text.encode("utf-8"))  # as written: no newline translation
+    message = config_error(str(path))
+    assert expected in message, message
+
+
+def test_csv_error_lines_cut_a_huge_cell(tmp_path: Path):
+    path = tmp_path / "bad.csv"
+    path.write_text("a,label\n" + "x" * 20_000_000 + ",1\n")
+    message = config_error(str(path))
+    assert len(message) < 400, len(message)
+    assert "'xxxx" in message and "... (20000000 characters) is not a number" in message
+    path.write_text("a" * 10_000 + ",b\n1,2\n")
+    message = config_error(str(path))
+    assert len(message) < 400 and "no label column 'label'" in message
+
+
+def test_csv_tensorflow_parses_is_accepted_and_read_the_same(tmp_path: Path):
+    path = tmp_path / "ok.csv"
+    rows = ['1,"2"', " 3\t, +.5e-1 ", '" -4 ",1E2', "5.,6", "1e38,7"]
+    path.write_bytes(("a,label\r\n" + "\r\n".join(rows)).encode())  # CRLF, no final newline
+    info = data.inspect_files(str(path))
+    assert info.num_records == 5 and info.label_max.value == 100
+    got_x, got_y = read_all(data.eval_dataset(ctx(evaluation=str(path), batch=2)))
+    np.testing.assert_allclose(got_x[:, 0], np.float32([1, 3, -4, 5, 1e38]))
+    assert got_y.tolist() == np.float32([2, 0.05, 100, 6, 7]).tolist()

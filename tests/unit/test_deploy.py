@@ -330,3 +330,55 @@ def test_psctl_deploy_does_not_import_tensorflow(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "rendered 5 hosts" in proc.stdout
+
+
+# -- render writes under --out only -----------------------------------------------------------
+
+
+def files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_render_refuses_host_names_that_leave_out(tmp_path: Path, capsys):
+    """`..` as a host once rendered OUT/../ (the cluster parser refuses it now); render checks
+    every host it uses as a directory name itself, too."""
+    body = {"cluster": {"chief": ["..:2222"], "ps": ["h1:2222"], "worker": ["h2:2222"]}}
+    (tmp_path / "c.json").write_text(json.dumps(body))
+    out = tmp_path / "deep" / "out"
+    argv = ["deploy", "render", "--cluster", str(tmp_path / "c.json"), "--out", str(out)]
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and '".." is not a valid host name' in err, err
+    assert files_under(tmp_path) == {"c.json"}
+    for host in ("..", ".", "", "a/b", "a\\b", " h"):
+        with pytest.raises(deploy.ConfigError, match="cannot name a directory of --out"):
+            deploy._host_dir(out, host)
+
+
+def test_render_does_not_write_through_links_out_of_out(tmp_path: Path):
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "10.0.0.4").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(deploy.ConfigError, match=r"^--out: .*10\.0\.0\.4 leads to .*elsewhere"):
+        deploy.render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+    (out / "10.0.0.4").unlink()
+    (out / "README.md").symlink_to(elsewhere / "README.md")
+    with pytest.raises(deploy.ConfigError, match=r"README\.md leads to"):
+        deploy.render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+    assert files_under(elsewhere) == set()
+
+
+def test_one_host_spelt_two_ways_is_one_directory(tmp_path: Path):
+    body = {"cluster": {"chief": ["[::1]:2222"], "ps": ["[::0:1]:2223"], "worker": ["W:2224"]}}
+    body["cluster"]["evaluator"] = ["w:2230"]
+    (tmp_path / "c.json").write_text(json.dumps(body))
+    plans = deploy.render(
+        cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR
+    )
+    assert [(p.host, p.chief_port, [s.name for s in p.servers]) for p in plans] == [
+        ("::1", 2222, ["ps:0"]),
+        ("W", None, ["worker:0"]),
+    ]
+    assert {p.name for p in (tmp_path / "o").iterdir()} == {"::1", "W", "README.md"}

@@ -33,6 +33,7 @@ from psctl.coordinator.failures import (
     Decision,
     Failure,
     FailurePolicy,
+    PeerLost,
     RestartFromCheckpoint,
     Scope,
     Unreachable,
@@ -131,6 +132,7 @@ CLASSIFICATION = [
     ("non-finite", RestartFromCheckpoint("training loss is nan"), Failure.NON_FINITE),
     ("config", ConfigError("--steps", "is -1", "give a positive number"), Failure.CONFIG_ERROR),
     ("unreachable", Unreachable("servers not reachable after 60s"), Failure.UNREACHABLE),
+    ("peer lost", PeerLost("an all-reduce with the other workers failed"), Failure.PEER_LOST),
     ("second stop signal", KeyboardInterrupt(), Failure.STOP_SIGNAL),
     ("job code", ValueError("boom"), Failure.JOB_ERROR),
     ("system exit", SystemExit(3), Failure.JOB_ERROR),
@@ -158,6 +160,7 @@ DECISIONS = [
     (Failure.JOB_ERROR, Decision.FAIL, Decision.FAIL),
     (Failure.CONFIG_ERROR, Decision.FAIL_CONFIG, Decision.FAIL_CONFIG),
     (Failure.UNREACHABLE, Decision.FAIL_UNREACHABLE, Decision.FAIL_UNREACHABLE),
+    (Failure.PEER_LOST, Decision.RESTART, Decision.RESTART),
     (Failure.RESTART_REQUESTED, Decision.RESTART, Decision.RESTART),
     (Failure.TRAINING_CRASHED, Decision.RESTART_WITH_BACKOFF, Decision.RESTART_WITH_BACKOFF),
 ]

@@ -106,8 +106,16 @@ def named_ports(c: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in c["ports"]}
 
 
+POD_IP = "10.244.0.7"  # what the downward API's fieldRef status.podIP gives
+
+
 def env_of(c: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in c.get("env", [])}
+    env = {}
+    for e in c.get("env", []):
+        if "value" not in e:
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, e
+        env[e["name"]] = e.get("value", POD_IP)
+    return env
 
 
 def operator_tf_config(job: dict[str, Any], replica: str, index: int) -> str:
@@ -295,6 +303,7 @@ def test_probes_and_ports_are_the_ones_the_server_listens_on(replica, task_type)
     environ = {**env_of(c), "TF_CONFIG": operator_tf_config(job, replica, 0)}
     opts = server_cli.resolve_options(task_type, args, environ)
     assert opts.task.task_type == task_type
+    assert opts.bind_host == POD_IP  # side ports on the pod's IP, not every interface
     ports = named_ports(c)
     assert ports[PORT_NAME] == opts.task.port
     assert ports["health"] == opts.health_port

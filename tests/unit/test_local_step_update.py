@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.local_step import make_local_train_fn
+from psctl.coordinator.training.sparse import SparseUpdater
+from psctl.coordinator.training.tables import building, table_of
 
 
 def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
@@ -94,3 +97,143 @@ def test_scale_non_trainable_state_and_slots_policy():
     assert all(not v.numpy().any() for v in slots)
     assert int(optimizer.iterations.numpy()) == 3
     assert int(global_step.numpy()) == 3
+
+
+# -- psctl tables in local-step mode: sparse rows on the ps every step, dense pushed once ------
+
+ROWS, DIM, IDS = 8, 3, 4
+
+
+def table_model(table: bool) -> keras.Model:
+    """Ids -> one Embedding -> Dense(1); built as a psctl table (``table``) or plain Keras."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((IDS,), dtype="int64"),
+            keras.layers.Embedding(ROWS, DIM),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ]
+    )
+    if not table:
+        return model
+    settings = TrainSettings(max_shards=2, min_shard_bytes=1)
+    keras.utils.set_random_seed(5)
+    with building(settings) as plan:
+        psctl_model = keras.Sequential(
+            [
+                keras.Input((IDS,), dtype="int64"),
+                keras.layers.Embedding(ROWS, DIM),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+    (tab,) = plan.tables
+    tab.write(model.layers[0].embeddings.numpy())  # the plain model's initial values
+    for ours, theirs in zip(psctl_model.trainable_variables, model.layers[-1].weights, strict=True):
+        ours.assign(theirs)
+    return psctl_model
+
+
+def id_batches(count: int, rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(count):
+        # Example k's first id is row k: a batch touches every one of the ``rows`` rows.
+        x = np.stack([np.roll(rng.permutation(rows), -k)[:IDS] for k in range(rows)])
+        x[:, 0] = np.arange(rows)
+        x = x.astype(np.int64)
+        out.append((x, rng.standard_normal((rows, 1)).astype(np.float32)))
+    return out
+
+
+def mse(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(tf.square(predictions - labels), axis=-1)
+
+
+def table_fn(model: keras.Model, optimizer: keras.optimizers.Optimizer, scale: float):
+    (tab,) = [t for layer in model.layers if (t := table_of(layer)) is not None]
+    optimizer.build(model.trainable_variables)
+    sparse = SparseUpdater(optimizer, [tab], tf.distribute.get_strategy())
+    fn = make_local_train_fn(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=mse,
+        mean_sums=tf.Variable(tf.zeros([1, 2], tf.float64)),
+        mean_metrics=[],
+        other_metrics=[],
+        global_step=tf.Variable(0, dtype=tf.int64),
+        scale=scale,
+        sparse=sparse,
+    )
+    return fn, tab
+
+
+def run_calls(fn, data: list, calls: int, steps: int) -> None:
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (np.stack([x for x, _ in data]), np.stack([y for _, y in data]))
+    )
+    iterator = iter(dataset)
+    for _ in range(calls):
+        fn(iterator, tf.constant(steps, tf.int64))
+
+
+def keras_steps(model: keras.Model, data: list) -> list[list[np.ndarray]]:
+    """Keras Adam on the plain model, one step a batch: the variables after each step."""
+    optimizer = keras.optimizers.Adam(0.05)
+    after = []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(mse(y, model(x, training=True)))
+        variables = model.trainable_variables
+        # Dense gradients: Keras 3 Adam given IndexedSlices is not its dense update.
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        after.append([v.numpy().copy() for v in variables])
+    return after
+
+
+@pytest.mark.timeout(120)
+def test_tables_take_the_sparse_rule_every_local_step_with_the_global_step_count():
+    # Every batch touches every row: lazy Adam is Keras's dense Adam, and one call of K local
+    # steps (fresh local moments) is K Keras Adam steps for the dense variables too.
+    steps, data = 3, id_batches(6, ROWS)
+    model = table_model(table=True)
+    optimizer = keras.optimizers.Adam(0.05)
+    fn, tab = table_fn(model, optimizer, scale=1.0)
+    after = keras_steps(table_model(table=False), data[:steps])  # [table, kernel, bias]
+    run_calls(fn, data, calls=1, steps=steps)
+    np.testing.assert_allclose(tab.read(), after[-1][0], rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(model.trainable_variables, after[-1][1:], strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-5, atol=1e-6)
+    assert int(optimizer.iterations.numpy()) == steps
+
+    # Over calls, the table keeps its moments in its slots on the ps and its steps count on
+    # (bias correction of steps 4..6 in the second call). The dense layer frozen: its local
+    # moments restart every call by design.
+    model, reference = table_model(table=True), table_model(table=False)
+    model.layers[-1].trainable = reference.layers[-1].trainable = False
+    fn, tab = table_fn(model, keras.optimizers.Adam(0.05), scale=1.0)
+    after = keras_steps(reference, data)
+    run_calls(fn, data, calls=2, steps=steps)
+    np.testing.assert_allclose(tab.read(), after[-1][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_local_scale_is_for_dense_variables_and_untouched_rows_stay():
+    data = id_batches(2, ROWS // 2)  # ids 0..3 only
+    results = {}
+    for scale in (1.0, 0.5):
+        model = table_model(table=True)
+        start = [v.numpy().copy() for v in model.trainable_variables]
+        fn, tab = table_fn(model, keras.optimizers.Adagrad(0.1), scale=scale)
+        before = tab.read().copy()
+        run_calls(fn, data, calls=1, steps=2)
+        table = tab.read()
+        np.testing.assert_array_equal(table[ROWS // 2 :], before[ROWS // 2 :])
+        assert not np.allclose(table[: ROWS // 2], before[: ROWS // 2])
+        moved = [v.numpy() - s for v, s in zip(model.trainable_variables, start, strict=True)]
+        results[scale] = table, moved
+    np.testing.assert_allclose(results[0.5][0], results[1.0][0], rtol=1e-6)
+    for half, full in zip(results[0.5][1], results[1.0][1], strict=True):
+        np.testing.assert_allclose(half, 0.5 * full, rtol=1e-5, atol=1e-7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -16,6 +17,8 @@ from psctl.coordinator.cli.main import TRAIN_FLAGS, build_parser
 from psctl.coordinator.job import DataContext
 from psctl.coordinator.settings import (
     DEFAULTS,
+    INT32_MAX,
+    MAX_STEP,
     OTHER_ENV,
     TrainSettings,
     check_environ,
@@ -205,3 +208,167 @@ def test_data_context_from_settings():
         eval_data="e*",
         label_column="y",
     )
+
+
+# -- bounds, types, and where each value came from --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        ({"steps": 2**63}, "--steps"),  # past int64: status/watch/checkpoint overflowed
+        ({"steps": MAX_STEP + 1}, "--steps"),
+        ({"checkpoint_every": 10**30}, "--checkpoint-every"),
+        ({"eval_every": 2**64}, "--eval-every"),
+        ({"steps_per_execution": 2**31}, "--steps-per-execution"),  # Status: int32
+        ({"batch_size": 2**31}, "--batch-size"),
+        ({"seed": 2**63}, "--seed"),
+        ({"local_scale": math.inf}, "--local-scale"),
+        ({"stall_timeout": math.nan}, "--stall-timeout"),
+        ({"stall_timeout": 1e10}, "--stall-timeout"),  # past threading.TIMEOUT_MAX
+        ({"log_every": -math.inf}, "--log-every"),
+        ({"checkpoint_dir": "a\0b"}, "--checkpoint-dir"),
+    ],
+)
+def test_values_beyond_the_api_and_non_finite_numbers_are_refused(flags, field):
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags=flags, config_file=None, environ={})
+    assert str(err.value).startswith(f"{field}: ")
+    assert len(str(err.value)) < 200 and "\n" not in str(err.value)
+
+
+def test_the_largest_values_fit_the_control_api():
+    """The bounds are the Control API's field types: the largest accepted values go into a
+    Status message, one past them does not."""
+    from psctl.control.v1 import control_pb2
+
+    s = TrainSettings(steps=MAX_STEP, steps_per_execution=INT32_MAX, checkpoint_every=MAX_STEP)
+    control_pb2.Status(global_step=s.steps, target_steps=s.steps, eval_step=s.checkpoint_every)
+    control_pb2.Status(steps_per_execution=s.steps_per_execution)
+    with pytest.raises(ValueError):
+        control_pb2.Status(steps_per_execution=INT32_MAX + 1)
+    with pytest.raises(ValueError):
+        control_pb2.Status(target_steps=2**63)
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ("steps = 1.9", "train.steps: 1.9 is a float, not a whole number"),
+        ("eval_every = 0.5", "train.eval_every: 0.5 is a float, not a whole number"),
+        ("checkpoint_dir = false", "train.checkpoint_dir: false is a boolean, not a string"),
+        ('batch-size = "8"', "train.batch-size: '8' is a string, not a whole number"),
+        ("seed = true", "train.seed: true is a boolean, not a whole number"),
+        ("log_every = [1]", "train.log_every: [1] is an array, not a number"),
+        ('steps_per_execution = "8"', "train.steps_per_execution: '8' is a string"),
+        ("steps = 0", "train.steps: got 0"),
+        ("local_scale = inf", "train.local_scale: got inf"),
+        ('update_mode = "fast"', "train.update_mode: got 'fast'"),
+    ],
+)
+def test_toml_values_are_type_checked_not_coerced(tmp_path: Path, body: str, problem: str):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f"[train]\n{body}\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+    assert str(err.value).startswith(f"{cfg}: {problem}"), str(err.value)
+
+
+def test_toml_ints_for_floats_and_auto_are_fine(tmp_path: Path):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('[train]\nlocal_scale = 2\nlog_every = 1\nsteps_per_execution = "Auto"\n')
+    s = resolve_settings(flags={}, config_file=str(cfg), environ={})
+    assert (s.local_scale, s.log_every, s.steps_per_execution) == (2.0, 1.0, 0)
+    assert isinstance(s.local_scale, float)
+    cfg.write_text("steps = 0\n")  # no [train] table: the whole file, named without "train."
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(cfg))}: steps: got 0"):
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ("12", 12),
+        (" 12\t", 12),
+        ("+12", 12),
+        ("١٢", None),  # Arabic-Indic digits: int() reads them, psctl does not
+        ("\uff11\uff12", None),  # full-width
+        ("12\xa0", None),  # a non-breaking space
+        ("1_000", None),
+        ("1e3", None),
+        ("12.0", None),
+        ("9" * 5000, None),  # past int()'s digit limit: out of range, not a traceback
+    ],
+)
+def test_env_whole_numbers_are_ascii_digits(value: str, ok: int | None):
+    environ = {"PSCTL_STEPS": value}
+    if ok is not None:
+        assert resolve_settings(flags={}, config_file=None, environ=environ).steps == ok
+        return
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={}, config_file=None, environ=environ)
+    assert str(err.value).startswith("PSCTL_STEPS: ") and len(str(err.value)) < 250
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "Infinity", "1e400", "٣", "1_0", "0x10", "0"])
+def test_env_floats_are_finite_ascii_numbers(value: str):
+    with pytest.raises(ConfigError, match=r"^PSCTL_LOG_EVERY: "):
+        resolve_settings(flags={}, config_file=None, environ={"PSCTL_LOG_EVERY": value})
+    good = {"PSCTL_LOG_EVERY": "2", "PSCTL_LOCAL_SCALE": ".5e1"}
+    s = resolve_settings(flags={}, config_file=None, environ=good)
+    assert (s.log_every, s.local_scale) == (2.0, 5.0)
+
+
+def test_every_error_names_where_the_value_came_from(tmp_path: Path):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('[train]\nsteps = 0\nupdate_mode = "local"\n')
+
+    def field(flags: dict, environ: dict) -> str:
+        with pytest.raises(ConfigError) as err:
+            resolve_settings(flags=flags, config_file=str(cfg), environ=environ)
+        return err.value.field
+
+    assert field({}, {}) == f"{cfg}: train.steps"
+    assert field({}, {"PSCTL_STEPS": "0", "PSCTL_EPOCHS": "1"}) == "PSCTL_STEPS"
+    assert field({"steps": 0}, {}) == "--steps"
+    # Across two settings: the field is one, the problem names the other's source.
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={"steps": 5}, config_file=str(cfg), environ={"PSCTL_EPOCHS": "2"})
+    assert err.value.field == f"{cfg}: train.update_mode"
+    assert "PSCTL_EPOCHS" in err.value.problem
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "is a directory"),
+        (b"[train]\nsteps = 5 # \xff\n", "is not UTF-8 text"),
+        (b"[train]\nsteps = " + b"9" * 5000 + b"\n", "a number is too long"),
+        (b"x = " + b"[" * 50_000, "nested too deeply"),
+    ],
+)
+def test_unreadable_config_files_are_config_errors(tmp_path: Path, content, problem: str):
+    cfg = tmp_path / "job.toml"
+    if content is None:
+        cfg.mkdir()
+    else:
+        cfg.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+    assert problem in str(err.value) and err.value.exit_status == 78
+
+
+@pytest.mark.timeout(60)
+def test_a_directory_as_config_is_one_line_and_78(tmp_path: Path):
+    proc = subprocess.run(
+        local_argv(tmp_path / "work", "--config", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 78, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"psctl: error: --config: {tmp_path} is a directory; give the TOML job file's path"
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from psctl.cluster.spec import (
     Address,
     ClusterConfig,
     TaskConfig,
+    canonical_host,
+    check_config,
     format_table,
     load_cluster_file,
     parse_cluster,
@@ -25,6 +28,7 @@ from psctl.cluster.spec import (
     resolve_task,
     split_host_port,
 )
+from tests.conftest import child_env, psctl_argv
 
 CLUSTER: dict[str, list[str]] = {
     "chief": ["host0:2222"],
@@ -704,3 +708,149 @@ def test_address_lookup_errors() -> None:
     assert "0..1" in err.fix
     err = config_error(TaskConfig, cluster, "ps", 3)
     assert err.field == "cluster.ps[3]"
+
+
+# --- fuzzed inputs the parser once let through ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "problem"),
+    [
+        ("..", "not a valid host name"),
+        (".", "not a valid host name"),
+        ("a..b", "not a valid host name"),
+        (".a", "not a valid host name"),
+        ("a.", "not a valid host name"),
+        ("-a", "not a valid host name"),
+        ("a-", "not a valid host name"),
+        ("a" * 64, "not a valid host name"),
+        (".".join(["a" * 60] * 5), "longer than 253"),
+        ("999.1.1.1", "not a valid IPv4 address"),
+        ("01.2.3.4", "not a valid IPv4 address"),
+        ("1234", "not a valid IPv4 address"),
+        ("ho\u0301st", "not a valid host name"),
+    ],
+)
+def test_bad_host_names(host: str, problem: str) -> None:
+    err = config_error(split_host_port, f"{host}:2222", field="--addr")
+    assert problem in err.problem
+
+
+@pytest.mark.parametrize(
+    "address", ["host-1.example.com:1", "a_b:1", "10.0.0.1:1", "[fe80::1%eth0]:1", "A:1"]
+)
+def test_good_host_names(address: str) -> None:
+    assert str(Address.parse(address, field="--addr")) == address
+
+
+def test_ipv6_zone_must_be_an_interface_name() -> None:
+    err = config_error(split_host_port, "[fe80::1%..]:1", field="--addr")
+    assert "zone" in err.problem
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("[::1]:2222", "[::0001]:2222"),
+        ("[::1]:2222", "[0:0:0:0:0:0:0:1]:2222"),
+        ("[FE80::1]:2222", "[fe80::1]:2222"),
+        ("10.0.0.1:2222", "[::ffff:10.0.0.1]:2222"),
+        ("Host.Example:2222", "host.example:2222"),
+        ("h:2222", "h:02222"),
+    ],
+)
+def test_one_endpoint_written_two_ways_is_a_duplicate(first: str, second: str) -> None:
+    cluster = {"ps": [first], "worker": [second]}
+    err = config_error(parse_cluster, {"cluster": cluster}, source="c.json")
+    assert err.field == "c.json: cluster.worker[0]"
+    assert "also used by cluster.ps[0]" in err.problem
+
+
+def test_canonical_host() -> None:
+    assert canonical_host("::0001") == "::1"
+    assert canonical_host("::ffff:10.0.0.1") == "10.0.0.1"
+    assert canonical_host("Host") == "host"
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"cluster": {"ps": ["a:1"], "worker": ["b:1"]}, "x": ' + "9" * 5000 + "}", "too long"),
+    ],
+)
+def test_json_python_cannot_read_is_a_config_error(text: str, problem: str) -> None:
+    err = config_error(parse_cluster_json, text, source="c.json")
+    assert problem in err.problem
+
+
+def test_a_port_of_thousands_of_digits_is_out_of_range() -> None:
+    err = config_error(split_host_port, "h:" + "9" * 5000, field="--addr")
+    assert "out of range" in err.problem and len(str(err)) < 300
+
+
+def test_huge_values_are_cut_in_the_error_line() -> None:
+    cluster = {"ps": ["x" * 1_000_000 + ":1"], "worker": ["b:1"]}
+    err = config_error(parse_cluster, {"cluster": cluster}, source="c.json")
+    assert len(str(err)) < 400 and "..." in str(err)
+    err = config_error(parse_cluster, {"cluster": {**cluster, "ps": [[[[1] * 10**5]]]}}, source="c")
+    assert len(str(err)) < 400
+
+
+# --- check_config: the cluster and its task -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "field", "problem"),
+    [
+        ({"index": 0}, "task.type", "is missing"),
+        ({"type": "master", "index": 0}, "task.type", "not supported"),
+        ({"type": "evaluator", "index": 0}, "task.type", "has no tasks"),
+        ({"type": 3, "index": 0}, "task.type", "not a task type"),
+        ({"type": "worker"}, "task.index", "is missing"),
+        ({"type": "worker", "index": 2}, "task.index", "out of range"),
+        ({"type": "worker", "index": -1}, "task.index", "out of range"),
+        ({"type": "worker", "index": 1.0}, "task.index", "not a non-negative integer"),
+        ({"type": "worker", "index": True}, "task.index", "not a non-negative integer"),
+        ("worker", "task", "not an object"),
+    ],
+)
+def test_check_config_checks_the_task(tmp_path: Path, task: object, field: str, problem: str):
+    text = json.dumps({"cluster": CLUSTER, "task": task})
+    err = config_error(check_config, cluster_file=None, environ={"TF_CONFIG": text})
+    assert err.field == f"TF_CONFIG.{field}" and problem in err.problem
+    path = write(tmp_path, text)
+    err = config_error(check_config, cluster_file=str(path), environ={})
+    assert err.field == f"{path}: {field}" and problem in err.problem
+
+
+def test_check_config_returns_the_task(tmp_path: Path) -> None:
+    text = json.dumps({"cluster": CLUSTER, "task": {"type": "worker", "index": 1}})
+    cluster, source, task = check_config(cluster_file=None, environ={"TF_CONFIG": text})
+    assert source == "TF_CONFIG" and task is not None
+    assert (task.task_type, task.task_index, task.address) == ("worker", 1, "host2:2222")
+    path = write(tmp_path, CLUSTER)  # bare, no task
+    cluster, source, task = check_config(cluster_file=str(path), environ={})
+    assert cluster.num_workers == 2 and source == str(path) and task is None
+
+
+@pytest.mark.timeout(60)
+def test_check_config_cli_bad_task_is_one_line_78(tmp_path: Path) -> None:
+    path = write(tmp_path, {"cluster": CLUSTER, "task": {"type": "ps", "index": 4}})
+    proc = subprocess.run(
+        psctl_argv("check-config", str(path)),
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=child_env(),
+    )
+    assert proc.returncode == 78, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"psctl: error: {path}: task.index: 4 is out of range for 1 ps; "
+        "use an index in 0..0 (only 0)"
+    ]
+    path = write(tmp_path, {"cluster": CLUSTER, "task": {"type": "ps", "index": 0}})
+    proc = subprocess.run(
+        psctl_argv("check-config", str(path)), capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 0 and "task: ps 0 (host3:2222)" in proc.stdout

@@ -1,0 +1,430 @@
+"""`--strategy sync`: `psctl train` on a worker host, and `psctl local` with N workers.
+
+Every worker runs the training program (coordinator/training/sync.py) in its own process,
+under its own ``TrainingSupervisor`` (the same crash-loop budget as the coordinator's).
+Worker 0 is the chief: it serves the Control API and the coordinator's metrics, and writes
+checkpoints, TensorBoard and the summary. There are no ps or worker servers in this mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from psctl.cluster import ports
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.files import write_json_atomic
+from psctl.cluster.logs import tensorflow_import_quietly
+from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.spec import (
+    SYNC_REQUIRED,
+    ClusterConfig,
+    format_table,
+    load_cluster_file,
+    parse_tf_config,
+)
+from psctl.coordinator.control.security import ControlSecurity
+from psctl.coordinator.control.service import (
+    JobControl,
+    TaskInfo,
+    start_control_server,
+    stop_control_server,
+)
+from psctl.coordinator.control.state import State
+from psctl.coordinator.failures import (
+    Failure,
+    FailurePolicy,
+    Scope,
+    Unreachable,
+    classify,
+    exit_status,
+)
+from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+from psctl.coordinator.settings import TrainSettings, flag_for
+from psctl.coordinator.training.checkpoint_files import check_output_dirs
+
+if TYPE_CHECKING:
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+
+log = logging.getLogger("psctl.sync")
+_KEEP_ALIVE: list[object] = []
+STOP_GRACE = 30.0  # seconds the workers get to finish after a stop (checkpoint, eval)
+
+
+def resolve_sync_cluster(
+    cluster_file: str | None, task_index: int | None
+) -> tuple[ClusterConfig, int, str]:
+    """(cluster, this worker's index, where they came from): ``--cluster FILE`` with
+    ``--task-index``, or TF_CONFIG with task type worker (``--task-index`` overrides its
+    index)."""
+    if cluster_file:
+        cluster, source = load_cluster_file(cluster_file, required=SYNC_REQUIRED), cluster_file
+        if task_index is None:
+            raise ConfigError(
+                "--task-index",
+                "is missing: with --cluster and --strategy sync it says which worker this is",
+                "pass --task-index N (0 is the chief)",
+            )
+        index = task_index
+    else:
+        text = os.environ.get("TF_CONFIG", "").strip()
+        if not text:
+            raise ConfigError("TF_CONFIG", "is not set", "set TF_CONFIG or pass --cluster FILE")
+        task = parse_tf_config(text, required=SYNC_REQUIRED)
+        if task.task_type != "worker":
+            raise ConfigError(
+                "TF_CONFIG.task.type",
+                f"is {task.task_type!r}; with --strategy sync every training process is a worker",
+                'set task.type to "worker"',
+            )
+        cluster, source = task.cluster, "TF_CONFIG"
+        index = task.task_index if task_index is None else task_index
+    if cluster.num_workers < 1:
+        raise ConfigError(
+            f"{source}: cluster.worker", "is missing", 'add "worker": ["host:port", ...]'
+        )
+    if not 0 <= index < cluster.num_workers:
+        raise ConfigError(
+            "--task-index",
+            f"got {index}; {source} has {cluster.num_workers} worker(s)",
+            f"give 0 to {cluster.num_workers - 1}",
+        )
+    return cluster, index, source
+
+
+def workers_only(cluster: ClusterConfig) -> ClusterConfig:
+    return ClusterConfig(jobs={"worker": cluster.workers})
+
+
+def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
+    """`psctl train --strategy sync`: this worker's training process, supervised."""
+    from psctl.coordinator.launch.train import supervise_train
+
+    full, index, source = resolve_sync_cluster(args.cluster, getattr(args, "task_index", None))
+    if index == 0:  # the only one that writes them
+        check_output_dirs(settings.checkpoint_dir, settings.summary_json)
+    if not args.once:
+        return supervise_train(args)
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    cluster = workers_only(full)
+    if full.num_ps and index == 0:
+        log.info(
+            "sync mode: the %d ps task(s) in %s are not used; gradients are all-reduced over "
+            "the %d workers",
+            full.num_ps,
+            source,
+            cluster.num_workers,
+        )
+    ports.check_port_free(
+        cluster.task_address("worker", index).port, field=f"cluster.worker[{index}] port"
+    )
+    with tensorflow_import_quietly():
+        import tensorflow as tf
+    # Each worker waits on its peers in collectives: too few inter-op threads can hang the
+    # group (ARCHITECTURE.md).
+    if (os.cpu_count() or 1) < cluster.num_workers + 2:
+        tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
+    from psctl.coordinator.launch.train import count_nonfinite, end_on_error, load_tasks
+
+    failures = FailurePolicy()
+    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
+    is_chief = index == 0
+    metrics = None
+    if is_chief:
+        from psctl.coordinator.launch.train import start_metrics
+
+        # A sync step reads a batch on every worker: examples are counted per step so.
+        metrics = start_metrics(
+            args.metrics_port,
+            replace(settings, batch_size=settings.batch_size * cluster.num_workers),
+            # The metrics bind on the chief's host: worker 0's, here.
+            cluster.with_chief(str(cluster.task_address("worker", 0).with_port(args.metrics_port))),
+            counters,
+        )
+    tasks = (
+        load_tasks(args.tasks_file, cluster)
+        if args.tasks_file
+        else [
+            TaskInfo("worker", i, str(a), "", "", os.getpid() if i == index else 0)
+            for _, i, a in cluster.task_addresses()
+        ]
+    )
+    control = JobControl(
+        job=settings.job,
+        target_steps=settings.steps,
+        steps_per_execution=settings.steps_per_execution,
+        tasks=tasks,
+        can_checkpoint=is_chief and bool(settings.checkpoint_dir),
+        on_state=metrics.set_state if metrics else None,
+    )
+    control.recoveries = counters.restarts
+    server = None
+    if is_chief:
+        server = start_control_server(
+            control, args.control_address, ControlSecurity.from_args(args, os.environ)
+        )
+    try:
+        return _train(cluster, index, settings, control, metrics, counters, args)
+    except Unreachable as err:
+        status = exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
+        print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
+        control.finish(State.FAILED, str(err))
+        return status
+    except BaseException as err:
+        if classify(err) is Failure.NON_FINITE:
+            count_nonfinite(counters, metrics)
+        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
+    finally:
+        if server is not None:
+            stop_control_server(server)
+
+
+def _train(
+    cluster: ClusterConfig,
+    index: int,
+    settings: TrainSettings,
+    control: JobControl,
+    metrics: CoordinatorMetrics | None,
+    counters: Counters,
+    args: argparse.Namespace,
+) -> int:
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.training.controller import install_stop_signals
+    from psctl.coordinator.training.summary import print_summary, write_summary
+    from psctl.coordinator.training.sync import SyncTrainer, sync_strategy
+
+    install_stop_signals(control)
+    log.info(
+        "job %s: worker %d of %d (sync, %s), %s, batch %d/worker",
+        settings.job,
+        index,
+        cluster.num_workers,
+        cluster.task_address("worker", index),
+        f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
+        settings.batch_size,
+    )
+    # Before the job is loaded: a job that runs TensorFlow ops when imported would set up
+    # the eager context before the strategy could configure collectives (seen: ctr).
+    strategy = sync_strategy(cluster, index, connect_timeout=args.connect_timeout)
+    # Again: TensorFlow's coordination service (started with the strategy) takes SIGTERM
+    # for its preemption notifier; ours must handle it (graceful stop of the group).
+    install_stop_signals(control)
+    trainer = SyncTrainer(
+        job=load_job(settings.job),
+        cluster=cluster,
+        index=index,
+        settings=settings,
+        control=control,
+        strategy=strategy,
+        metrics=metrics,
+    )
+    _KEEP_ALIVE.append(trainer)  # never collected: the process ends by os._exit
+    summary = trainer.run()
+    if index == 0:
+        summary.restarts = counters.restarts
+        summary.worker_failures = counters.worker_failures
+        summary.coordinator_failures = counters.coordinator_failures
+        summary.recoveries = control.recoveries
+        print_summary(summary)
+        if settings.summary_json:
+            write_summary(summary, settings.summary_json)
+            log.info("summary written to %s", settings.summary_json)
+    control.finish(State.DONE)
+    if metrics is not None:
+        metrics.wait_until_scraped()
+    return 0
+
+
+# -- psctl local --strategy sync -------------------------------------------------------
+
+
+def worker_argv(
+    *,
+    cluster_file: Path,
+    tasks_file: Path,
+    index: int,
+    control_address: str,
+    metrics_port: int,
+    flags: dict[str, Any],
+    args: argparse.Namespace,
+) -> list[str]:
+    argv = psctl_argv(
+        "train",
+        "--cluster",
+        str(cluster_file),
+        "--task-index",
+        str(index),
+        "--tasks-file",
+        str(tasks_file),
+        "--control-address",
+        control_address,
+        "--metrics-port",
+        str(metrics_port),
+        "--recovery-timeout",
+        str(args.recovery_timeout),
+        "--once",
+    )
+    if args.config:
+        argv += ["--config", args.config]
+    for name, value in flags.items():
+        if value is not None:
+            argv += [flag_for(name), str(value)]
+    if args.verbose:
+        argv.append("--verbose")
+    return argv
+
+
+class LocalSyncJob:
+    """N worker training processes on loopback, each under its own supervisor (a thread
+    here), every child with a parent-death signal; ``stop`` leaves nothing running."""
+
+    def __init__(self, *, num_workers: int, workdir: Path, control_address: str) -> None:
+        if num_workers < 1:
+            raise ConfigError("--workers", f"got {num_workers}", "run at least 1 worker")
+        self.workdir = workdir
+        self.control_address = control_address
+        found = ports.free_ports(num_workers + 1)
+        self.metrics_port = found.pop()
+        self.cluster = ClusterConfig(jobs={"worker": tuple(f"127.0.0.1:{p}" for p in found)})
+        self.cluster_file = workdir / "cluster.json"
+        self.tasks_file = workdir / "tasks.json"
+        self.supervisors: list[TrainingSupervisor] = []
+        self.statuses: dict[int, int] = {}
+        self._threads: list[threading.Thread] = []
+        self._stop_at: float | None = None
+
+    def write_files(self) -> None:
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.cluster_file, {"cluster": self.cluster.as_dict()})
+        tasks = [
+            {"type": "worker", "index": i, "address": address}
+            for _, i, address in self.cluster.tasks()
+        ]
+        tasks[0]["metrics_url"] = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        write_json_atomic(self.tasks_file, tasks)
+
+    def start(self, flags: dict[str, Any], args: argparse.Namespace) -> None:
+        self.write_files()
+        for index in range(self.cluster.num_workers):
+            argv = worker_argv(
+                cluster_file=self.cluster_file,
+                tasks_file=self.tasks_file,
+                index=index,
+                control_address=self.control_address,
+                metrics_port=self.metrics_port if index == 0 else 0,
+                flags=flags,
+                args=args,
+            )
+            log_path = None if index == 0 else self.workdir / "logs" / f"worker-{index}.log"
+            supervisor = TrainingSupervisor(
+                _starter(argv, log_path), policy=RestartPolicy(max_restarts=args.max_restarts)
+            )
+            self.supervisors.append(supervisor)
+            thread = threading.Thread(
+                target=self._supervise, args=(index, supervisor), name=f"worker-{index}"
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _supervise(self, index: int, supervisor: TrainingSupervisor) -> None:
+        try:
+            self.statuses[index] = supervisor.run()
+        except BaseException:  # reported as a failed worker
+            log.exception("worker %d's supervisor failed", index)
+            self.statuses[index] = 1
+
+    def wait(self) -> int:
+        """Until every worker's supervisor is done; the chief's status, or the first
+        failure's. A worker that ends in failure stops the others (they could only wait);
+        after a stop, workers get STOP_GRACE seconds before ``stop`` kills what is left
+        (one waiting for a peer that is gone may not see its signal)."""
+        while any(t.is_alive() for t in self._threads):
+            for thread in self._threads:
+                thread.join(timeout=0.2)
+            failed = [i for i, code in self.statuses.items() if code != 0]
+            if failed and self._stop_at is None:
+                log.error(
+                    "worker %d ended with status %d: stopping the other workers",
+                    failed[0],
+                    self.statuses[failed[0]],
+                )
+                self.request_stop(signal.SIGTERM)
+            if self._stop_at is not None and time.monotonic() - self._stop_at > STOP_GRACE:
+                log.error("workers still running %.0fs after the stop: killing them", STOP_GRACE)
+                break
+        failed = [code for _, code in sorted(self.statuses.items()) if code != 0]
+        return failed[0] if failed else self.statuses.get(0, 1)
+
+    def request_stop(self, signum: int) -> None:
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+        for supervisor in self.supervisors:
+            supervisor.request_stop(signum)
+
+    def stop(self) -> None:
+        """Every training process gone (SIGTERM, then SIGKILL), every supervisor done."""
+        for supervisor in self.supervisors:
+            supervisor.stopping = True
+        children = [s.child for s in self.supervisors if s.child is not None]
+        stop_processes(children, timeout=10.0)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+
+def _starter(argv: list[str], log_path: Path | None) -> Any:
+    def start(counters: Counters) -> subprocess.Popen[bytes]:
+        counters_json = json.dumps(asdict(counters))
+        # Without the launcher no worker may go on: SIGKILL when it dies.
+        return spawn(
+            [*argv, "--supervisor-counters", counters_json],
+            log_path=log_path,
+            death_signal=signal.SIGKILL,
+        )
+
+    return start
+
+
+def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Path) -> int:
+    """`psctl local --strategy sync`: ``--workers`` training processes, no servers."""
+    if args.ps != 1:  # only the default is quietly ignored
+        log.info("sync mode: --ps %d ignored (no ps tasks)", args.ps)
+    job = LocalSyncJob(
+        num_workers=args.workers, workdir=workdir, control_address=args.control_address
+    )
+    log.info("work dir %s", workdir)
+    job.write_files()
+    print(format_table(job.cluster, source=str(job.cluster_file)), flush=True)
+    log.info(
+        "control API on %s (psctl status --address %s); worker logs in %s",
+        args.control_address,
+        args.control_address,
+        workdir / "logs",
+    )
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        job.request_stop(signum)
+
+    old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        job.start(flags, args)
+        return job.wait()
+    finally:
+        job.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        log.info(
+            "all %d workers stopped (%.0fs)", job.cluster.num_workers, time.monotonic() - started
+        )

@@ -1,0 +1,250 @@
+"""The files of a checkpoint directory: which checkpoints are there, the newest usable one
+(a damaged one is skipped with a line saying why, never taken for "no checkpoint"), the
+state file (``checkpoint``) rebuilt from the files present, and the start-up check that
+psctl can write there.
+
+TensorFlow is imported only by the functions that read checkpoints: the start-up check runs
+in processes that never import it (``psctl local`` before it starts any server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.failures import Failure, classify, describe
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "checkpoint"  # what tf.train.CheckpointManager reads to find the newest
+_INDEX = re.compile(r"^ckpt-(\d+)\.index$")  # CheckpointManager's names: ckpt-<global step>
+_WHY_CHARS = 160  # a reason in the final one-line error, cut to this
+_DIR_FIX = "give a directory this user can create and write to"
+
+
+@dataclass(frozen=True)
+class Found:
+    """One checkpoint in the directory: ``ckpt-<step>.index`` and the files beside it."""
+
+    step: int
+    prefix: str  # what tf.train.Checkpoint.restore takes: <directory>/ckpt-<step>
+    files: tuple[str, ...]  # the names of its files in the directory
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.prefix)
+
+
+class Unusable(Exception):
+    """Why a checkpoint cannot be used, in one line."""
+
+
+class NoUsableCheckpoint(ConfigError):
+    """Checkpoint files are there, and none can be restored. Starting over from step 0 would
+    hide the damage and overwrite the state file, and a new process would meet the same
+    files: a configuration error (exit 78), for the operator to look at."""
+
+    def __init__(self, directory: str, bad: list[tuple[Found, str]]) -> None:
+        shown = "; ".join(f"{found.name}: {why[:_WHY_CHARS]}" for found, why in bad)
+        super().__init__(
+            "--checkpoint-dir",
+            f"none of the {len(bad)} checkpoint(s) in {directory} can be restored ({shown})",
+            "move the damaged ckpt-* files out of it (training then starts from step 0), or "
+            "give the --checkpoint-dir and --job of the run that wrote them",
+        )
+
+
+def checkpoints_in(directory: str) -> list[Found]:
+    """The checkpoints in ``directory``, newest (highest step) first, found by their
+    ``ckpt-<step>.index`` files, whatever the state file says."""
+    import tensorflow as tf  # tf.io.gfile: any file system TensorFlow writes checkpoints to
+
+    try:
+        names = tf.io.gfile.listdir(directory)
+    except tf.errors.NotFoundError:
+        return []
+    except tf.errors.OpError as err:
+        raise ConfigError(
+            "--checkpoint-dir", f"cannot list {directory}: {describe(err)}", _DIR_FIX
+        ) from None
+    found = []
+    for name in names:
+        match = _INDEX.match(name)
+        if match:
+            stem = name[: -len(".index")]
+            files = tuple(sorted(n for n in names if n.startswith(stem + ".")))
+            found.append(Found(int(match.group(1)), os.path.join(directory, stem), files))
+    return sorted(found, key=lambda f: f.step, reverse=True)
+
+
+def restore_newest(directory: str, load: Callable[[str], None]) -> Found | None:
+    """Load the newest usable checkpoint in ``directory`` with ``load(prefix)`` (which
+    raises ``Unusable`` for a bad one): one error line for each bad one, then the next
+    newest. The state file is rewritten when it does not name the checkpoint loaded.
+    None when there is no checkpoint; ``NoUsableCheckpoint`` when none can be loaded."""
+    found = checkpoints_in(directory)
+    bad: list[tuple[Found, str]] = []
+    for candidate in found:
+        try:
+            load(candidate.prefix)
+        except Unusable as err:
+            log.error(
+                "checkpoint %s is unusable, skipped (%s in %s): %s",
+                candidate.name,
+                ", ".join(candidate.files),
+                directory,
+                err,
+            )
+            bad.append((candidate, str(err)))
+            continue
+        rebuild_state(directory, [f for f in found if f.step <= candidate.step], candidate)
+        return candidate
+    if bad:
+        raise NoUsableCheckpoint(directory, bad)
+    return None
+
+
+def load_checked(checkpoint: Any, prefix: str, variables: Iterable[Any]) -> None:
+    """Restore ``prefix`` into ``checkpoint`` (a ``tf.train.Checkpoint``) and check it:
+    its index readable, every object under ``checkpoint`` given a value, and every float
+    value among ``variables`` finite. Raises ``Unusable`` saying what is wrong; an error of
+    the cluster (a lost task) is raised as it is."""
+    import numpy as np
+    import tensorflow as tf
+
+    try:
+        tf.train.load_checkpoint(prefix)
+    except tf.errors.OpError as err:
+        raise Unusable(f"its index cannot be read: {describe(err)}") from None
+    try:
+        status = checkpoint.restore(prefix)
+    except (tf.errors.OpError, ValueError) as err:
+        if classify(err) in (Failure.PS_LOST, Failure.WORKER_LOST):
+            raise
+        raise Unusable(f"restoring it failed: {describe(err)}") from None
+    try:
+        status.assert_existing_objects_matched()
+    except AssertionError as err:
+        status.expect_partial()  # else its unused values are listed when it is collected
+        lines = str(err).strip().splitlines()
+        raise Unusable(
+            f"it lacks variables the model has (another --job?): {lines[0] if lines else ''}"
+        ) from None
+    for variable in variables:
+        value = variable.numpy()
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise Unusable(f"{_name(variable)} holds values that are not finite")
+
+
+def _name(variable: Any) -> str:
+    return str(getattr(variable, "path", None) or getattr(variable, "name", "a variable"))
+
+
+def read_state(directory: str) -> tuple[Any, str]:
+    """The state file's ``CheckpointState``, or None and why not (TensorFlow returns None
+    for some damage and raises ``ValueError`` for other: an empty file, say)."""
+    import tensorflow as tf
+
+    path = os.path.join(directory, STATE_FILE)
+    if not tf.io.gfile.exists(path):
+        return None, "is missing"
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except (tf.errors.OpError, ValueError) as err:
+        return None, f"cannot be read ({describe(err)})"
+    return state, "" if state is not None else "cannot be read (not a CheckpointState)"
+
+
+def set_aside_unreadable_state(directory: str) -> None:
+    """Move an unreadable state file to ``checkpoint.unreadable``, before a
+    ``tf.train.CheckpointManager`` reads it: it takes one for "no checkpoint" (and would
+    overwrite it on its first save, orphaning every checkpoint), or raises. ``restore_newest``
+    then writes a new one from the checkpoint files present."""
+    import tensorflow as tf
+
+    state, problem = read_state(directory)
+    path = os.path.join(directory, STATE_FILE)
+    if state is None and tf.io.gfile.exists(path):
+        tf.io.gfile.rename(path, path + ".unreadable", overwrite=True)
+        log.warning("%s %s: moved to %s.unreadable", path, problem, STATE_FILE)
+
+
+def rebuild_state(directory: str, kept: list[Found], latest: Found) -> bool:
+    """Rewrite the state file unless it already names ``latest`` as the newest checkpoint:
+    it lists ``kept`` (oldest first, their index files' times as their save times, so
+    ``--keep-checkpoints`` rotates them as before), ``latest`` last. True if rewritten."""
+    path = os.path.join(directory, STATE_FILE)
+    state, problem = read_state(directory)
+    if state is not None:
+        named = os.path.basename(state.model_checkpoint_path)
+        if named == latest.name:
+            return False
+        problem = f"names {named}"
+    ordered = sorted(kept, key=lambda f: f.step)
+    times = [_mtime(f.prefix + ".index") for f in ordered]
+    lines = [f'model_checkpoint_path: "{latest.name}"']
+    lines += [f'all_model_checkpoint_paths: "{f.name}"' for f in ordered]
+    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
+    lines.append(f"last_preserved_timestamp: {min(times) - 1.0!r}")
+    _write_atomic(path, "\n".join(lines) + "\n")
+    log.warning(
+        "%s %s: rewritten from the checkpoint files present (newest usable %s; %d listed)",
+        path,
+        problem,
+        latest.name,
+        len(ordered),
+    )
+    return True
+
+
+def _mtime(path: str) -> float:
+    import tensorflow as tf
+
+    try:
+        return float(tf.io.gfile.stat(path).mtime_nsec) / 1e9
+    except tf.errors.OpError:
+        return 0.0
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """A reader (the sidecar evaluator) sees the old file or the new one, never half."""
+    import tensorflow as tf
+
+    tmp = path + ".tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def require_writable_dir(path: str, *, field: str) -> None:
+    """``path`` exists or can be created, and this process can create files in it; else a
+    ``ConfigError`` naming ``field``. URLs (``gs://...``: TensorFlow's file systems) are
+    left to TensorFlow."""
+    if "://" in path:
+        return
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".psctl-write-check-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        # mkdir of a path that is a file says "File exists": name what is wrong instead.
+        reason = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        raise ConfigError(field, f"cannot write to {path} ({reason})", _DIR_FIX) from None
+
+
+def check_output_dirs(checkpoint_dir: str, summary_json: str) -> None:
+    """Before any training: the directories a run writes to at its end are writable, so a
+    mistake there costs seconds, not the whole run (exit 78, one line)."""
+    if checkpoint_dir:
+        require_writable_dir(checkpoint_dir, field="--checkpoint-dir")
+    if summary_json:
+        require_writable_dir(os.path.dirname(os.path.abspath(summary_json)), field="--summary-json")

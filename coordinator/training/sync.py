@@ -1,0 +1,532 @@
+"""Synchronous training (``--strategy sync``): every worker process runs this loop under
+``MultiWorkerMirroredStrategy``; gradients are all-reduced every step.
+
+The pieces are the asynchronous trainer's: ``TrainState`` (model, optimizer, training
+metrics), ``DefaultProgram``'s packed step function (called here, not scheduled), the
+cadenced actions (status, checkpoints), the ``Checkpointer`` and the final evaluation. What
+differs is the loop: no ClusterCoordinator, every worker steps together, so each call opens
+with one small all-reduce in which the workers agree on what to do (the chief's steps per
+call and pause, anyone's stop). Worker 0 is the chief: it alone checkpoints (same layout as
+async mode), publishes status and metrics, and evaluates. A restart restores on the chief
+and broadcasts the state to the others, so only the chief needs the checkpoint directory.
+
+A collective that fails or times out (a worker died, froze or restarted) cannot be retried
+in this process: ``PeerLost`` ends it with EXIT_RESTART on every worker, and the
+supervisors start the group again; the new processes meet in the strategy's start-up
+barrier and go on from the chief's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.control.state import State
+from psctl.coordinator.failures import PeerLost, Unreachable, describe
+from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.actions import Action, CheckpointEvery, PublishStatus
+from psctl.coordinator.training.checkpoints import Checkpointer
+from psctl.coordinator.training.evaluation import evaluate_final
+from psctl.coordinator.training.model import TrainState, scalar
+from psctl.coordinator.training.packing import Packer, packer_for
+from psctl.coordinator.training.programs import DefaultProgram, Runtime
+from psctl.coordinator.training.progress import Progress
+from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.summary import Summary, accuracy_of
+
+if TYPE_CHECKING:
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.service import JobControl
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY = 1.0  # seconds between status/metrics updates (as trainer.py)
+# A dead or frozen peer is found by MultiWorkerMirroredStrategy's peer health checks: every
+# HEALTH_INTERVAL seconds each peer must answer within HEALTH_TIMEOUT (3 tries), or every
+# collective in flight is aborted. No per-collective timeout (CommunicationOptions'
+# timeout_seconds): TensorFlow keeps a sleeping thread per collective for that long
+# (SchedClosureAfter), thousands at 100 steps/s (seen: the process aborted, unable to
+# start a thread).
+HEALTH_INTERVAL = 5
+HEALTH_TIMEOUT = 5
+PAUSE_POLL = 0.2  # seconds between agreements while paused
+# gRPC codes (OpError.error_code) of a collective that lost a peer: CANCELLED,
+# DEADLINE_EXCEEDED, FAILED_PRECONDITION (a peer restarted), ABORTED, UNAVAILABLE.
+_PEER_CODES = frozenset({1, 4, 9, 10, 14})
+
+
+def sync_strategy(cluster: ClusterConfig, index: int, *, connect_timeout: float) -> Any:
+    """MultiWorkerMirroredStrategy over the cluster's workers, as worker ``index``. Blocks
+    until every worker has started (at most ``connect_timeout`` seconds: ``Unreachable``)."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
+
+    extended = mwms.CollectiveAllReduceExtended
+    # Read when the strategy starts (class attributes: TensorFlow has no other way in).
+    extended._check_health_initial_timeout = max(1, int(connect_timeout))
+    extended._check_health_interval = HEALTH_INTERVAL
+    extended._check_health_timeout = HEALTH_TIMEOUT
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": list(cluster.workers)}),
+        task_type="worker",
+        task_id=index,
+        rpc_layer="grpc",
+    )
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    except RuntimeError as err:
+        if "Timeout waiting for the cluster" in str(err):
+            raise Unreachable(
+                f"not every worker joined within {connect_timeout:.0f}s (--connect-timeout): "
+                f"{', '.join(cluster.workers)}"
+            ) from err
+        raise
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that lost a peer (so: restart the group)."""
+    code = getattr(err, "error_code", None)
+    if code not in _PEER_CODES:
+        return False
+    if code == 9:  # FAILED_PRECONDITION is also a job's own mistake, unless a peer restarted
+        text = str(err).lower()
+        return "collective" in text or "incarnation" in text or "restarted" in text
+    return True
+
+
+def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
+    """``AutoShardPolicy.DATA`` on the job's dataset: this worker's share of its elements
+    (every num_workers-th batch, from ``index``), as tf.distribute's DATA policy reads.
+    ``distribute_datasets_from_function`` never shards by itself."""
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:
+        return dataset.shard(num_workers, index)
+    return dataset
+
+
+class Agreement:
+    """One small all-gather over the workers: what they do next, and a barrier."""
+
+    def __init__(self, strategy: Any) -> None:
+        def replica(values: Any) -> Any:
+            context = tf.distribute.get_replica_context()
+            return context.all_gather(values[tf.newaxis], axis=0)
+
+        def gather(values: Any) -> Any:
+            result = strategy.run(replica, args=(values,))
+            return strategy.experimental_local_results(result)[0]
+
+        self._gather = tf.function(gather)
+
+    def gather(self, values: list[float]) -> Any:
+        """Every worker's ``values``: an array of one row per worker."""
+        return self._gather(tf.constant(values, tf.float64)).numpy()
+
+    def max(self, values: list[float]) -> list[float]:
+        return [float(v) for v in self.gather(values).max(axis=0)]
+
+    def min(self, values: list[float]) -> list[float]:
+        return [float(v) for v in self.gather(values).min(axis=0)]
+
+
+def broadcast_from_chief(strategy: Any, variables: list[Any], *, is_chief: bool) -> None:
+    """Every worker takes the chief's values of ``variables`` (after the chief restored a
+    checkpoint): one all-reduce of the chief's values and the others' zeros."""
+    if not variables:
+        return
+    weight = 1.0 if is_chief else 0.0
+
+    def replica() -> Any:
+        context = tf.distribute.get_replica_context()
+        values = [tf.cast(tf.convert_to_tensor(v), tf.float64) * weight for v in variables]
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+
+    def run() -> Any:
+        return [strategy.experimental_local_results(v)[0] for v in strategy.run(replica)]
+
+    for variable, value in zip(variables, tf.function(run)(), strict=True):
+        variable.assign(tf.cast(value, variable.dtype))
+
+
+def count_batches(dataset: Any) -> int:
+    """Batches in one pass: the cardinality when tf.data knows it, else counted."""
+    known = int(dataset.cardinality())
+    if known >= 0:
+        return known
+    return int(dataset.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
+
+
+class SyncTrainState(TrainState):
+    """``TrainState`` on every worker. Metrics that are not means (AUC, ...) keep Keras's
+    on-read variables: read across replicas they are all-reduced, a collective only the
+    chief (which publishes them) would make, so they are read here from this worker's own
+    replica: the chief's batches. Means (loss, accuracy) are the whole job's."""
+
+    def __init__(
+        self, job: Job, x_spec: Any, y_spec: Any, *, settings: TrainSettings, strategy: Any
+    ) -> None:
+        super().__init__(job, x_spec, y_spec, settings=settings, strategy=strategy)
+        self.strategy = strategy
+
+    def read_train_metrics(self) -> dict[str, float]:
+        others, self.other_metrics = self.other_metrics, []
+        try:
+            values = super().read_train_metrics()
+        finally:
+            self.other_metrics = others
+        strategy = self.strategy
+        for metric in others:
+            local = strategy.experimental_local_results(strategy.run(metric.result))[0]
+            values[metric.name] = scalar(local)
+        return values
+
+
+class SyncProgram(DefaultProgram):
+    """``DefaultProgram``'s packed step function over this worker's dataset, called in
+    place (no ClusterCoordinator). With ``--epochs`` the target is the data's: epochs x the
+    steps of one pass (the fewest any worker has, so that all step together)."""
+
+    def __init__(self, rt: Runtime, *, index: int, dataset: Any, steps_per_epoch: int) -> None:
+        super().__init__(rt)
+        self.index = index
+        self.dataset = dataset
+        self.steps_per_epoch = steps_per_epoch
+        if rt.settings.epochs:
+            self.target = self.progress_total = rt.settings.epochs * steps_per_epoch
+
+    def make_iterator(self) -> Any:
+        return iter(self.rt.strategy.distribute_datasets_from_function(lambda _: self.dataset))
+
+
+class SyncLoop:
+    """The loop every worker runs, in step with the others; ``completed`` is the global
+    step (the same on every worker)."""
+
+    def __init__(
+        self,
+        *,
+        program: SyncProgram,
+        agreement: Agreement,
+        control: JobControl,
+        publisher: Publisher,
+        status: PublishStatus | None,
+        checkpointer: Checkpointer,
+        actions: list[Action],
+        packer: Packer,
+        metrics: CoordinatorMetrics | None,
+        is_chief: bool,
+        start_step: int,
+    ) -> None:
+        self.program = program
+        self.agreement = agreement
+        self.control = control
+        self.publisher = publisher
+        self.status = status
+        self.checkpointer = checkpointer
+        self.actions = actions
+        self.packer = packer
+        self.metrics = metrics
+        self.is_chief = is_chief
+        self.completed = start_step
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.paused_seconds = 0.0
+
+    def train_seconds(self) -> float:
+        return (self.ended or time.monotonic()) - self.started - self.paused_seconds
+
+    def agree(self) -> tuple[bool, bool, int]:
+        """(stop, pause, steps per call): anyone's stop, the chief's pause and K."""
+        control = self.control
+        stop = 1.0 if control.stop_requested.is_set() else 0.0
+        pause = 1.0 if self.is_chief and control.pause_requested else 0.0
+        k = float(self.packer.k) if self.is_chief else 0.0
+        started = time.monotonic()
+        stop, pause, k = self.agreement.max([stop, pause, k])
+        if self.metrics is not None:
+            self.metrics.observe_allreduce(time.monotonic() - started)
+        return stop > 0, pause > 0, max(1, int(k))
+
+    def run(self, target: int) -> None:
+        control = self.control
+        control.set_state(State.RUNNING)
+        self.program.start(lambda: None)
+        paused_at: float | None = None
+        constants: dict[int, Any] = {}
+        while self.completed < target:
+            stop, pause, k = self.agree()
+            if stop:
+                if not control.stop_requested.is_set():
+                    log.warning("another worker stops: stopping at global step %d", self.completed)
+                    control.stop_requested.set()
+                break
+            if pause:
+                if paused_at is None:
+                    paused_at = time.monotonic()
+                    control.set_state(State.PAUSED, "paused by request")
+                    self.publisher.progress(self.completed, 0.0, self._last_values())
+                    log.info("paused at global step %d", self.completed)
+                self.checkpointer.serve_requests()
+                time.sleep(PAUSE_POLL)
+                continue
+            if paused_at is not None:
+                self.paused_seconds += time.monotonic() - paused_at
+                paused_at = None
+                control.set_state(State.RUNNING)
+                log.info("resumed at global step %d", self.completed)
+                if self.status is not None:
+                    self.status.restart_window(self.completed)
+            self.checkpointer.serve_requests()
+            steps = min(k, target - self.completed)
+            num = constants.get(steps)
+            if num is None:
+                num = constants[steps] = tf.constant(steps, tf.int64)
+            seconds = float(self.program.function(self.program.iterator, num))
+            self.completed += steps
+            self._observe(steps, seconds)
+            for action in self.actions:
+                action(self)
+        self.ended = time.monotonic()
+
+    def _last_values(self) -> dict[str, float]:
+        return self.status.last_values if self.status is not None else {}
+
+    def _observe(self, steps: int, seconds: float) -> None:
+        if self.is_chief:
+            k = self.packer.observe(steps=steps, worker_seconds=seconds)
+            if k is not None:
+                log.info("steps per call: %d", k)
+                self.control.steps_per_execution = k
+                if self.metrics is not None:
+                    self.metrics.set_steps_per_execution(k)
+        if self.metrics is not None:
+            self.metrics.observe_call(steps=steps, seconds=seconds)
+
+
+class SyncTrainer:
+    """One worker's part of a synchronous job, on a strategy from ``sync_strategy`` (made
+    before the job is loaded): builds the state and the data, and runs ``SyncLoop`` to a
+    ``Summary``."""
+
+    def __init__(
+        self,
+        *,
+        job: Job,
+        cluster: ClusterConfig,
+        index: int,
+        settings: TrainSettings,
+        control: JobControl,
+        strategy: Any,  # sync_strategy(cluster, index, ...)
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        self.job = job
+        self.cluster = cluster
+        self.index = index
+        self.is_chief = index == 0
+        self.num_workers = cluster.num_workers
+        self.control = control
+        self.metrics = metrics
+        # Only the chief writes: checkpoints, TensorBoard and the summary.
+        self.settings = settings if self.is_chief else _quiet(settings)
+        self.strategy = strategy
+        self.agreement = Agreement(self.strategy)
+        # A step reads a batch on every worker.
+        self.global_batch = settings.batch_size * self.num_workers
+        self.publisher = Publisher(
+            control=control,
+            metrics=metrics,
+            logdir=self.settings.logdir,
+            batch_size=self.global_batch,
+        )
+        self.dataset, self.steps_per_epoch = self._dataset()
+        x_spec, y_spec = self.dataset.element_spec[:2]
+        with self.strategy.scope():
+            self.state = SyncTrainState(
+                job, x_spec, y_spec, settings=settings, strategy=self.strategy
+            )
+            # Replicas add their rows into one total (all-reduced), so the windows are the
+            # whole job's: every worker's examples, once.
+            self.state.mean_sums = tf.Variable(
+                tf.zeros(self.state.mean_sums.shape, tf.float64),
+                trainable=False,
+                name="train_mean_sums",
+                aggregation=tf.VariableAggregation.SUM,
+            )
+        self.checkpointer = Checkpointer(
+            state=self.state,
+            job=job,
+            settings=self.settings,
+            x_spec=x_spec,
+            y_spec=y_spec,
+            control=control,
+            metrics=metrics,
+        )
+        self.rt = Runtime(
+            job=job,
+            settings=settings,
+            strategy=self.strategy,
+            coordinator=None,
+            num_workers=self.num_workers,
+            state=self.state,
+        )
+
+    def _dataset(self) -> tuple[Any, int]:
+        """This worker's training data, and with ``--epochs`` the steps of one pass."""
+        s, n, i = self.settings, self.num_workers, self.index
+        if not s.epochs:
+            ctx = DataContext.from_settings(
+                s, worker_index=tf.constant(i, tf.int64), num_workers=n, batch_size=s.batch_size
+            )
+            return shard_for(self.job.dataset_fn(ctx), i, n), 0
+        # One pass over all the data, its batches dealt out over the workers: every
+        # example once per epoch, but the last few batches of a pass that do not fill a
+        # step for every worker.
+        whole = DataContext.from_settings(s, worker_index=0, num_workers=1, batch_size=s.batch_size)
+        dataset = self.job.dataset_fn(dataclasses.replace(whole, one_pass=True))
+        if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+            from psctl.cluster.errors import ConfigError
+
+            raise ConfigError(
+                "--epochs",
+                f"the job's dataset_fn ({self.job.name}) returns an endless dataset",
+                "when ctx.one_pass is true, return one pass over the data (no repeat())",
+            )
+        mine = dataset.shard(n, i) if n > 1 else dataset
+        batches = count_batches(mine)
+        fewest = int(self.agreement.min([float(batches)])[0])  # the fewest any worker has
+        if fewest < 1:
+            from psctl.cluster.errors import ConfigError
+
+            raise ConfigError(
+                "--epochs",
+                f"one pass has fewer batches than the {n} workers",
+                "use a smaller --batch-size or fewer workers",
+            )
+        log.info("one epoch: %d steps (%d batches here)", fewest, batches)
+        return mine.repeat(), fewest
+
+    def restore(self) -> int:
+        """The chief restores its latest checkpoint; then every worker takes its state."""
+        self.checkpointer.restore()
+        state = self.state
+        variables = [*state.model.variables, *state.optimizer.variables, state.global_step]
+        broadcast_from_chief(self.strategy, variables, is_chief=self.is_chief)
+        return state.step()
+
+    def run(self) -> Summary:
+        try:
+            return self._run()
+        except tf.errors.OpError as err:
+            if peer_lost(err):
+                step = self.state.step()  # a local read: no collective
+                raise PeerLost(
+                    f"an all-reduce with the other workers failed at global step {step}: "
+                    f"{describe(err)}"
+                ) from err
+            raise
+
+    def _run(self) -> Summary:
+        s, control, state = self.settings, self.control, self.state
+        wall_started = time.monotonic()
+        start_step = self.restore()
+        program = SyncProgram(
+            self.rt, index=self.index, dataset=self.dataset, steps_per_epoch=self.steps_per_epoch
+        )
+        target = program.target
+        packer = packer_for(s, self.num_workers)
+        status = None
+        actions: list[Action] = []
+        if self.is_chief:
+            progress = Progress(total=program.progress_total, start=start_step, stream=sys.stderr)
+            status = PublishStatus(
+                state=state,
+                publisher=self.publisher,
+                progress=progress,
+                every=min(STATUS_EVERY, s.log_every),
+                log_every=s.log_every,
+                batch_size=self.global_batch,
+                start_step=start_step,
+            )
+            actions = [
+                status,
+                CheckpointEvery(self.checkpointer, every=s.checkpoint_every, start_step=start_step),
+            ]
+        loop = SyncLoop(
+            program=program,
+            agreement=self.agreement,
+            control=control,
+            publisher=self.publisher,
+            status=status,
+            checkpointer=self.checkpointer,
+            actions=actions,
+            packer=packer,
+            metrics=self.metrics,
+            is_chief=self.is_chief,
+            start_step=start_step,
+        )
+        control.update(global_step=start_step)
+        if self.metrics is not None:
+            self.metrics.set_global_step(start_step)
+            self.metrics.set_target_steps(program.progress_total)
+            self.metrics.set_steps_per_execution(packer.k)
+        if start_step >= target:
+            log.info("global step %d already reaches the target %d", start_step, target)
+        elif not control.stop_requested.is_set():
+            loop.run(target)
+        control.set_state(State.STOPPING, "final checkpoint and eval")
+        train_seconds = loop.train_seconds()
+        final_step = state.step()
+        trained = final_step - start_step
+        values = state.read_train_metrics() if trained > 0 else {}
+        values = values or (status.last_values if status else {})
+        rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
+        checkpoint = None
+        eval_values: dict[str, float] = {}
+        if self.is_chief:
+            assert status is not None
+            status.progress.finish(final_step, rate * self.global_batch, values)
+            self.publisher.progress(final_step, rate, values)
+            if self.checkpointer.enabled:
+                checkpoint = self.checkpointer.save() if trained > 0 else self.checkpointer.latest
+            eval_values = evaluate_final(
+                self.job, s, state.model, state.metric_factories, final_step
+            )
+            if eval_values:
+                self.publisher.evaluation(eval_values, step=final_step)
+        else:
+            log.info("worker %d done at global step %d", self.index, final_step)
+        extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
+        return Summary(
+            job=self.job.name,
+            global_step=final_step,
+            start_step=start_step,
+            target_steps=target,
+            loss=values.get("loss"),
+            accuracy=accuracy_of(values),
+            eval_accuracy=accuracy_of(eval_values),
+            eval_loss=eval_values.get("loss"),
+            eval_auc=eval_values.get("auc"),
+            examples_per_sec=rate * self.global_batch,
+            steps_per_sec=rate,
+            wall_seconds=time.monotonic() - wall_started,
+            train_seconds=train_seconds,
+            num_workers=self.num_workers,
+            num_ps=0,
+            batch_size=s.batch_size,
+            steps_per_execution=packer.k,
+            checkpoint=checkpoint,
+            stopped_early=final_step < target,
+            metrics=extra,
+            eval_metrics=eval_values,
+        )
+
+
+def _quiet(settings: TrainSettings) -> TrainSettings:
+    """A non-chief worker's settings: it writes no checkpoint, TensorBoard or summary."""
+    return dataclasses.replace(settings, checkpoint_dir="", logdir="", summary_json="")

@@ -1,0 +1,252 @@
+"""``--strategy sync`` with real processes: ``psctl local --strategy sync`` trains the mlp job
+to the target over every worker, answers ``psctl status`` / pause / resume on the chief,
+and leaves nothing running."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from psctl.cluster.ports import free_ports
+from tests.conftest import (
+    child_env,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+    read_json,
+)
+from tests.integration.test_control import status_or_none
+
+pytestmark = pytest.mark.integration
+
+STEPS_PER_EPOCH = 312  # mlp: 40,000 examples / 64 per batch / 2 workers
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, f"psctl local ended before {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"no {what} after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.timeout(200)
+def test_sync_local_epochs_accuracy_status_and_pause(workdir):
+    """The acceptance run (2 workers, 3 epochs, mlp), with the operator's commands on the
+    chief while it runs: status, pause (the step stands still on every worker), resume."""
+    workdir.mkdir(parents=True)
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    out = workdir / "summary.json"
+    argv = psctl_argv(
+        "local",
+        "--strategy",
+        "sync",
+        "--workers",
+        "2",
+        "--epochs",
+        "3",
+        "--steps-per-execution",
+        "10",
+        "--log-every",
+        "1",
+        "--workdir",
+        str(workdir),
+        "--control-address",
+        address,
+        "--summary-json",
+        str(out),
+    )
+    log = workdir / "local.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env())
+    try:
+        running = wait_for(
+            lambda: (s := status_or_none(address)) and s.get("state") == "JOB_STATE_RUNNING" and s,
+            120,
+            "RUNNING status",
+            proc,
+            log,
+        )
+        assert isinstance(running, dict)
+        assert {t["type"] for t in running["tasks"]} == {"worker"}, running
+        assert len(running["tasks"]) == 2, running
+        paused = subprocess.run(
+            psctl_argv("pause", "--address", address),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=child_env(),
+        )
+        assert paused.returncode == 0, paused.stderr
+        first = wait_for(
+            lambda: (s := status_or_none(address)) and s.get("state") == "JOB_STATE_PAUSED" and s,
+            30,
+            "PAUSED status",
+            proc,
+            log,
+        )
+        assert isinstance(first, dict)
+        time.sleep(2.0)
+        second = status_or_none(address)
+        assert second is not None and second["state"] == "JOB_STATE_PAUSED"
+        assert int(second["global_step"]) == int(first["global_step"])
+        resumed = subprocess.run(
+            psctl_argv("resume", "--address", address),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=child_env(),
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        # The chief's /metrics: the coordinator's series, plus the all-reduce time.
+        url = read_json(workdir / "tasks.json")[0]["metrics_url"]
+        with urllib.request.urlopen(url, timeout=10) as response:
+            metrics = response.read().decode()
+        assert re.search(r"^psctl_allreduce_seconds_count [1-9]", metrics, re.M), metrics
+        assert re.search(r"^psctl_global_step [1-9]", metrics, re.M), metrics
+        assert "psctl_workers 2.0" in metrics and "psctl_ps 0.0" in metrics
+        assert proc.wait(timeout=150) == 0, log.read_text()[-4000:]
+    finally:
+        kill_if_running(proc)
+    text = log.read_text(errors="replace")
+    assert "resumed at global step" in text
+    summary = read_json(out)
+    assert summary["eval_accuracy"] >= 0.90, summary
+    assert summary["global_step"] == summary["target_steps"] == 3 * STEPS_PER_EPOCH
+    assert summary["num_workers"] == 2 and summary["num_ps"] == 0
+    assert (workdir / "checkpoints" / "checkpoint").exists()
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(240)
+def test_sync_checkpoints_are_read_by_async_mode_and_evaluate(run_cli, workdir, tmp_path):
+    """One checkpoint layout: async mode goes on from a sync run's checkpoint, sync mode from
+    that async one, and `psctl evaluate` reads them."""
+    checkpoints = tmp_path / "checkpoints"
+    common = ["--checkpoint-dir", str(checkpoints), "--control-address", "127.0.0.1:0"]
+
+    def local(name: str, *args: str) -> str:
+        argv = psctl_argv("local", "--workdir", str(workdir / name), *common, *args)
+        proc = run_cli(argv, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    local("sync1", "--strategy", "sync", "--workers", "2", "--steps", "300")
+    out = local("async", "--steps", "400")
+    assert re.search(r"resuming: restored \S+ckpt-300 \(global step 300\)", out), out[-3000:]
+    out = local("sync2", "--strategy", "sync", "--workers", "2", "--steps", "500")
+    assert re.search(r"resuming: restored \S+ckpt-400 \(global step 400\)", out), out[-3000:]
+    summary = tmp_path / "eval.json"
+    proc = run_cli(
+        psctl_argv(
+            "evaluate",
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--max-evaluations",
+            "1",
+            "--summary-json",
+            str(summary),
+        ),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = read_json(summary)
+    assert result["global_step"] == 500 and result["eval_accuracy"] >= 0.90, result
+
+
+def start_long_sync_job(workdir, *extra: str) -> tuple[subprocess.Popen, object]:
+    workdir.mkdir(parents=True)
+    log = workdir / "local.log"
+    argv = psctl_argv(
+        "local",
+        "--strategy",
+        "sync",
+        "--workers",
+        "2",
+        "--steps",
+        "1000000",
+        "--log-every",
+        "1",
+        "--workdir",
+        str(workdir),
+        "--control-address",
+        "127.0.0.1:0",
+        *extra,
+    )
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env())
+    wait_for(lambda: "train | step" in log.read_text(errors="replace"), 120, "steps", proc, log)
+    return proc, log
+
+
+@pytest.mark.timeout(200)
+def test_sync_local_sigterm_stops_every_worker_gracefully(workdir):
+    out = workdir / "summary.json"
+    proc, log = start_long_sync_job(workdir, "--summary-json", str(out))
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
+    finally:
+        kill_if_running(proc)
+    summary = read_json(out)
+    assert summary["stopped_early"] and summary["global_step"] > 0, summary
+    assert summary["checkpoint"], summary
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(200)
+def test_sync_local_sigkill_leaves_no_worker_behind(workdir):
+    proc, _log = start_long_sync_job(workdir)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        kill_if_running(proc)
+    deadline = time.monotonic() + 15
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(200)
+def test_sync_trains_a_job_with_an_auc_metric(run_cli, workdir, tmp_path):
+    """The ctr job: embeddings, and a training metric (AUC) that is not a mean, whose
+    on-read variables must not be all-reduced by the chief alone."""
+    out = tmp_path / "summary.json"
+    argv = psctl_argv(
+        "local",
+        "--workdir",
+        str(workdir),
+        "--control-address",
+        "127.0.0.1:0",
+        "--strategy",
+        "sync",
+        "--workers",
+        "2",
+        "--job",
+        "ctr",
+        "--steps",
+        "200",
+        "--log-every",
+        "1",
+        "--summary-json",
+        str(out),
+    )
+    proc = run_cli(argv, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out)
+    assert summary["global_step"] == 200
+    assert summary["eval_auc"] is not None and summary["eval_auc"] > 0.6, summary
+    assert "auc" in summary["metrics"], summary

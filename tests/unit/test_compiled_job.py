@@ -1,0 +1,190 @@
+"""Jobs that leave the optimizer, loss and metrics to a compiled model (``compile()``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.training.metric_objects import metric_factories
+from psctl.coordinator.training.model import JobModel
+from psctl.coordinator.training.summary import accuracy_of
+from tests.conftest import REPO
+
+HEAD = """
+import keras
+import tensorflow as tf
+built = []
+def dataset_fn(ctx):
+    x = tf.random.stateless_normal([8, 4], seed=[1, 2])
+    return tf.data.Dataset.from_tensor_slices((x, tf.range(8) % 3)).batch(4)
+def create_model():
+    built.append(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+"""
+OBJECTS = (
+    HEAD
+    + """
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=0.002),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(), "accuracy"],
+    )
+    return model
+"""
+)
+STRINGS = (
+    HEAD
+    + """
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+"""
+)
+NOT_COMPILED = HEAD + "    return model\n"
+
+LABELS = tf.constant([0, 2])
+LOGITS = tf.constant([[2.0, 0.0, -1.0], [0.5, 0.1, 3.0]])
+
+
+def job_file(tmp_path: Path, text: str, name: str = "compiled_job") -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_optimizer_loss_and_metrics_come_from_compile_objects(tmp_path):
+    job = load_job(job_file(tmp_path, OBJECTS))
+    assert job.module.built == [], "loading must not build the model (sync mode's strategy first)"
+    model = job.create_model()
+    first, second = job.create_optimizer(), job.create_optimizer()
+    assert isinstance(first, keras.optimizers.Adam)
+    assert first is not second and first is not model.optimizer, "a fresh optimizer per call"
+    assert float(first.learning_rate.numpy()) == pytest.approx(0.002)
+    per_example = job.loss_fn(LABELS, LOGITS)
+    assert per_example.shape == (2,), "loss_fn returns per-example losses"
+    expected = keras.losses.sparse_categorical_crossentropy(LABELS, LOGITS, from_logits=True)
+    np.testing.assert_allclose(per_example.numpy(), expected.numpy(), rtol=1e-6)
+    assert model.loss.reduction == "sum_over_batch_size", "the job's own loss is left as it was"
+    factories = metric_factories(job.metrics, label_shape=[None], pred_shape=[None, 3])
+    made = [make() for make in factories]
+    assert [m.name for m in made] == ["sparse_categorical_accuracy", "accuracy"]
+    job_metric = model._compile_config.config["metrics"][0]
+    assert made[0] is not job_metric and made[0] is not factories[0](), "fresh metric objects"
+    made[0].update_state(LABELS, LOGITS)
+    assert float(made[0].result()) == 1.0
+
+
+def test_compile_strings_are_resolved(tmp_path):
+    job = load_job(job_file(tmp_path, STRINGS, "strings_job"))
+    job.create_model()
+    assert isinstance(job.create_optimizer(), keras.optimizers.SGD)
+    probabilities = tf.nn.softmax(LOGITS)
+    assert job.loss_fn(LABELS, probabilities).shape == (2,)
+    assert list(job.metrics) == ["accuracy"]
+
+
+def test_what_the_job_defines_wins(tmp_path):
+    text = OBJECTS + (
+        "def create_optimizer(): return keras.optimizers.SGD(0.5)\n"
+        "def loss_fn(labels, predictions): return tf.zeros([2])\n"
+        "metrics = ['mae']\n"
+    )
+    job = load_job(job_file(tmp_path, text, "own_parts_job"))
+    job.create_model()
+    assert isinstance(job.create_optimizer(), keras.optimizers.SGD)
+    assert float(tf.reduce_sum(job.loss_fn(LABELS, LOGITS))) == 0.0
+    assert job.metrics == ["mae"]
+
+
+def test_metrics_alone_from_compile(tmp_path):
+    text = OBJECTS + (
+        "def create_optimizer(): return keras.optimizers.SGD(0.5)\n"
+        "def loss_fn(labels, predictions): return tf.zeros([2])\n"
+    )
+    job = load_job(job_file(tmp_path, text, "metrics_only_job"))
+    job.create_model()
+    assert [type(m).__name__ for m in job.metrics] == ["SparseCategoricalAccuracy", "str"]
+
+
+def test_metrics_are_optional_for_an_uncompiled_model(tmp_path):
+    text = NOT_COMPILED + (
+        "def create_optimizer(): return keras.optimizers.SGD(0.5)\n"
+        "def loss_fn(labels, predictions): return tf.zeros([2])\n"
+    )
+    job = load_job(job_file(tmp_path, text, "no_metrics_job"))
+    job.create_model()
+    assert list(job.metrics) == []
+
+
+def test_uncompiled_model_without_optimizer_is_one_line_naming_what_to_add(tmp_path):
+    job = load_job(job_file(tmp_path, NOT_COMPILED, "bare_job"))
+    with pytest.raises(ConfigError) as err:
+        job.create_model()
+    message = str(err.value)
+    assert err.value.exit_status == 78
+    assert "\n" not in message
+    assert "create_optimizer, loss_fn" in message and "not compiled" in message
+    assert "model.compile(optimizer=..., loss=...)" in message
+
+
+def test_compiled_without_loss_names_the_loss(tmp_path):
+    text = HEAD + "    model.compile(optimizer='adam')\n    return model\n"
+    job = load_job(job_file(tmp_path, text, "lossless_job"))
+    with pytest.raises(ConfigError, match=r"no loss; pass compile\(loss=\.\.\.\)"):
+        job.create_model()
+
+
+def test_used_before_a_model_is_built_builds_one_to_read(tmp_path):
+    job = load_job(job_file(tmp_path, OBJECTS, "eager_use_job"))
+    assert isinstance(job.create_optimizer(), keras.optimizers.Adam)
+    assert job.module.built == [1]
+
+
+def test_job_model_trains_with_one_optimizer_in_its_checkpoint(tmp_path):
+    job = load_job(job_file(tmp_path, OBJECTS, "checkpoint_job"))
+    spec = tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32)
+    built = JobModel(job, *spec)
+    assert built.model.optimizer is built.optimizer
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(job.loss_fn(LABELS, built.model(tf.ones([2, 4]))))
+    grads = tape.gradient(loss, built.model.trainable_variables)
+    built.optimizer.apply_gradients(zip(grads, built.model.trainable_variables, strict=True))
+    step = tf.Variable(1, dtype=tf.int64)
+    path = built.checkpoint(step).save(str(tmp_path / "ckpt" / "c"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert sum("iteration" in name for name in names) == 1, names
+    again = JobModel(job, *spec)
+    again.checkpoint(tf.Variable(0, dtype=tf.int64)).restore(path).assert_existing_objects_matched()
+    assert int(again.optimizer.iterations.numpy()) == 1
+    np.testing.assert_allclose(again.model.get_weights()[0], built.model.get_weights()[0])
+
+
+def test_tutorial_job_loads_with_parts_from_compile():
+    job = load_job(str(REPO / "tests" / "jobs" / "tutorial.py"))
+    ctx = DataContext(worker_index=0, num_workers=2, batch_size=16, seed=1)
+    x_spec, y_spec = job.dataset_fn(ctx).element_spec
+    built = JobModel(job, x_spec, y_spec)
+    assert isinstance(built.optimizer, keras.optimizers.Adam)
+    assert [make().name for make in built.metric_factories] == ["sparse_categorical_accuracy"]
+    options = job.dataset_fn(ctx).options().experimental_distribute
+    assert options.auto_shard_policy == tf.data.experimental.AutoShardPolicy.DATA
+
+
+def test_data_context_answers_input_context_questions():
+    ctx = DataContext(worker_index=1, num_workers=2, batch_size=16, seed=1)
+    assert (ctx.input_pipeline_id, ctx.num_input_pipelines) == (1, 2)
+    assert ctx.get_per_replica_batch_size(64) == 32
+    with pytest.raises(ValueError, match="not divisible"):
+        ctx.get_per_replica_batch_size(63)
+
+
+def test_summary_accuracy_is_the_one_accuracy_metric_under_any_keras_name():
+    assert accuracy_of({"loss": 0.1, "accuracy": 0.9, "binary_accuracy": 0.5}) == 0.9
+    assert accuracy_of({"loss": 0.1, "sparse_categorical_accuracy": 0.8}) == 0.8
+    assert accuracy_of({"a_accuracy": 0.8, "b_accuracy": 0.7}) is None
+    assert accuracy_of({"loss": 0.1}) is None

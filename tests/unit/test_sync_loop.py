@@ -1,0 +1,101 @@
+"""The synchronous loop's decisions, with a scripted agreement and step function (the real
+ones are all-reduces over worker processes: tests/integration/test_sync.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psctl.coordinator.control.service import JobControl
+from psctl.coordinator.control.state import State
+from psctl.coordinator.training.packing import Packer
+from psctl.coordinator.training.sync import SyncLoop
+
+
+class ScriptedAgreement:
+    """What the other workers say: rows of (stop, pause, k) from "the others", MAXed with
+    this worker's own, as the all-gather does."""
+
+    def __init__(self, others: list[list[float]]) -> None:
+        self.others = others
+        self.sent: list[list[float]] = []
+
+    def max(self, values: list[float]) -> list[float]:
+        self.sent.append(values)
+        other = self.others.pop(0) if self.others else [0.0, 0.0, 0.0]
+        return [max(a, b) for a, b in zip(values, other, strict=True)]
+
+
+class Program:
+    iterator = object()
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def start(self, settle: Any) -> None:
+        pass
+
+    def function(self, iterator: Any, num: Any) -> float:
+        self.calls.append(int(num))
+        return 0.01
+
+
+class Checkpointer:
+    def serve_requests(self) -> None:
+        pass
+
+
+class Publisher:
+    def progress(self, step: int, rate: float, values: dict[str, float]) -> None:
+        pass
+
+
+def make_loop(others: list[list[float]], *, chief: bool, k: int = 5) -> tuple[SyncLoop, Any]:
+    control = JobControl(
+        job="t", target_steps=100, steps_per_execution=k, tasks=[], can_checkpoint=False
+    )
+    program = Program()
+    loop = SyncLoop(
+        program=program,  # type: ignore[arg-type]
+        agreement=ScriptedAgreement(others),  # type: ignore[arg-type]
+        control=control,
+        publisher=Publisher(),  # type: ignore[arg-type]
+        status=None,
+        checkpointer=Checkpointer(),  # type: ignore[arg-type]
+        actions=[],
+        packer=Packer(fixed=k),
+        metrics=None,
+        is_chief=chief,
+        start_step=0,
+    )
+    return loop, program
+
+
+def test_a_worker_runs_the_chiefs_steps_per_call_and_stops_at_the_target():
+    loop, program = make_loop([[0, 0, 7]] * 10, chief=False, k=3)
+    loop.run(target=20)
+    assert program.calls == [7, 7, 6]  # the chief's K, the last call clipped to the target
+    assert loop.completed == 20
+    assert loop.agreement.sent[0] == [0.0, 0.0, 0.0]  # a worker proposes no K, no pause
+
+
+def test_another_workers_stop_stops_this_one_at_the_same_turn():
+    loop, program = make_loop([[0, 0, 0], [1, 0, 0]], chief=True)
+    loop.run(target=100)
+    assert program.calls == [5]
+    assert loop.control.stop_requested.is_set()
+
+
+def test_a_stop_here_is_sent_to_the_others():
+    loop, program = make_loop([], chief=False)
+    loop.control.stop_requested.set()
+    loop.run(target=100)
+    assert program.calls == []
+    assert loop.agreement.sent == [[1.0, 0.0, 0.0]]
+
+
+def test_the_chiefs_pause_holds_every_worker_until_resumed():
+    loop, program = make_loop([[0, 1, 5], [0, 1, 5], [0, 0, 5]] + [[0, 0, 5]] * 10, chief=False)
+    loop.run(target=10)
+    assert program.calls == [5, 5]  # nothing ran while paused
+    assert loop.control.state is State.RUNNING
+    assert loop.paused_seconds > 0

@@ -1,0 +1,150 @@
+"""``--strategy sync``'s pure logic: the failure it adds, the settings it refuses, the
+cluster it reads, how it tells a lost peer, how it honours AutoShardPolicy.DATA, and the
+units `psctl deploy render --strategy sync` writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file
+from psctl.coordinator.failures import (
+    EXIT_RESTART,
+    Decision,
+    Failure,
+    FailurePolicy,
+    PeerLost,
+    Scope,
+    classify,
+    exit_status,
+)
+from psctl.coordinator.launch.sync import resolve_sync_cluster, workers_only
+from psctl.coordinator.settings import resolve_settings
+
+WORKERS = {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"]}
+
+
+def write(path: Path, body: dict) -> str:
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_peer_lost_restarts_the_process_in_every_scope():
+    policy = FailurePolicy()
+    assert classify(PeerLost("all-reduce failed")) is Failure.PEER_LOST
+    for scope in Scope:
+        assert policy.decide(Failure.PEER_LOST, scope=scope) is Decision.RESTART
+    assert exit_status(Decision.RESTART) == EXIT_RESTART
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        ({"update_mode": "local"}, "--update-mode"),
+        ({"max_shards": "4"}, "--max-shards"),
+        ({"eval_every": "100"}, "--eval-every"),
+    ],
+)
+def test_sync_refuses_settings_of_the_ps_mode(flags, field):
+    with pytest.raises(ConfigError) as info:
+        resolve_settings(flags={"strategy": "sync", **flags}, config_file=None, environ={})
+    assert field in str(info.value) and "strategy sync" in str(info.value)
+    # The same settings are fine in the default mode.
+    assert resolve_settings(flags=flags, config_file=None, environ={}).strategy == "async"
+
+
+def test_a_cluster_without_ps_is_read_only_for_sync(tmp_path):
+    path = write(tmp_path / "c.json", {"cluster": WORKERS})
+    with pytest.raises(ConfigError, match="ps"):
+        load_cluster_file(path)
+    assert load_cluster_file(path, required=SYNC_REQUIRED).num_workers == 2
+
+
+def test_cluster_file_needs_the_task_index(tmp_path):
+    path = write(tmp_path / "c.json", {"cluster": {**WORKERS, "ps": ["127.0.0.1:2003"]}})
+    with pytest.raises(ConfigError, match="--task-index"):
+        resolve_sync_cluster(path, None)
+    cluster, index, source = resolve_sync_cluster(path, 1)
+    assert (index, source, cluster.num_ps) == (1, path, 1)
+    assert workers_only(cluster).num_ps == 0
+    with pytest.raises(ConfigError, match="give 0 to 1"):
+        resolve_sync_cluster(path, 2)
+
+
+def test_tf_config_must_name_a_worker(monkeypatch):
+    config = {"cluster": WORKERS, "task": {"type": "worker", "index": 1}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    cluster, index, source = resolve_sync_cluster(None, None)
+    assert (index, source, cluster.num_workers) == (1, "TF_CONFIG", 2)
+    assert resolve_sync_cluster(None, 0)[1] == 0  # --task-index overrides
+    chief = {
+        "cluster": {**WORKERS, "chief": ["127.0.0.1:2000"]},
+        "task": {"type": "chief", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(chief))
+    with pytest.raises(ConfigError, match=r"task\.type"):
+        resolve_sync_cluster(None, None)
+
+
+class FakeOpError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.error_code = code
+        self.message = message
+
+
+def test_peer_lost_tells_a_lost_peer_from_the_jobs_own_errors():
+    from psctl.coordinator.training.sync import peer_lost
+
+    assert peer_lost(FakeOpError(14, "Collective ops is aborted by: connection refused"))
+    assert peer_lost(FakeOpError(4, "Collective ops timed out"))
+    assert peer_lost(FakeOpError(9, "Peer /job:worker/task:1 restarted: incarnation differs"))
+    assert not peer_lost(FakeOpError(9, "the job's own failed precondition"))
+    assert not peer_lost(FakeOpError(3, "Incompatible shapes"))
+    assert not peer_lost(ValueError("not an op error"))
+
+
+def test_auto_shard_policy_data_shards_the_batches():
+    import tensorflow as tf
+
+    from psctl.coordinator.training.sync import count_batches, shard_for
+
+    batches = tf.data.Dataset.range(10).batch(2)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = batches.with_options(options)
+    mine = [b.numpy().tolist() for b in shard_for(data, 1, 2)]
+    assert mine == [[2, 3], [6, 7]]
+    assert count_batches(shard_for(data, 0, 2)) == 3
+    # Without the policy the job shards itself: the dataset is left as it is.
+    assert count_batches(shard_for(batches, 1, 2)) == 5
+    assert count_batches(batches.filter(lambda b: tf.reduce_sum(b) > 4)) == 4  # counted
+
+
+def test_deploy_render_sync_writes_a_training_unit_per_worker_host(tmp_path):
+    from psctl.coordinator.launch.deploy import SYNC_UNIT, render_sync
+
+    cluster = {"ps": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222", "10.0.0.3:2222"]}
+    path = write(tmp_path / "c.json", {"cluster": cluster})
+    out = tmp_path / "out"
+    hosts = render_sync(
+        cluster_file=path,
+        out=out,
+        bin_dir="/opt/psctl/venv/bin",
+        config_dir="/etc/psctl",
+        force=False,
+    )
+    assert hosts == [("10.0.0.2", [0]), ("10.0.0.3", [1])]
+    assert not (out / "10.0.0.1").exists()  # the ps host runs nothing
+    files = sorted(p.name for p in (out / "10.0.0.3").iterdir())
+    assert files == sorted(
+        ["README.md", "cluster.json", "psctl.env", "sync.env", SYNC_UNIT, "psctl.target"]
+    )
+    unit = (out / "10.0.0.3" / SYNC_UNIT).read_text()
+    assert "psctl train --strategy sync --cluster ${PSCTL_CLUSTER} --task-index %i" in unit
+    assert "worker-server" not in unit
+    assert "systemctl start psctl-sync@1.service" in (out / "10.0.0.3" / "README.md").read_text()
+    assert "chief" in (out / "10.0.0.2" / "README.md").read_text()
