@@ -193,7 +193,7 @@ def test_coordinator_sigkill(job):
 
 @pytest.mark.timeout(480)
 def test_frozen_worker_is_reported_and_left_behind(job):
-    j = job(4000, "--stall-timeout", "8")
+    j = job(20000, "--stall-timeout", "8")
     _, fault_at, _ = fault(j, 400)
     frozen = j.pid_of(r"worker_server\.main .*--index 1")
     os.kill(frozen, signal.SIGSTOP)
@@ -205,7 +205,7 @@ def test_frozen_worker_is_reported_and_left_behind(job):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(frozen, signal.SIGCONT)
-    assert summary["global_step"] >= 4000
+    assert summary["global_step"] >= 20000
     record("worker SIGSTOP (stays frozen)", 0, to_step, None, summary)
 
 
