@@ -4,8 +4,12 @@ install whatever the PATH says."""
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psctl.coordinator.settings import flag_for
 
 
 def psctl_argv(*args: str) -> list[str]:
@@ -18,3 +22,15 @@ def server_argv(task_type: str, args: Sequence[str] = ()) -> list[str]:
     if task_type not in ("ps", "worker"):
         raise ValueError(f"task_type must be 'ps' or 'worker', got {task_type!r}")
     return [sys.executable, "-m", f"psctl.{task_type}_server.main", *args]
+
+
+def run_settings_argv(args: argparse.Namespace, flags: Mapping[str, Any]) -> list[str]:
+    """What a launcher hands on to the training processes it starts: its --config file, the
+    run settings given as flags, and --verbose."""
+    argv = ["--config", args.config] if args.config else []
+    for name, value in flags.items():
+        if value is not None:
+            argv += [flag_for(name), str(value)]
+    if args.verbose:
+        argv.append("--verbose")
+    return argv

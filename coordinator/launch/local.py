@@ -27,7 +27,7 @@ from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import Address, ClusterConfig, format_table
 from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
-from psctl.coordinator.launch.argv import psctl_argv, server_argv
+from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -36,7 +36,7 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
-from psctl.coordinator.settings import flag_for, resolve_settings
+from psctl.coordinator.settings import resolve_settings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 log = logging.getLogger("psctl.local")
@@ -297,14 +297,7 @@ def train_argv(
         "--once",
         *(security.as_argv() if security else []),
     )
-    if args.config:
-        argv += ["--config", args.config]
-    for name, value in flags.items():
-        if value is not None:
-            argv += [flag_for(name), str(value)]
-    if args.verbose:
-        argv.append("--verbose")
-    return argv
+    return argv + run_settings_argv(args, flags)
 
 
 def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:

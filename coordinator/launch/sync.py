@@ -50,9 +50,9 @@ from psctl.coordinator.failures import (
     classify,
     exit_status,
 )
-from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
-from psctl.coordinator.settings import TrainSettings, flag_for
+from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
@@ -276,14 +276,7 @@ def worker_argv(
         str(args.recovery_timeout),
         "--once",
     )
-    if args.config:
-        argv += ["--config", args.config]
-    for name, value in flags.items():
-        if value is not None:
-            argv += [flag_for(name), str(value)]
-    if args.verbose:
-        argv.append("--verbose")
-    return argv
+    return argv + run_settings_argv(args, flags)
 
 
 class LocalSyncJob:
