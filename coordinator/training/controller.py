@@ -94,6 +94,7 @@ class Controller:
         self.started = time.monotonic()
         self.ended: float | None = None
         self._constants: dict[int, Any] = {}
+        self._done = threading.Event()  # the loop and its drain are over: stop watching
         control.steps_per_execution = packer.k
 
     # -- for tools ------------------------------------------------------------------------
@@ -118,7 +119,6 @@ class Controller:
 
     def run(self, target: int) -> None:
         """Train until the program wants no more steps or a stop is requested."""
-        control = self.control
         self._set_state(State.RUNNING)
         self.hooks.before_dataset()
         # The program keeps its iterators, never collected: destroying per-worker iterators
@@ -126,6 +126,15 @@ class Controller:
         # eager work (seen: the final evaluation hung after a worker and a ps restarted).
         self.program.start(self.settle)
         self.hooks.after_dataset()
+        threading.Thread(target=self._watch_stalls, name="psctl-stall", daemon=True).start()
+        try:
+            self._loop(target)
+        except BaseException:
+            self._done.set()
+            raise
+
+    def _loop(self, target: int) -> None:
+        control = self.control
         paused = False
         while not control.stop_requested.is_set():
             if not self.program.wants_more(self.scheduled):
@@ -165,6 +174,7 @@ class Controller:
         """After the loop: STOPPING, every call landed (or given up), join the workers."""
         self._set_state(State.STOPPING, "finishing in-flight steps, final checkpoint and eval")
         self.drain()
+        self._done.set()
         self.hooks.before_join()
         if self.abandoned:
             # join() would wait for the calls given up on a frozen worker: not worth a hang.
@@ -254,18 +264,34 @@ class Controller:
             self._report_stall(stall.stuck, started=stall.started, idle=stall.idle_seconds)
         self.hooks.on_poll(self)
 
+    def _watch_stalls(self) -> None:
+        """Beside the loop, once a second: a stall is reported even while the loop's own
+        thread waits on a blocked ps (seen: a frozen worker held up the ps, and with it
+        the loop's status read, until the worker thawed)."""
+        while not self._done.wait(1.0):
+            idle = self.watchdog.check_idle(len(self.calls))
+            if idle is not None:
+                self._announce_stall(idle)
+
+    def _suspects(self) -> str:
+        return ", ".join(self.control.unhealthy_tasks()) or "none (a task is frozen?)"
+
+    def _announce_stall(self, idle: float) -> None:
+        suspects = self._suspects()
+        message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
+        log.warning("%s", message)
+        self.control.set_message(message)
+        if self.metrics is not None:
+            self.metrics.set_stalled(True)
+
     def _report_stall(self, stuck: list[InFlight], *, started: bool, idle: float) -> None:
         """A stalled job says so, with the tasks that are not SERVING, until steps finish
         again; calls stuck on a frozen or cut-off worker are given up and their steps
         scheduled again, so the job finishes without a worker that stays frozen (if it
         thaws, its call still lands)."""
-        suspects = ", ".join(self.control.unhealthy_tasks()) or "none (a task is frozen?)"
+        suspects = self._suspects()
         if started:
-            message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
-            log.warning("%s", message)
-            self.control.set_message(message)
-            if self.metrics is not None:
-                self.metrics.set_stalled(True)
+            self._announce_stall(idle)
         if stuck:
             log.warning(
                 "%d call(s) unfinished after %.0fs (tasks not SERVING: %s): given up, their "

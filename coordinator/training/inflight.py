@@ -8,6 +8,7 @@ them ClusterCoordinator's RemoteValues.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ class StallWatchdog:
     stalled: bool = False
     stalls: int = 0
     last_progress: float = field(default=0.0)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -112,12 +114,29 @@ class StallWatchdog:
 
     def progress(self) -> bool:
         """A call finished; True when that ends a stall."""
-        self.last_progress = self.clock()
-        ended = self.stalled
-        self.stalled = False
-        return ended
+        with self._lock:
+            self.last_progress = self.clock()
+            ended = self.stalled
+            self.stalled = False
+            return ended
+
+    def check_idle(self, in_flight: int) -> float | None:
+        """From a thread beside the loop: the idle seconds when a stall starts now (no call
+        finished for the timeout with calls in flight), else None. It reports a stall even
+        while the loop itself waits on a blocked ps (a status read, for one)."""
+        with self._lock:
+            idle = self.clock() - self.last_progress
+            if in_flight <= 0 or idle < self.timeout or self.stalled:
+                return None
+            self.stalled = True
+            self.stalls += 1
+            return idle
 
     def check(self, tracker: CallTracker) -> Stall | None:
+        with self._lock:
+            return self._check(tracker)
+
+    def _check(self, tracker: CallTracker) -> Stall | None:
         now = self.clock()
         stuck = [
             e

@@ -103,6 +103,10 @@ class Sampler:
     def step(self) -> int | None:
         return self.samples[-1][1] if self.samples else None
 
+    def step_at(self, at: float) -> int:
+        """The last step sampled at or before ``at`` (monotonic); 0 before any sample."""
+        return max((s for t, s in self.samples if t <= at), default=0)
+
     def timeline(self, since: float, every: float = 4.0) -> str:
         """Steps/s per ``every`` seconds from ``since`` on (printed with each scenario)."""
         rows, t = [], since

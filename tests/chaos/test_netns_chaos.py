@@ -211,11 +211,19 @@ def test_worker_frozen_for_60s_then_thawed(netns_job: NetnsJob):
     assert victim is not None and other is not None
     os.kill(victim.pid, signal.SIGSTOP)
     try:
-        to_step = job.sampler.first_new_step(fault_at, timeout=120)
-        time.sleep(max(0.0, 60 - (time.monotonic() - fault_at)))
+        time.sleep(60)
     finally:
         os.kill(victim.pid, signal.SIGCONT)
     returned_at = time.monotonic()
+    # Usually worker 0 trains on through the freeze. Sometimes (TF-internal: both workers
+    # wait on the ps, which waits on the frozen peer) the whole job stalls until the thaw;
+    # psctl must then say so, naming the frozen worker, and train again once it is back.
+    went_on = any(t > fault_at + 1 for t, _ in job.sampler.samples) and (
+        job.sampler.step_at(fault_at + 55) > job.sampler.step_at(fault_at + 1)
+    )
+    to_step = job.sampler.first_new_step(fault_at if went_on else returned_at, timeout=60)
+    if not went_on:
+        to_step += returned_at - fault_at
     cpu_at_return = cpu_seconds(victim.pid), cpu_seconds(other.pid)
     time.sleep(20)  # long enough to see full speed and the thawed worker's share of the work
     cpu_used = cpu_seconds(victim.pid) - cpu_at_return[0]
@@ -225,13 +233,21 @@ def test_worker_frozen_for_60s_then_thawed(netns_job: NetnsJob):
     summary = job.finish()
     to_full = full_speed_after(job.sampler.samples, baseline=baseline, since=returned_at)
     log = job.log()
-    # The watchdog gave up the frozen worker's calls (their steps ran elsewhere) ...
-    assert "given up, their steps scheduled again" in log, log[-3000:]
+    if went_on:
+        # The watchdog gave up the frozen worker's calls (their steps ran elsewhere) ...
+        assert "given up, their steps scheduled again" in log, log[-3000:]
+    else:
+        stall_line = r"stalled: no step finished .*(worker:1|a task is frozen)"
+        assert re.search(stall_line, log), log[-3000:]
+        assert "steps finish again: the stall is over" in log, log[-3000:]
     # ... and the thawed worker trained again: it had its share of the CPU once back.
     assert cpu_used >= 0.25 * cpu_other, (cpu_used, cpu_other)
     assert job.services["worker:1"].starts == 1  # thawed, not restarted
     print(f"baseline {baseline:.0f} steps/s;", job.sampler.timeline(fault_at - 6))
-    record("worker SIGSTOP 60 s, then SIGCONT (netns)", 0, to_step, to_full, summary)
+    scenario = "worker SIGSTOP 60 s, then SIGCONT (netns)"
+    if not went_on:
+        scenario += "; the job stalled until the thaw"
+    record(scenario, 0, to_step, to_full, summary)
 
 
 @pytest.mark.timeout(420)
