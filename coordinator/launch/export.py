@@ -18,18 +18,9 @@ def export_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         raise ConfigError(
             "--checkpoint-dir", "is required", "give the training run's checkpoint directory"
         )
-    import tensorflow as tf
-
     from psctl.coordinator.job import load_job
     from psctl.coordinator.training.export import export
 
-    checkpoint = args.checkpoint or tf.train.latest_checkpoint(settings.checkpoint_dir)
-    if not checkpoint:
-        raise ConfigError(
-            "--checkpoint-dir",
-            f"no checkpoint in {settings.checkpoint_dir}",
-            "give the directory a training run wrote its checkpoints to",
-        )
-    target = export(load_job(settings.job), settings, checkpoint=checkpoint, out=args.out)
-    print(f"exported {checkpoint} to {target}", flush=True)
+    target = export(load_job(settings.job), settings, checkpoint=args.checkpoint, out=args.out)
+    print(f"exported {target.checkpoint} to {target.path}", flush=True)
     return 0

@@ -34,7 +34,7 @@ from psctl.cluster.spec import (
     load_cluster_file,
     parse_tf_config,
 )
-from psctl.coordinator.control.security import ControlSecurity
+from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
 from psctl.coordinator.control.service import (
     JobControl,
     TaskInfo,
@@ -259,7 +259,10 @@ def worker_argv(
     metrics_port: int,
     flags: dict[str, Any],
     args: argparse.Namespace,
+    security: ControlSecurity | None = None,
 ) -> list[str]:
+    """Worker ``index``'s training process; ``security``: the launcher's published control
+    credentials (worker 0 serves Control with them, the same after every restart)."""
     argv = psctl_argv(
         "train",
         "--cluster",
@@ -275,6 +278,7 @@ def worker_argv(
         "--recovery-timeout",
         str(args.recovery_timeout),
         "--once",
+        *(security.as_argv() if security and index == 0 else []),
     )
     return argv + run_settings_argv(args, flags)
 
@@ -308,7 +312,12 @@ class LocalSyncJob:
         tasks[0]["metrics_url"] = f"http://127.0.0.1:{self.metrics_port}/metrics"
         write_json_atomic(self.tasks_file, tasks)
 
-    def start(self, flags: dict[str, Any], args: argparse.Namespace) -> None:
+    def start(
+        self,
+        flags: dict[str, Any],
+        args: argparse.Namespace,
+        security: ControlSecurity | None = None,
+    ) -> None:
         self.write_files()
         for index in range(self.cluster.num_workers):
             argv = worker_argv(
@@ -319,6 +328,7 @@ class LocalSyncJob:
                 metrics_port=self.metrics_port if index == 0 else 0,
                 flags=flags,
                 args=args,
+                security=security,
             )
             log_path = None if index == 0 else self.workdir / "logs" / f"worker-{index}.log"
             supervisor = TrainingSupervisor(
@@ -398,6 +408,11 @@ def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Pa
     )
     log.info("work dir %s", workdir)
     job.write_files()
+    # As psctl local's PS mode: the job's tokens in this user's runtime directory, handed to
+    # worker 0's training process, so that they stay the same across its restarts.
+    published, security = publish_for_launch(
+        args.control_address, ControlSecurity.from_args(args, os.environ)
+    )
     print(format_table(job.cluster, source=str(job.cluster_file)), flush=True)
     log.info(
         "control API on %s (psctl status --address %s); worker logs in %s",
@@ -412,10 +427,11 @@ def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Pa
     old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        job.start(flags, args)
+        job.start(flags, args, security)
         return job.wait()
     finally:
         job.stop()
+        published.remove()
         for sig, handler in old.items():
             signal.signal(sig, handler)
         log.info(

@@ -84,10 +84,13 @@ def checkpoints_in(directory: str) -> list[Found]:
     return sorted(found, key=lambda f: f.step, reverse=True)
 
 
-def restore_newest(directory: str, load: Callable[[str], None]) -> Found | None:
+def restore_newest(
+    directory: str, load: Callable[[str], None], *, repair_state: bool = True
+) -> Found | None:
     """Load the newest usable checkpoint in ``directory`` with ``load(prefix)`` (which
     raises ``Unusable`` for a bad one): one error line for each bad one, then the next
-    newest. The state file is rewritten when it does not name the checkpoint loaded.
+    newest. With ``repair_state`` (the trainer, which goes on saving there), the state file
+    is rewritten when it does not name the checkpoint loaded; readers (export) leave it.
     None when there is no checkpoint; ``NoUsableCheckpoint`` when none can be loaded."""
     found = checkpoints_in(directory)
     bad: list[tuple[Found, str]] = []
@@ -104,18 +107,22 @@ def restore_newest(directory: str, load: Callable[[str], None]) -> Found | None:
             )
             bad.append((candidate, str(err)))
             continue
-        rebuild_state(directory, [f for f in found if f.step <= candidate.step], candidate)
+        if repair_state:
+            rebuild_state(directory, [f for f in found if f.step <= candidate.step], candidate)
         return candidate
     if bad:
         raise NoUsableCheckpoint(directory, bad)
     return None
 
 
-def load_checked(checkpoint: Any, prefix: str, variables: Iterable[Any]) -> None:
+def load_checked(
+    checkpoint: Any, prefix: str, variables: Iterable[Any], *, partial: bool = False
+) -> None:
     """Restore ``prefix`` into ``checkpoint`` (a ``tf.train.Checkpoint``) and check it:
     its index readable, every object under ``checkpoint`` given a value, and every float
-    value among ``variables`` finite. Raises ``Unusable`` saying what is wrong; an error of
-    the cluster (a lost task) is raised as it is."""
+    value among ``variables`` finite. ``partial``: the checkpoint may hold more than
+    ``checkpoint`` asks for (export: no optimizer). Raises ``Unusable`` saying what is
+    wrong; an error of the cluster (a lost task) is raised as it is."""
     import numpy as np
     import tensorflow as tf
 
@@ -129,6 +136,8 @@ def load_checked(checkpoint: Any, prefix: str, variables: Iterable[Any]) -> None
         if classify(err) in (Failure.PS_LOST, Failure.WORKER_LOST):
             raise
         raise Unusable(f"restoring it failed: {describe(err)}") from None
+    if partial:
+        status.expect_partial()
     try:
         status.assert_existing_objects_matched()
     except AssertionError as err:

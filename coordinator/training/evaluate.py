@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.checkpoint_files import checkpoints_in
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import Job
@@ -68,14 +69,10 @@ class SidecarEvaluator:
             self.evaluator.step(batch[0], batch[1])
 
     def latest_checkpoint(self) -> str | None:
-        import tensorflow as tf
-
-        try:
-            path: str | None = tf.train.latest_checkpoint(self.settings.checkpoint_dir)
-        except tf.errors.OpError as err:  # e.g. a half-written state file on some file systems
-            log.debug("cannot read checkpoint state: %s", err)
-            return None
-        return path
+        """The newest checkpoint by its files (``ckpt-<step>.index``), whatever the state
+        file says: a garbage state file does not hide the trainer's checkpoints."""
+        found = checkpoints_in(self.settings.checkpoint_dir)
+        return found[0].prefix if found else None
 
     def evaluate_checkpoint(self, path: str) -> Evaluation | None:
         """Restore ``path`` and evaluate; None if it vanished first (rotated away)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.checkpoint_files import Unusable, load_checked, restore_newest
 from psctl.coordinator.training.model import JobModel
 
 log = logging.getLogger(__name__)
@@ -48,22 +49,41 @@ def serving_module(model: Any, features: Any) -> Any:
     return module
 
 
-def export(job: Job, settings: TrainSettings, *, checkpoint: str, out: str) -> Path:
-    """Restore ``checkpoint`` into the job's model and save it to ``out/<step>/``."""
+class Exported(NamedTuple):
+    checkpoint: str  # the checkpoint's prefix
+    path: Path  # OUT/<global step>
+
+
+def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: str) -> Exported:
+    """Restore ``checkpoint`` (None: the newest usable one in ``--checkpoint-dir``, a
+    damaged newer one skipped with a line saying why) into the job's model and save it to
+    ``out/<step>/``."""
     x_spec, y_spec = _features_spec(job, settings)
     built = JobModel(job, x_spec, y_spec)
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    try:
-        built.checkpoint(step).restore(
-            checkpoint
-        ).expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ConfigError(
-            f"--job {settings.job}",
-            f"its model does not match checkpoint {checkpoint} ({first[:200]})",
-            "export with the --job that wrote the checkpoints",
-        ) from None
+    saved = built.checkpoint(step)
+
+    def load(prefix: str) -> None:
+        load_checked(saved, prefix, built.model.variables, partial=True)
+
+    if checkpoint is not None:
+        try:
+            load(checkpoint)
+        except Unusable as err:
+            raise ConfigError(
+                "--checkpoint",
+                f"{checkpoint} cannot be exported: {err}",
+                "give a checkpoint the --job's training run wrote (its ckpt-<step> prefix)",
+            ) from None
+    else:
+        found = restore_newest(settings.checkpoint_dir, load, repair_state=False)
+        if found is None:
+            raise ConfigError(
+                "--checkpoint-dir",
+                f"no checkpoint in {settings.checkpoint_dir}",
+                "give the directory a training run wrote its checkpoints to",
+            )
+        checkpoint = found.prefix
     target = Path(out) / str(int(step.numpy()))
     if target.exists():
         raise ConfigError(
@@ -73,4 +93,4 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str, out: str) -> P
     target.parent.mkdir(parents=True, exist_ok=True)
     tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
     log.info("exported %s (global step %d) to %s", checkpoint, int(step.numpy()), target)
-    return target
+    return Exported(checkpoint, target)

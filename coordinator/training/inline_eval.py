@@ -10,10 +10,12 @@ again, so every eval example counts exactly once. The calls queue behind the tra
 already scheduled and never block the loop; the result is published when every shard is
 in, under the global step read when the evaluation started.
 
-Metrics that are not means (e.g. AUC) are left to the final evaluation on the
-coordinator. The evaluation function is registered on every worker the first time it is
-scheduled: a worker frozen at that moment holds that up (TensorFlow), as it would any
-new function.
+Other Keras metrics (AUC, precision, recall, ...) go through Keras's stateless API: each
+shard starts from zeroed metric state, returns it, and the coordinator adds the shards'
+states and asks the metric for its result, so AUC is the whole eval set's (Keras's own
+metrics keep additive state: confusion-matrix counts, sums). The evaluation function is
+registered on every worker the first time it is scheduled: a worker frozen at that moment
+holds that up (TensorFlow), as it would any new function.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import time
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
@@ -58,6 +61,10 @@ class InlineEval:
         self.num_shards = rt.num_workers
         self.next_step = (start_step // every + 1) * every
         self.names = rt.state.mean_names
+        # Templates for the other metrics' state and result (never updated themselves).
+        with rt.strategy.scope():
+            self.others = [make() for make in rt.state.metric_factories]
+        self.others = [m for m in self.others if not isinstance(m, keras.metrics.MeanMetricWrapper)]
         self.fn: Any = None
         self.pending: dict[int, Any] = {}  # shard -> RemoteValue
         self.results: dict[int, Any] = {}  # shard -> [[sum, count], ...]
@@ -69,18 +76,31 @@ class InlineEval:
         rt, shards = self.rt, self.num_shards
         model, loss_fn, eval_dataset_fn = rt.state.model, rt.job.loss_fn, rt.job.eval_dataset_fn
         mean_metrics, batch_size = rt.state.mean_metrics, rt.settings.eval_batch_size
+        others = self.others
         assert eval_dataset_fn is not None  # checked in __init__
 
-        def eval_fn(shard: tf.Tensor) -> tf.Tensor:
+        def eval_step(carry: Any, batch: Any) -> Any:
+            sums, states = carry
+            x, y = batch[0], batch[1]
+            predictions = model(x, training=False)
+            rows = [sum_count(loss_fn(y, predictions))]
+            rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+            states = tuple(
+                tuple(
+                    tf.convert_to_tensor(v)
+                    for v in metric.stateless_update_state(list(state), y, predictions)
+                )
+                for metric, state in zip(others, states, strict=True)
+            )
+            return sums + tf.stack(rows), states
+
+        def eval_fn(shard: tf.Tensor) -> Any:
             dataset = eval_dataset_fn(rt.data_context(shard, shards, batch_size))
             sums = tf.zeros([1 + len(mean_metrics), 2], tf.float64)
-            for batch in dataset:
-                x, y = batch[0], batch[1]
-                predictions = model(x, training=False)
-                rows = [sum_count(loss_fn(y, predictions))]
-                rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
-                sums += tf.stack(rows)
-            return sums
+            states = tuple(
+                tuple(tf.zeros(v.shape, v.dtype) for v in metric.variables) for metric in others
+            )
+            return dataset.reduce((sums, states), eval_step)
 
         return tf.function(eval_fn)
 
@@ -117,12 +137,18 @@ class InlineEval:
             self._publish()
 
     def _publish(self) -> None:
-        totals = sum(self.results[shard] for shard in range(self.num_shards))
+        shards = [self.results[shard] for shard in range(self.num_shards)]
         self.results = {}
+        totals = sum(sums for sums, _ in shards)
         values = {
             name: float(total / count) if count else float("nan")
             for name, (total, count) in zip(self.names, totals, strict=True)
         }
+        for i, metric in enumerate(self.others):
+            state = [
+                sum(states[i][j] for _, states in shards) for j in range(len(metric.variables))
+            ]
+            values[metric.name] = float(metric.stateless_result(state))
         examples = int(totals[0][1])
         where = f"{self.num_shards} shards on the workers"
         seconds = time.monotonic() - self.started

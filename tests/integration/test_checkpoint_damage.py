@@ -75,6 +75,24 @@ def test_damaged_checkpoints_resume_from_the_newest_usable_one(workdir, run_cli,
     assert 'model_checkpoint_path: "ckpt-300"' in (ckpt / "checkpoint").read_text()
     assert (ckpt / "checkpoint.unreadable").is_file()
 
+    # psctl export skips a damaged newest checkpoint too, and leaves the directory alone.
+    newest = steps_saved(ckpt)
+    assert len(newest) >= 2, newest
+    intact = {path: path.read_bytes() for path in ckpt.glob(f"ckpt-{newest[-1]}.data-*")}
+    for path in intact:
+        scramble(path)
+    state = (ckpt / "checkpoint").read_text()
+    out = tmp_path / "export"
+    proc = run_cli(
+        psctl_argv("export", "--checkpoint-dir", str(ckpt), "--out", str(out)), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint ckpt-{newest[-1]} is unusable" in proc.stderr, proc.stderr[-3000:]
+    assert (out / str(newest[-2]) / "saved_model.pb").is_file()
+    assert (ckpt / "checkpoint").read_text() == state
+    for path, data in intact.items():  # as it was, for the next case
+        path.write_bytes(data)
+
     # Every checkpoint damaged: not step 0, and not a restart loop, but one line and exit 78.
     for path in ckpt.glob("ckpt-*.data-*"):
         scramble(path)

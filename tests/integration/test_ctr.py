@@ -1,6 +1,7 @@
 """The built-in ctr job on a real local cluster: its table split over 2 ps tasks, AUC and log
-loss in the progress lines, the status, Prometheus and the summary (``eval_auc``); and a
-malformed Criteo file refused before training in one line naming the file and line."""
+loss in the progress lines, the status, Prometheus, the --eval-every lines and the summary
+(``eval_auc``); and a malformed Criteo file refused before training in one line naming the
+file and line."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def test_ctr_trains_a_sharded_table_and_reports_auc(workdir: Path, tmp_path: Pat
         str(STEPS),
         "--log-every",
         "1",
+        "--eval-every",
+        "150",
         "--summary-json",
         str(out),
     )
@@ -85,6 +88,10 @@ def test_ctr_trains_a_sharded_table_and_reports_auc(workdir: Path, tmp_path: Pat
     assert any("| log_loss: " in ln and "| auc: 0." in ln for ln in train_lines), train_lines
     eval_lines = [ln for ln in stderr_text.splitlines() if "eval | step: " in ln]
     assert any("| log_loss: " in ln and "| auc: 0." in ln for ln in eval_lines), eval_lines
+    # --eval-every's distributed evaluations too: AUC from the shards' added-up counts.
+    inline = [ln for ln in eval_lines if "shards on the workers" in ln]
+    # (20000 rounded up to the generator's blocks of 512: 20480, as the final evaluation says)
+    assert inline and all("| auc: 0." in ln and "20480 examples" in ln for ln in inline), inline
     assert re.search(r"eval_auc: 0\.\d{4}", stdout), stdout
 
     summary = read_json(out)
