@@ -37,6 +37,7 @@ configuration, the same line for the one nearest to it, said so the line before.
 
     .venv/bin/python bench/embeddings.py             # 3 sizes x 2 optimizers x 2 modes
     .venv/bin/python bench/embeddings.py --rows 1M --optimizers adam
+    .venv/bin/python bench/embeddings.py --rows 10M --modes psctl  # one mode only
     .venv/bin/python bench/embeddings.py --quick     # smoke test: 10k rows, adam, 100 steps
 """
 
@@ -501,11 +502,12 @@ def parent_main(args: argparse.Namespace) -> int:
         (rows, optimizer, mode)
         for rows in args.row_counts
         for optimizer in args.optimizer_list
-        for mode in MODES
+        for mode in args.mode_list
     ]
     print(
         f"results {results}; {len(plan)} runs ({', '.join(rows_label(r) for r in args.row_counts)}"
-        f" rows x {', '.join(args.optimizer_list)} x psctl, raw), each on a fresh cluster of "
+        f" rows x {', '.join(args.optimizer_list)} x {', '.join(args.mode_list)}), each on a "
+        "fresh cluster of "
         f"{args.ps} ps + {args.workers} workers, up to {args.max_seconds:g} s",
         flush=True,
     )
@@ -549,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--optimizers", default="adam,adagrad", help="ctr optimizers (default adam,adagrad)"
+    )
+    parser.add_argument(
+        "--modes", default="psctl,raw", help="what to run, comma-separated (default psctl,raw)"
     )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
@@ -619,6 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [o for o in args.optimizer_list if o not in SLOTS]
     if unknown:
         parser.error(f"--optimizers: {', '.join(unknown)} unknown; use {' or '.join(SLOTS)}")
+    args.mode_list = list(dict.fromkeys(m.strip().lower() for m in args.modes.split(",")))
+    unknown = [m for m in args.mode_list if m not in MODES]
+    if unknown or not args.mode_list:
+        known = " and/or ".join(MODES)
+        parser.error(f"--modes: {', '.join(unknown) or 'none'} unknown; use {known}")
     return parent_main(args)
 
 

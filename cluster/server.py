@@ -314,6 +314,7 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
         time.monotonic() - started,
     )
     sdnotify.notify(f"READY=1\nSTATUS=serving {name} on {task.address}")
+    sdnotify.keep_watchdog_fed(stop.event)
     while not stop.event.wait(1.0):
         pass
     log.info(

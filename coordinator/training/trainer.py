@@ -10,7 +10,6 @@ ps tasks, and the loop reads those at a cadence instead of fetching values every
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
-from psctl.coordinator.training.actions import Action, CheckpointEvery, EvalEvery, PublishStatus
+from psctl.coordinator.training.actions import EvalEvery, status_and_checkpoints
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.controller import Controller
 from psctl.coordinator.training.epochs import EpochProgram
@@ -33,7 +32,6 @@ from psctl.coordinator.training.programs import (
     Runtime,
     StepProgram,
 )
-from psctl.coordinator.training.progress import Progress
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.strategy import connect
 from psctl.coordinator.training.summary import Summary, accuracy_of
@@ -43,8 +41,6 @@ if TYPE_CHECKING:
     from psctl.coordinator.control.service import JobControl
 
 log = logging.getLogger(__name__)
-
-STATUS_EVERY = 1.0  # seconds between status/metrics updates
 
 
 class Trainer:
@@ -128,19 +124,14 @@ class Trainer:
         start_step = self.checkpointer.restore()
         program = self.program = self._program()
         target = program.target
-        progress = Progress(total=program.progress_total, start=start_step, stream=sys.stderr)
-        status = PublishStatus(
+        status, actions = status_and_checkpoints(
+            s,
             state=state,
             publisher=self.publisher,
-            progress=progress,
-            every=min(STATUS_EVERY, s.log_every),
-            log_every=s.log_every,
+            checkpointer=self.checkpointer,
+            progress_total=program.progress_total,
             batch_size=s.batch_size,
             start_step=start_step,
-        )
-        actions: list[Action] = [status]
-        actions.append(
-            CheckpointEvery(self.checkpointer, every=s.checkpoint_every, start_step=start_step)
         )
         evals = None
         if s.eval_every:
@@ -186,7 +177,7 @@ class Trainer:
         values = state.read_train_metrics() if trained > 0 else {}
         values = values or status.last_values
         rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
-        progress.finish(final_step, rate * s.batch_size, values)
+        status.progress.finish(final_step, rate * s.batch_size, values)
         self.publisher.progress(final_step, rate, values)
         if self.checkpointer.enabled:
             checkpoint = self.checkpointer.save() if trained > 0 else self.checkpointer.latest

@@ -7,20 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
 from psctl.cluster.ports import free_ports
-from tests.conftest import (
-    child_env,
-    kill_if_running,
-    processes_mentioning,
-    psctl_argv,
-    read_json,
-)
-from tests.integration.test_control import status_or_none
+from tests.conftest import kill_if_running, processes_mentioning, read_json, status_or_none
+from tests.integration.sync_job import start_sync_job, wait_until_gone
 
 pytestmark = pytest.mark.chaos
 
@@ -48,34 +41,20 @@ def training_process(workdir, index: int) -> int | None:
 
 @pytest.mark.timeout(280)
 def test_sync_worker_sigkill_restarts_the_group_from_checkpoint(workdir):
-    workdir.mkdir(parents=True)
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     out = workdir / "summary.json"
-    argv = psctl_argv(
-        "local",
-        "--strategy",
-        "sync",
-        "--workers",
-        "2",
+    proc, log = start_sync_job(
+        workdir,
+        address,
         "--steps",
         "2400",
         "--checkpoint-every",
         str(CHECKPOINT_EVERY),
         "--steps-per-execution",
         str(K),
-        "--log-every",
-        "1",
-        "--workdir",
-        str(workdir),
-        "--control-address",
-        address,
-        "--summary-json",
-        str(out),
+        summary=out,
     )
-    log = workdir / "local.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env())
     try:
         deadline = time.monotonic() + 150
         seen = 0
@@ -108,7 +87,5 @@ def test_sync_worker_sigkill_restarts_the_group_from_checkpoint(workdir):
     assert summary["global_step"] == 2400
     assert summary["eval_accuracy"] >= 0.90, summary
     assert summary["restarts"] >= 1, summary
-    deadline = time.monotonic() + 10
-    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until_gone(workdir, 10)
     assert processes_mentioning(str(workdir)) == []

@@ -13,24 +13,16 @@ import pytest
 from psctl.cluster.ports import free_ports
 from tests.conftest import (
     child_env,
+    control_cli,
     kill_if_running,
     processes_mentioning,
     psctl_argv,
     read_json,
     run_python,
+    status_or_none,
 )
 
 pytestmark = pytest.mark.integration
-
-
-def cli(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        psctl_argv(*args, "--address", address),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
 
 
 def health(cluster_file: Path) -> subprocess.CompletedProcess[str]:
@@ -45,7 +37,7 @@ def health(cluster_file: Path) -> subprocess.CompletedProcess[str]:
 
 
 def status(address: str) -> dict:
-    proc = cli(address, "status", "--json")
+    proc = control_cli(address, "status", "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -124,24 +116,24 @@ def test_operator_drives_a_running_job(workdir):
         assert int(later["global_step"]) > int(first["global_step"])
 
         # watch: at least three updates, one line each when piped
-        watch = cli(address, "watch", "--interval", "0.3", "--count", "3")
+        watch = control_cli(address, "watch", "--interval", "0.3", "--count", "3")
         assert watch.returncode == 0, watch.stderr
         assert len(watch.stdout.strip().splitlines()) == 3
 
         # checkpoint: restorable, at the reported step
-        ckpt = cli(address, "checkpoint", timeout=120)
+        ckpt = control_cli(address, "checkpoint", timeout=120)
         assert ckpt.returncode == 0, ckpt.stderr
         words = ckpt.stdout.split()
         path, step = words[1], int(words[-1])
         assert load_step(path) == step
 
         # pause holds the step still; resume moves it again
-        assert cli(address, "pause").returncode == 0
+        assert control_cli(address, "pause").returncode == 0
         wait_until(lambda: status(address)["state"] == "JOB_STATE_PAUSED", 30, "PAUSED")
         held = int(status(address)["global_step"])
         time.sleep(4)
         assert int(status(address)["global_step"]) == held
-        assert cli(address, "resume").returncode == 0
+        assert control_cli(address, "resume").returncode == 0
         wait_until(lambda: int(status(address)["global_step"]) > held, 30, "steps after resume")
 
         # health: every server's grpc health service, like grpc_health_probe
@@ -150,7 +142,7 @@ def test_operator_drives_a_running_job(workdir):
         assert probe.stdout.count("SERVING") == 3
 
         # stop: exit 0 with a final checkpoint at the final step
-        stop = cli(address, "stop", "--timeout", "120", timeout=150)
+        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=60) == 0
     finally:
@@ -165,16 +157,11 @@ def test_operator_drives_a_running_job(workdir):
     assert probe.stdout.count("UNREACHABLE") == 3
 
 
-def status_or_none(address: str) -> dict | None:
-    proc = cli(address, "status", "--json")
-    return json.loads(proc.stdout) if proc.returncode == 0 else None
-
-
 @pytest.mark.timeout(60)
 def test_status_without_coordinator_is_one_clear_line():
     (port,) = free_ports(1)
     started = time.monotonic()
-    proc = cli(f"127.0.0.1:{port}", "status")
+    proc = control_cli(f"127.0.0.1:{port}", "status")
     assert time.monotonic() - started < 10
     assert proc.returncode == 69
     assert proc.stderr.strip() == (

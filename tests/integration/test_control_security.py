@@ -20,7 +20,13 @@ from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.client import Target, call
 from psctl.coordinator.control.security import EXIT_NOT_ALLOWED, token_paths
-from tests.conftest import child_env, kill_if_running, processes_mentioning, psctl_argv
+from tests.conftest import (
+    child_env,
+    control_cli,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -50,16 +56,6 @@ def malformed(kind: type, rng: random.Random, count: int) -> list[bytes]:
         except DecodeError:
             found.append(body)
     return found
-
-
-def cli(address: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        psctl_argv(*args, "--address", address),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
 
 
 def step(address: str) -> tuple[str, int]:
@@ -227,11 +223,11 @@ def test_control_plane_holds_against_strangers_garbage_and_crowds(workdir: Path)
         for stream in streams:
             next(stream)
         started = time.monotonic()
-        status = cli(address, "status")
+        status = control_cli(address, "status", timeout=60)
         assert status.returncode == 0, status.stderr
         assert "RUNNING" in status.stdout
         assert time.monotonic() - started < 20
-        stop = cli(address, "stop", "--timeout", "150", timeout=180)
+        stop = control_cli(address, "stop", "--timeout", "150", timeout=180)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=60) == 0
     finally:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from psctl.cluster.health import wait_serving
 from psctl.cluster.ports import free_ports
 from psctl.coordinator.launch import argv as launch_argv
 from tests.conftest import child_env, kill_if_running
+from tests.integration.netns_hosts import NotifySocket
 
 pytestmark = pytest.mark.integration
 
@@ -161,3 +164,37 @@ def test_bad_tf_config_is_one_line_and_status_78(case):
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert field in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_systemd_watchdog_pings_stop_while_the_server_is_frozen(tmp_path):
+    """Under WatchdogSec= (WATCHDOG_USEC): READY=1, then WATCHDOG=1 every half timeout; a
+    SIGSTOPped server sends none, which is how systemd finds a frozen server to restart."""
+    ps_port, worker_port, health, metrics = free_ports(4)
+    cluster = write_cluster(tmp_path / "c.json", ps_port, worker_port)
+    notify = NotifySocket(Path(tempfile.mkdtemp(prefix="psctl-wd", dir="/tmp")) / "n.sock")
+    env = child_env(NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="1000000")
+    proc = subprocess.Popen(
+        server_argv("ps", cluster, health, metrics),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        alive = lambda: proc.poll() is None  # noqa: E731
+        notify.wait_for("READY", "1", count=1, timeout=60, alive=alive)
+        notify.wait_for("WATCHDOG", "1", count=3, timeout=10, alive=alive)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.7)  # a ping already on its way may still land
+        frozen = notify.count("WATCHDOG", "1")
+        time.sleep(2.5)  # five half-timeouts
+        assert notify.count("WATCHDOG", "1") == frozen
+        proc.send_signal(signal.SIGCONT)
+        notify.wait_for("WATCHDOG", "1", count=frozen + 2, timeout=10, alive=alive)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        kill_if_running(proc)
+        notify.close()
+        shutil.rmtree(notify.path.parent, ignore_errors=True)

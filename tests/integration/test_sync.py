@@ -9,103 +9,50 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from psctl.cluster.ports import free_ports
 from tests.conftest import (
-    child_env,
+    control_cli,
     kill_if_running,
     processes_mentioning,
     psctl_argv,
     read_json,
+    status_or_none,
 )
-from tests.integration.test_control import status_or_none
+from tests.integration.sync_job import start_sync_job, wait_for, wait_for_state, wait_until_gone
 
 pytestmark = pytest.mark.integration
 
 STEPS_PER_EPOCH = 312  # mlp: 40,000 examples / 64 per batch / 2 workers
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"psctl local ended before {what}:\n{log.read_text()[-4000:]}"
-        time.sleep(0.3)
-    raise AssertionError(f"no {what} after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.mark.timeout(200)
 def test_sync_local_epochs_accuracy_status_and_pause(workdir):
     """The acceptance run (2 workers, 3 epochs, mlp), with the operator's commands on the
     chief while it runs: status, pause (the step stands still on every worker), resume."""
-    workdir.mkdir(parents=True)
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     out = workdir / "summary.json"
-    argv = psctl_argv(
-        "local",
-        "--strategy",
-        "sync",
-        "--workers",
-        "2",
-        "--epochs",
-        "3",
-        "--steps-per-execution",
-        "10",
-        "--log-every",
-        "1",
-        "--workdir",
-        str(workdir),
-        "--control-address",
-        address,
-        "--summary-json",
-        str(out),
+    proc, log = start_sync_job(
+        workdir, address, "--epochs", "3", "--steps-per-execution", "10", summary=out
     )
-    log = workdir / "local.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env())
     try:
-        running = wait_for(
-            lambda: (s := status_or_none(address)) and s.get("state") == "JOB_STATE_RUNNING" and s,
-            120,
-            "RUNNING status",
-            proc,
-            log,
-        )
+        running = wait_for_state(address, "JOB_STATE_RUNNING", 120, proc, log)
         assert isinstance(running, dict)
         assert {t["type"] for t in running["tasks"]} == {"worker"}, running
         assert len(running["tasks"]) == 2, running
-        paused = subprocess.run(
-            psctl_argv("pause", "--address", address),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=child_env(),
-        )
+        paused = control_cli(address, "pause")
         assert paused.returncode == 0, paused.stderr
-        first = wait_for(
-            lambda: (s := status_or_none(address)) and s.get("state") == "JOB_STATE_PAUSED" and s,
-            30,
-            "PAUSED status",
-            proc,
-            log,
-        )
+        first = wait_for_state(address, "JOB_STATE_PAUSED", 30, proc, log)
         assert isinstance(first, dict)
         time.sleep(2.0)
         second = status_or_none(address)
         assert second is not None and second["state"] == "JOB_STATE_PAUSED"
         assert int(second["global_step"]) == int(first["global_step"])
-        resumed = subprocess.run(
-            psctl_argv("resume", "--address", address),
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=child_env(),
-        )
+        resumed = control_cli(address, "resume")
         assert resumed.returncode == 0, resumed.stderr
         # The chief's /metrics: the coordinator's series, plus the all-reduce time.
         url = read_json(workdir / "tasks.json")[0]["metrics_url"]
@@ -124,9 +71,7 @@ def test_sync_local_epochs_accuracy_status_and_pause(workdir):
     assert summary["global_step"] == summary["target_steps"] == 3 * STEPS_PER_EPOCH
     assert summary["num_workers"] == 2 and summary["num_ps"] == 0
     assert (workdir / "checkpoints" / "checkpoint").exists()
-    deadline = time.monotonic() + 10
-    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until_gone(workdir, 10)
     assert processes_mentioning(str(workdir)) == []
 
 
@@ -166,27 +111,11 @@ def test_sync_checkpoints_are_read_by_async_mode_and_evaluate(run_cli, workdir, 
     assert result["global_step"] == 500 and result["eval_accuracy"] >= 0.90, result
 
 
-def start_long_sync_job(workdir, *extra: str) -> tuple[subprocess.Popen, object]:
-    workdir.mkdir(parents=True)
-    log = workdir / "local.log"
-    argv = psctl_argv(
-        "local",
-        "--strategy",
-        "sync",
-        "--workers",
-        "2",
-        "--steps",
-        "1000000",
-        "--log-every",
-        "1",
-        "--workdir",
-        str(workdir),
-        "--control-address",
-        "127.0.0.1:0",
-        *extra,
-    )
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=child_env())
+def start_long_sync_job(
+    workdir: Path, summary: Path | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A sync job far from its target, once it has logged its first step."""
+    proc, log = start_sync_job(workdir, "127.0.0.1:0", "--steps", "1000000", summary=summary)
     wait_for(lambda: "train | step" in log.read_text(errors="replace"), 120, "steps", proc, log)
     return proc, log
 
@@ -194,7 +123,7 @@ def start_long_sync_job(workdir, *extra: str) -> tuple[subprocess.Popen, object]
 @pytest.mark.timeout(200)
 def test_sync_local_sigterm_stops_every_worker_gracefully(workdir):
     out = workdir / "summary.json"
-    proc, log = start_long_sync_job(workdir, "--summary-json", str(out))
+    proc, log = start_long_sync_job(workdir, summary=out)
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, log.read_text()[-4000:]
@@ -214,9 +143,7 @@ def test_sync_local_sigkill_leaves_no_worker_behind(workdir):
         proc.wait(timeout=10)
     finally:
         kill_if_running(proc)
-    deadline = time.monotonic() + 15
-    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until_gone(workdir, 15)
     assert processes_mentioning(str(workdir)) == []
 
 

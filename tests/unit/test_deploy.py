@@ -251,7 +251,7 @@ def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
 
     other = {"Type", "NotifyAccess", "EnvironmentFile", "Environment", "ExecStart", "Restart"}
     other |= {"RestartSec", "RestartPreventExitStatus", "TimeoutStartSec", "TimeoutStopSec"}
-    other |= {"SyslogIdentifier", "LimitNOFILE", "KillMode"}
+    other |= {"SyslogIdentifier", "LimitNOFILE", "KillMode", "WatchdogSec"}
     for host, files in HOST_FILES.items():
         for name in files:
             if name.endswith(".service"):
@@ -294,7 +294,7 @@ def test_deploy_systemd_is_the_renderer_output(tmp_path: Path):
         text = (SYSTEMD_DIR / name).read_text().replace(deploy.REFERENCE_BIN_DIR, BIN_DIR)
         (tmp_path / name).write_text(text)
     names = ["psctl-ps@0.service", "psctl-worker@0.service", "psctl-coordinator.service"]
-    verify(tmp_path, [*names, "psctl.target"])
+    verify(tmp_path, [*names, "psctl-sync@0.service", "psctl.target"])
 
 
 def test_render_refuses_a_non_empty_out_and_a_relative_bin_dir(tmp_path: Path, capsys):

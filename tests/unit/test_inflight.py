@@ -94,3 +94,21 @@ def test_watchdog_is_quiet_with_nothing_in_flight():
 def test_watchdog_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout"):
         StallWatchdog(timeout=0)
+
+
+def test_the_side_thread_check_reports_a_stall_once_and_the_loop_does_not_again():
+    """check_idle (the controller's thread beside the loop, for a loop blocked on the ps)
+    and check (the loop's own) start one stall between them."""
+    clock = Clock()
+    calls = tracker(clock)
+    watchdog = StallWatchdog(timeout=5, clock=clock)
+    calls.add(FakeCall(), steps=1)
+    clock.now += 4
+    assert watchdog.check_idle(len(calls)) is None  # not yet
+    clock.now += 2
+    assert watchdog.check_idle(0) is None  # nothing in flight: no stall
+    assert watchdog.check_idle(len(calls)) == pytest.approx(6)
+    assert watchdog.check_idle(len(calls)) is None  # reported once
+    seen = watchdog.check(calls)
+    assert seen is not None and not seen.started and watchdog.stalls == 1
+    assert watchdog.progress() is True  # "steps finish again"

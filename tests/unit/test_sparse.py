@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.training.sparse import SparseUpdater, slot_kinds
-from psctl.coordinator.training.tables import Table
+from psctl.coordinator.training.tables import Table, lookup_rows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,3 +98,14 @@ def test_an_optimizer_without_a_sparse_form_is_one_clear_error():
         slot_kinds(keras.optimizers.RMSprop())
     with pytest.raises(ConfigError, match="amsgrad"):
         slot_kinds(keras.optimizers.Adam(amsgrad=True))
+
+
+def test_eager_lookup_over_uneven_shards_matches_the_whole_table():
+    """tables.lookup_rows: the coordinator's eager lookup, one gather per shard."""
+    whole = np.arange(11 * 3, dtype=np.float32).reshape(11, 3)
+    shards = [tf.Variable(whole[:4]), tf.Variable(whole[4:8]), tf.Variable(whole[8:])]
+    ids = tf.constant([[10, 0, 4], [3, 8, 7]], tf.int64)
+    got = lookup_rows(shards, ids).numpy()
+    assert got.shape == (2, 3, 3)
+    np.testing.assert_array_equal(got, whole[ids.numpy()])
+    np.testing.assert_array_equal(lookup_rows(shards[:1], tf.constant([2, 1])), whole[[2, 1]])
