@@ -133,7 +133,7 @@ def test_feature_embedding_tables_shard_train_and_export(run_cli, workdir: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "table users_table: 50000 x 8 in 2 shard(s)" in proc.stderr
     assert "table items_table: 50000 x 8 in 2 shard(s)" in proc.stderr  # one, shared
-    assert read_json(out)["eval_accuracy"] > 0.6  # measured 0.76 after 600 steps
+    assert read_json(out)["eval_accuracy"] > 0.7  # measured 0.84-0.86 (3 runs)
     exported = workdir / "export"
     proc = run_cli(
         psctl_argv("export", "--job", job, "--checkpoint-dir", str(ckpt), "--out", str(exported)),

@@ -32,7 +32,7 @@ def create_model() -> keras.Model:
 
 
 def create_optimizer() -> keras.optimizers.Optimizer:
-    return keras.optimizers.Adagrad(0.1)
+    return keras.optimizers.Adagrad(0.5)
 
 
 def loss_fn(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
