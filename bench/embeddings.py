@@ -53,6 +53,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -620,16 +621,21 @@ def main(argv: list[str] | None = None) -> int:
         args.row_counts = parse_rows(args.rows)
     except ValueError as err:
         parser.error(f"--rows: {err}")
-    args.optimizer_list = list(dict.fromkeys(o.strip().lower() for o in args.optimizers.split(",")))
-    unknown = [o for o in args.optimizer_list if o not in SLOTS]
-    if unknown:
-        parser.error(f"--optimizers: {', '.join(unknown)} unknown; use {' or '.join(SLOTS)}")
-    args.mode_list = list(dict.fromkeys(m.strip().lower() for m in args.modes.split(",")))
-    unknown = [m for m in args.mode_list if m not in MODES]
-    if unknown or not args.mode_list:
-        known = " and/or ".join(MODES)
-        parser.error(f"--modes: {', '.join(unknown) or 'none'} unknown; use {known}")
+    args.optimizer_list = parse_names(parser, "--optimizers", args.optimizers, SLOTS)
+    args.mode_list = parse_names(parser, "--modes", args.modes, MODES)
     return parent_main(args)
+
+
+def parse_names(
+    parser: argparse.ArgumentParser, flag: str, text: str, known: Collection[str]
+) -> list[str]:
+    """``a,b`` -> [a, b] (lower case, each once, in order); exits with a usage error naming
+    ``flag`` for a name not in ``known``."""
+    names = list(dict.fromkeys(n.strip().lower() for n in text.split(",")))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"{flag}: {', '.join(unknown)} unknown; use {' or '.join(known)}")
+    return names
 
 
 if __name__ == "__main__":

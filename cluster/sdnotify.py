@@ -49,9 +49,9 @@ def keep_watchdog_fed(
     stop: threading.Event, *, environ: Mapping[str, str] | None = None
 ) -> threading.Thread | None:
     """Under ``WatchdogSec=``: a thread that sends ``WATCHDOG=1`` every half timeout until
-    ``stop`` is set. A frozen process (SIGSTOP, a stalled host)
-    sends nothing, and systemd kills and restarts it: its peers' calls then fail over
-    instead of waiting on it. None when systemd set no watchdog."""
+    ``stop`` is set. A frozen process (SIGSTOP, a stalled host) sends nothing, and systemd
+    kills and restarts it: its peers' calls then fail over instead of waiting on it. None
+    when systemd set no watchdog."""
     interval = watchdog_interval(environ=environ)
     if interval is None:
         return None

@@ -271,13 +271,12 @@ class Controller:
         while not self._done.wait(1.0):
             idle = self.watchdog.check_idle(len(self.calls))
             if idle is not None:
-                self._announce_stall(idle)
+                self._announce_stall(idle, self._suspects())
 
     def _suspects(self) -> str:
         return ", ".join(self.control.unhealthy_tasks()) or "none (a task is frozen?)"
 
-    def _announce_stall(self, idle: float) -> None:
-        suspects = self._suspects()
+    def _announce_stall(self, idle: float, suspects: str) -> None:
         message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
         log.warning("%s", message)
         self.control.set_message(message)
@@ -291,7 +290,7 @@ class Controller:
         thaws, its call still lands)."""
         suspects = self._suspects()
         if started:
-            self._announce_stall(idle)
+            self._announce_stall(idle, suspects)
         if stuck:
             log.warning(
                 "%d call(s) unfinished after %.0fs (tasks not SERVING: %s): given up, their "

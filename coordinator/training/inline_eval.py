@@ -24,7 +24,6 @@ import logging
 import time
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
@@ -61,10 +60,9 @@ class InlineEval:
         self.num_shards = rt.num_workers
         self.next_step = (start_step // every + 1) * every
         self.names = rt.state.mean_names
-        # Templates for the other metrics' state and result (never updated themselves).
-        with rt.strategy.scope():
-            self.others = [make() for make in rt.state.metric_factories]
-        self.others = [m for m in self.others if not isinstance(m, keras.metrics.MeanMetricWrapper)]
+        # The training state's other metrics, for their state's shapes and their stateless
+        # update and result only: their own variables are never read or written here.
+        self.others = rt.state.other_metrics
         self.fn: Any = None
         self.pending: dict[int, Any] = {}  # shard -> RemoteValue
         self.results: dict[int, Any] = {}  # shard -> [[sum, count], ...]
