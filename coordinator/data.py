@@ -368,7 +368,7 @@ def _scan_csv_file(
             else:
                 _row_error(body, header, path, line_no, field)
             if max(map(abs, values)) > FLOAT32_MAX:  # inf too; nan cannot match the patterns
-                _check_range(values, header, path, line_no, field)
+                _check_range(values, cells, header, path, line_no, field)
             labels.add(values[label_index], path, line_no)
             count += 1
     except UnicodeDecodeError:
@@ -413,20 +413,16 @@ def _row_error(body: str, header: list[str], path: str, line_no: int, field: str
 
 
 def _check_range(
-    values: list[float], header: list[str], path: str, line_no: int, field: str
+    values: list[float], cells: list[str], header: list[str], path: str, line_no: int, field: str
 ) -> None:
-    """Numbers too large: infinite (float64 overflow), or beyond float32."""
-    for column, value in zip(header, values, strict=True):
-        if not math.isfinite(value):
-            raise ConfigError(
-                field,
-                f"{path} line {line_no}, column {echo(column)}: {value}",
-                "give finite numbers (no nan or inf)",
-            )
+    """Numbers too large for float32 (a number past float64's range reads as inf: the
+    cell is quoted as written, not as ``inf``)."""
+    for column, value, cell in zip(header, values, cells, strict=True):
         if abs(value) > FLOAT32_MAX:
+            shown = f"{value:g}" if math.isfinite(value) else echo(cell.strip(' \t"'))
             raise ConfigError(
                 field,
-                f"{path} line {line_no}, column {echo(column)}: {value:g} is beyond float32",
+                f"{path} line {line_no}, column {echo(column)}: {shown} is beyond float32",
                 f"give numbers within +-{FLOAT32_MAX:.6g} (they are read as float32)",
             )
 

@@ -61,6 +61,7 @@ AUTO = "auto"  # --steps-per-execution auto, stored as 0
 IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
 DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
+DEFAULT_CONFIG_DIR = "/etc/psctl"  # `psctl deploy`: env files and cluster.json on hosts
 DEFAULT_METRICS_PORT = 9940
 
 # Bounds. The Control API reports steps as protobuf int64 and steps per execution as int32
@@ -177,7 +178,7 @@ class TrainSettings:
 
 def _range_fix(name: str, low: int, high: int) -> str:
     zero = f" (0: {_ZERO_MEANS[name]})" if low == 0 and name in _ZERO_MEANS else ""
-    return f"give a whole number from {low} to {high:,}{zero}"
+    return f"give a whole number from {low:,} to {high:,}{zero}"
 
 
 def _int_range(name: str) -> tuple[int, int]:
@@ -229,7 +230,6 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
         for name, off, fix in (
             ("update_mode", "default", "use update mode default with strategy sync"),
             ("max_shards", 1, "drop it: sync mode keeps a whole copy of the model per worker"),
-            ("eval_every", 0, "drop it, or evaluate the checkpoints with psctl evaluate"),
         ):
             if values.get(name, off) != off:
                 raise ConfigError(where(name), f"{echo(values[name])} with strategy sync", fix)

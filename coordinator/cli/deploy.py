@@ -7,16 +7,18 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from psctl.coordinator.launch.deploy import DEFAULT_CONFIG_DIR, cmd_check, cmd_render
-
-DEPLOY_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "render": cmd_render,
-    "check": cmd_check,
-}
+from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    return DEPLOY_COMMANDS[args.deploy_command](args)
+    # Imported here: every other command (`psctl status` most of all) starts faster.
+    from psctl.coordinator.launch.deploy import cmd_check, cmd_render
+
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "render": cmd_render,
+        "check": cmd_check,
+    }
+    return commands[args.deploy_command](args)
 
 
 def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +26,8 @@ from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     DEFAULTS,
     IN_FLIGHT_PER_WORKER,
+    INT32_MAX,
+    MAX_SECONDS,
     default_help,
     flag_values,
     parse_steps_per_execution,
@@ -31,6 +35,43 @@ from psctl.coordinator.settings import (
 )
 
 log = logging.getLogger("psctl")
+EXIT_USAGE = 2  # argparse's status for a bad command line (failures.EXIT_USAGE)
+MAX_LOCAL_TASKS = 1000  # psctl local --ps / --workers: servers on this one machine
+_WHOLE = re.compile(r"[+-]?[0-9]{1,30}")  # ASCII: int() also takes 1_000, other digits
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_NOT_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (not the whole usage) and exit 2."""
+
+    def error(self, message: str) -> Any:
+        text = " ".join(message.split())
+        if len(text) > 200:  # argparse repeats the bad value whole
+            text = f"{text[:197]}... ({len(text)} characters)"
+        self.exit(EXIT_USAGE, f"psctl: error: {text}; see '{self.prog} --help'\n")
+
+
+def _whole_number(text: str) -> int:
+    """A launcher flag's whole number: ASCII digits with an optional sign."""
+    if not _WHOLE.fullmatch(text.strip(" \t")):
+        raise ValueError(text)
+    return int(text)
+
+
+_whole_number.__name__ = "whole number"  # argparse names the type in its error line
+
+
+def _decimal(text: str) -> float:
+    """A launcher flag's number: ASCII (not 1_000 or other scripts' digits); inf and nan
+    are refused with the ranges (check_launch_flags), as for the run settings."""
+    number = text.strip(" \t")
+    if not (_DECIMAL.fullmatch(number) or _NOT_FINITE.fullmatch(number)):
+        raise ValueError(text)
+    return float(number)
+
+
+_decimal.__name__ = "number"
 
 
 def _seconds(value: float) -> str:
@@ -123,22 +164,24 @@ TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (flags > PSCTL_* environment > --config file)")
     group.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
-    for flag, kind, text in TRAIN_FLAGS:
-        group.add_argument(flag, type=kind, default=None, help=text)
+    for flag, _kind, text in TRAIN_FLAGS:
+        # The text as given: the settings layer parses it as it does PSCTL_* values (ASCII
+        # digits only, finite, in range), so a bad one is one line naming the flag, exit 78.
+        group.add_argument(flag, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
 
 
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=_whole_number,
         default=10,
         help="restarts of the training process within 10 minutes before the job FAILS "
         "(default %(default)s)",
     )
     parser.add_argument(
         "--recovery-timeout",
-        type=float,
+        type=_decimal,
         default=300.0,
         help="seconds to wait for failed ps tasks before restarting anyway (default %(default)g)",
     )
@@ -159,7 +202,7 @@ def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="psctl",
         description="Parameter-server training for TensorFlow 2.",
         epilog=(
@@ -174,14 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a whole cluster on this machine and train a job on it",
         description="Start ps and worker servers on loopback, train, then stop every server.",
     )
-    local.add_argument("--ps", type=int, default=1, help="ps servers (default %(default)s)")
     local.add_argument(
-        "--workers", type=int, default=2, help="worker servers (default %(default)s)"
+        "--ps", type=_whole_number, default=1, help="ps servers (default %(default)s)"
+    )
+    local.add_argument(
+        "--workers", type=_whole_number, default=2, help="worker servers (default %(default)s)"
     )
     local.add_argument("--workdir", help="run directory (default ./psctl-work/local-TIME)")
     local.add_argument(
         "--start-timeout",
-        type=float,
+        type=_decimal,
         default=120.0,
         help="seconds to wait for every server to be SERVING (default %(default)g)",
     )
@@ -201,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--task-index",
-        type=int,
+        type=_whole_number,
         metavar="N",
         help="--strategy sync: which worker of the cluster this host runs (0 is the chief); "
         "default: TF_CONFIG's task index",
@@ -218,13 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_address(train)
     train.add_argument(
         "--metrics-port",
-        type=int,
+        type=_whole_number,
         default=DEFAULT_METRICS_PORT,
         help="coordinator's Prometheus /metrics port (default %(default)s; 0: off)",
     )
     train.add_argument(
         "--connect-timeout",
-        type=float,
+        type=_decimal,
         default=120.0,
         help="seconds to wait for every server's TF port, then exit 69 (default %(default)g)",
     )
@@ -240,6 +285,37 @@ def build_parser() -> argparse.ArgumentParser:
     COMMANDS.update(add_evaluate_command(sub))
     COMMANDS.update(add_export_command(sub))
     return parser
+
+
+# Launcher flags that are not run settings: name -> (lowest, highest, what is meant).
+_LAUNCH_RANGES: dict[str, tuple[float, float, str]] = {
+    "ps": (1, MAX_LOCAL_TASKS, "a whole number"),
+    "workers": (1, MAX_LOCAL_TASKS, "a whole number"),
+    "max_restarts": (0, INT32_MAX, "a whole number"),
+    "task_index": (0, INT32_MAX, "a whole number"),
+    "metrics_port": (0, 65535, "a port number (0: off)"),
+    "start_timeout": (0, MAX_SECONDS, "seconds above 0"),
+    "recovery_timeout": (0, MAX_SECONDS, "seconds above 0"),
+    "connect_timeout": (0, MAX_SECONDS, "seconds above 0"),
+}
+
+
+def check_launch_flags(args: argparse.Namespace) -> None:
+    """ConfigError (one line, exit 78) for a launcher flag out of range: ``--workers 0``,
+    ``--connect-timeout -5`` (a timer past a week overflows; a negative one gives up at
+    once)."""
+    for name, (low, high, what) in _LAUNCH_RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        seconds = what.startswith("seconds")
+        in_range = low < value if seconds else low <= value
+        if math.isfinite(value) and in_range and value <= high:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        bound = f"at most {high:,g}" if seconds else f"from {low:,} to {high:,}"
+        raise ConfigError(flag, f"got {shown}", f"give {what}, {bound}")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -275,8 +351,6 @@ CLIENT_COMMANDS: dict[str, Any] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # gRPC's C core logs connection details (GOAWAY on shutdown) at INFO: not for operators.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     verbose = getattr(args, "verbose", False)
@@ -298,6 +372,7 @@ def run_command(args: argparse.Namespace) -> int:
     from psctl.coordinator.control.client import ControlError
 
     try:
+        check_launch_flags(args)
         return int({**COMMANDS, **CLIENT_COMMANDS}[args.command](args))
     except (ConfigError, ControlError) as err:
         print(f"psctl: error: {err}", file=sys.stderr)

@@ -222,9 +222,14 @@ class ControlSecurity:
             value = getattr(args, f"control_{name}", None)
             return str(value) if value else env.get(ENV[name], "")
 
-        insecure = bool(getattr(args, "insecure_control", False)) or env.get(
-            ENV["insecure"], ""
-        ).lower() in ("1", "true", "yes")
+        flag = env.get(ENV["insecure"], "").strip().lower()
+        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(
+                ENV["insecure"],
+                f"got {flag[:40]!r}",
+                "set it to 1 (or true, yes) to allow, or 0 (false, no), or unset it",
+            )
+        insecure = bool(getattr(args, "insecure_control", False)) or flag in ("1", "true", "yes")
         return cls(
             token_file=pick("token_file"),
             read_token_file=pick("read_token_file"),
@@ -253,6 +258,8 @@ class ControlSecurity:
             raise ConfigError(
                 "--control-tls-cert/--control-tls-key", "only one is given", "give both"
             )
+        if address.startswith("unix:"):  # a launcher's private socket (control/front.py)
+            return
         host, _ = split_host_port(address, field="--control-address", allow_port_zero=True)
         if is_loopback(host) or self.insecure:
             return
@@ -271,6 +278,11 @@ class ControlSecurity:
                 "give TLS files and a token file (docs/security.md), or pass "
                 "--insecure-control on a network you trust",
             )
+
+    def for_private_socket(self) -> ControlSecurity:
+        """What a training process behind a launcher's control front gets: the same token
+        files, no TLS (it listens on a Unix socket in the launcher's private directory)."""
+        return replace(self, tls_cert="", tls_key="", tls_ca="", insecure=False)
 
     def server_tokens(self) -> Tokens:
         """The job's tokens: from the token files, new random ones where none is given."""

@@ -58,6 +58,7 @@ __all__ = [
     "Rejected",
     "State",
     "TaskInfo",
+    "stream_status",
 ]
 
 log = logging.getLogger(__name__)
@@ -422,6 +423,30 @@ class JobControl:
             )
 
 
+def stream_status(
+    snapshot: Callable[[], control_pb2.Status], request: Any, context: grpc.ServicerContext
+) -> Iterator[control_pb2.Status]:
+    """WatchStatus: ``snapshot()`` every ``request.interval_seconds`` (0: 1 s) until the
+    job is DONE or FAILED or the client goes."""
+    interval = request.interval_seconds or 1.0
+    if not WATCH_MIN_INTERVAL <= interval <= WATCH_MAX_INTERVAL:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"interval_seconds {interval} is out of range; use "
+            f"{WATCH_MIN_INTERVAL} to {WATCH_MAX_INTERVAL} (0 means 1 s)",
+        )
+    # Woken when the client goes: its thread (and its stream slot) is free at once.
+    gone = threading.Event()
+    context.add_callback(gone.set)
+    final = {s.value for s in FINAL_STATES}
+    while context.is_active():
+        status = snapshot()
+        yield status
+        if status.state in final:
+            return
+        gone.wait(interval)
+
+
 class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, control: JobControl, *, checkpoint_timeout: float = 300.0) -> None:
         self.control = control
@@ -433,22 +458,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def WatchStatus(
         self, request: Any, context: grpc.ServicerContext
     ) -> Iterator[control_pb2.Status]:
-        interval = request.interval_seconds or 1.0
-        if not WATCH_MIN_INTERVAL <= interval <= WATCH_MAX_INTERVAL:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"interval_seconds {interval} is out of range; use "
-                f"{WATCH_MIN_INTERVAL} to {WATCH_MAX_INTERVAL} (0 means 1 s)",
-            )
-        # Woken when the client goes: its thread (and its stream slot) is free at once.
-        gone = threading.Event()
-        context.add_callback(gone.set)
-        while context.is_active():
-            status = self.control.snapshot()
-            yield status
-            if status.state in (s.value for s in FINAL_STATES):
-                return
-            gone.wait(interval)
+        return stream_status(self.control.snapshot, request, context)
 
     def Checkpoint(
         self, request: Any, context: grpc.ServicerContext
@@ -499,14 +509,21 @@ class ControlServer:
 
     def __init__(
         self,
-        control: JobControl,
+        control: JobControl | None,
         address: str,
         *,
+        servicer: control_pb2_grpc.ControlServicer | None = None,
         tokens: Tokens | None = None,
         security: ControlSecurity | None = None,
         max_streams: int = MAX_STREAMS,
     ) -> None:
-        host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
+        """Serve ``servicer`` (default: ``ControlServicer(control)``, and ``control``'s task
+        health is polled while the server runs) on ``address``: HOST:PORT, or
+        ``unix:PATH`` for a launcher's private socket (see control/front.py)."""
+        if servicer is None:
+            if control is None:
+                raise ValueError("ControlServer needs a JobControl or a servicer")
+            servicer = ControlServicer(control)
         self.security = security or ControlSecurity()
         self.tokens = tokens or Tokens.generate()
         self.auth = AuthInterceptor(self.tokens, max_streams=max_streams)
@@ -517,7 +534,7 @@ class ControlServer:
             interceptors=[self.auth],
             options=[("grpc.so_reuseport", 0)],
         )
-        add_control_servicer(ControlServicer(control), self.server)
+        add_control_servicer(servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
@@ -526,7 +543,11 @@ class ControlServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if address.startswith("unix:"):
+            bind, host = address, ""
+        else:
+            host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
+            bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         credentials = self.security.server_credentials()
         try:
             if credentials is None:
@@ -541,7 +562,7 @@ class ControlServer:
                 f"cannot listen on {address} (in use?)",
                 "stop what holds it or pass another --control-address",
             )
-        self.address = f"{host}:{bound}"
+        self.address = address if not host else f"{host}:{bound}"
         self.published: PublishedTokens | None = None  # start_control_server's token files
         self._stop_polling = threading.Event()
         self._control = control
@@ -550,12 +571,13 @@ class ControlServer:
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("psctl.control.v1.Control", health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(
-            target=self._control.poll_health_forever,
-            args=(self._stop_polling,),
-            name="task-health",
-            daemon=True,
-        ).start()
+        if self._control is not None:
+            threading.Thread(
+                target=self._control.poll_health_forever,
+                args=(self._stop_polling,),
+                name="task-health",
+                daemon=True,
+            ).start()
         log.info(
             "control API on %s (pid %d, %s)",
             self.address,
@@ -577,6 +599,8 @@ def start_control_server(
     tokens, publish them for this user when the launcher has not (a bare ``train --once``),
     listen and start. ``server.published`` (or None) is removed by ``stop_control_server``.
     """
+    if address.startswith("unix:"):  # behind the launcher's front: it holds TLS
+        security = security.for_private_socket()
     security.check_server(address)
     tokens = security.server_tokens()
     server = ControlServer(control, address, tokens=tokens, security=security)

@@ -30,9 +30,13 @@ from psctl.cluster.spec import (
     require_chief,
 )
 from psctl.coordinator.failures import EXIT_USAGE, FINAL_EXIT_STATUSES
-from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT, DEFAULTS
+from psctl.coordinator.settings import (
+    DEFAULT_CONFIG_DIR,
+    DEFAULT_CONTROL_ADDRESS,
+    DEFAULT_METRICS_PORT,
+    DEFAULTS,
+)
 
-DEFAULT_CONFIG_DIR = "/etc/psctl"
 REFERENCE_BIN_DIR = "/opt/psctl/venv/bin"
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/psctl"  # StateDirectory=psctl

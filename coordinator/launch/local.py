@@ -26,7 +26,8 @@ from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import Address, ClusterConfig, format_table
-from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
+from psctl.coordinator.control.front import launch_control
+from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,
@@ -280,8 +281,11 @@ def train_argv(
     flags: dict[str, Any],
     args: argparse.Namespace,
     security: ControlSecurity | None = None,
+    control_address: str = "",
 ) -> list[str]:
-    """The training process's command line; ``security``: its control credentials."""
+    """The training process's command line; ``security``: its control credentials,
+    ``control_address``: where it listens (the launcher's private socket; default
+    ``--control-address``)."""
     argv = psctl_argv(
         "train",
         "--cluster",
@@ -289,7 +293,7 @@ def train_argv(
         "--tasks-file",
         str(local.tasks_file),
         "--control-address",
-        args.control_address,
+        control_address or args.control_address,
         "--metrics-port",
         str(local.coordinator_metrics_port),
         "--recovery-timeout",
@@ -319,7 +323,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     if settings.strategy == "sync":
         from psctl.coordinator.launch.sync import local_sync_main  # no servers: N trainers
 
-        return local_sync_main(args, flags, workdir)
+        return local_sync_main(args, flags, workdir, job_name=settings.job)
     local = LocalCluster(
         num_ps=args.ps,
         num_workers=args.workers,
@@ -328,59 +332,59 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         data_service=settings.epochs > 0,
     )
     log.info("work dir %s", workdir)
-    # The job's tokens in this user's runtime directory: the same user's `psctl status` /
-    # `stop --address ADDR` find them; every training process is given them.
-    published, security = publish_for_launch(
-        args.control_address, ControlSecurity.from_args(args, os.environ)
-    )
     # A signal before the coordinator starts must still stop the servers: raise into `finally`.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
+    # The job's tokens in this user's runtime directory: the same user's `psctl status` /
+    # `stop --address ADDR` find them; every training process is given them and listens
+    # behind this process's control front, which answers while one restarts.
+    security = ControlSecurity.from_args(args, os.environ)
     try:
-        local.start()
-        print(format_table(local.cluster, source=str(local.cluster_file)), flush=True)
-        started = time.monotonic()
-        local.wait_serving(timeout=args.start_timeout)
-        log.info(
-            "%d servers SERVING in %.1fs (logs in %s)",
-            len(local.servers),
-            time.monotonic() - started,
-            workdir / "logs",
-        )
-        local.write_tasks()
-        log.info(
-            "control API on %s (psctl status --address %s)",
-            args.control_address,
-            args.control_address,
-        )
-        argv = train_argv(local, flags, args, security)
-
-        def start(counters: Counters) -> subprocess.Popen[bytes]:
-            # Without the launcher the servers go too, and a coordinator waiting for them
-            # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
-            counters_json = json.dumps(dataclasses.asdict(counters))
-            return spawn(
-                [*argv, "--supervisor-counters", counters_json], death_signal=signal.SIGKILL
+        with launch_control(args.control_address, security, job=settings.job) as (front, security):
+            local.start()
+            print(format_table(local.cluster, source=str(local.cluster_file)), flush=True)
+            started = time.monotonic()
+            local.wait_serving(timeout=args.start_timeout)
+            log.info(
+                "%d servers SERVING in %.1fs (logs in %s)",
+                len(local.servers),
+                time.monotonic() - started,
+                workdir / "logs",
             )
+            local.write_tasks()
+            log.info(
+                "control API on %s (psctl status --address %s)",
+                args.control_address,
+                args.control_address,
+            )
+            argv = train_argv(local, flags, args, security, front.backend_address)
 
-        supervisor = TrainingSupervisor(
-            start,
-            policy=RestartPolicy(max_restarts=args.max_restarts),
-            tick=local.restart_failed_servers,
-            counters=local.counters,
-        )
-        try:
-            with forward_stop_signals(supervisor):
-                return supervisor.run()
-        finally:
-            if supervisor.child is not None:
-                stop_processes([supervisor.child], timeout=60.0)
+            def start(counters: Counters) -> subprocess.Popen[bytes]:
+                # Without the launcher the servers go too, and a coordinator waiting for them
+                # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
+                counters_json = json.dumps(dataclasses.asdict(counters))
+                return spawn(
+                    [*argv, "--supervisor-counters", counters_json], death_signal=signal.SIGKILL
+                )
+
+            supervisor = TrainingSupervisor(
+                start,
+                policy=RestartPolicy(max_restarts=args.max_restarts),
+                tick=local.restart_failed_servers,
+                counters=local.counters,
+            )
+            front.on_stop = supervisor.control_stop
+            try:
+                with forward_stop_signals(supervisor):
+                    return supervisor.run()
+            finally:
+                if supervisor.child is not None:
+                    stop_processes([supervisor.child], timeout=60.0)
     except ServerFailed as err:
         print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status
     finally:
         local.stop()
-        published.remove()
         log.info("all servers stopped")
 
 

@@ -220,6 +220,15 @@ class TrainingSupervisor:
             self.sleep(min(0.2, max(0.0, deadline - self.clock())))
         return self.stopping
 
+    def control_stop(self, forwarded: bool) -> None:
+        """A Stop over the control API (control/front.py): the training process took it
+        (``forwarded``) and will checkpoint and exit: start no other after it. None took
+        it (none running, or not answering yet): stop as on SIGTERM."""
+        if forwarded:
+            self.stopping = True
+        else:
+            self.request_stop(signal.SIGTERM)
+
     def request_stop(self, signum: int) -> None:
         """Forward a stop to the training process; never restart after it."""
         self.stopping = True

@@ -34,7 +34,8 @@ from psctl.cluster.spec import (
     load_cluster_file,
     parse_tf_config,
 )
-from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
+from psctl.coordinator.control.front import launch_control
+from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.control.service import (
     JobControl,
     TaskInfo,
@@ -116,7 +117,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if index == 0:  # the only one that writes them
         check_output_dirs(settings.checkpoint_dir, settings.summary_json)
     if not args.once:
-        return supervise_train(args)
+        return supervise_train(args, serve_control=index == 0, job=settings.job)
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     cluster = workers_only(full)
     if full.num_ps and index == 0:
@@ -370,6 +371,15 @@ class LocalSyncJob:
         failed = [code for _, code in sorted(self.statuses.items()) if code != 0]
         return failed[0] if failed else self.statuses.get(0, 1)
 
+    def control_stop(self, forwarded: bool) -> None:
+        """A Stop over the control API (``TrainingSupervisor.control_stop``): worker 0 took
+        it and the workers finish together, or none did and they stop as on SIGTERM."""
+        if forwarded:
+            for supervisor in self.supervisors:
+                supervisor.stopping = True
+        else:
+            self.request_stop(signal.SIGTERM)
+
     def request_stop(self, signum: int) -> None:
         if self._stop_at is None:
             self._stop_at = time.monotonic()
@@ -399,7 +409,9 @@ def _starter(argv: list[str], log_path: Path | None) -> Any:
     return start
 
 
-def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Path) -> int:
+def local_sync_main(
+    args: argparse.Namespace, flags: dict[str, Any], workdir: Path, *, job_name: str = ""
+) -> int:
     """`psctl local --strategy sync`: ``--workers`` training processes, no servers."""
     if args.ps != 1:  # only the default is quietly ignored
         log.info("sync mode: --ps %d ignored (no ps tasks)", args.ps)
@@ -409,10 +421,9 @@ def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Pa
     log.info("work dir %s", workdir)
     job.write_files()
     # As psctl local's PS mode: the job's tokens in this user's runtime directory, handed to
-    # worker 0's training process, so that they stay the same across its restarts.
-    published, security = publish_for_launch(
-        args.control_address, ControlSecurity.from_args(args, os.environ)
-    )
+    # worker 0's training process (so that they stay the same across its restarts), which
+    # listens behind this process's control front.
+    security = ControlSecurity.from_args(args, os.environ)
     print(format_table(job.cluster, source=str(job.cluster_file)), flush=True)
     log.info(
         "control API on %s (psctl status --address %s); worker logs in %s",
@@ -427,11 +438,15 @@ def local_sync_main(args: argparse.Namespace, flags: dict[str, Any], workdir: Pa
     old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        job.start(flags, args, security)
-        return job.wait()
+        with launch_control(args.control_address, security, job=job_name) as (front, security):
+            job.control_address = front.backend_address
+            front.on_stop = job.control_stop
+            try:
+                job.start(flags, args, security)
+                return job.wait()
+            finally:
+                job.stop()
     finally:
-        job.stop()
-        published.remove()
         for sig, handler in old.items():
             signal.signal(sig, handler)
         log.info(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,8 @@ from psctl.cluster.spec import (
     parse_tf_config,
     require_chief,
 )
-from psctl.coordinator.control.security import ControlSecurity, publish_for_launch
+from psctl.coordinator.control.front import launch_control
+from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.control.service import (
     JobControl,
     TaskInfo,
@@ -132,7 +134,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
         )
     if not args.once:
-        return supervise_train(args)
+        return supervise_train(args, job=settings.job)
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
     ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
@@ -284,31 +286,35 @@ class TrainingProcess(subprocess.Popen[bytes]):
         return code
 
 
-def supervise_train(args: argparse.Namespace) -> int:
-    """`psctl train` without --once: run the training process under the restart policy."""
+def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job: str = "") -> int:
+    """`psctl train` without --once: run the training process under the restart policy,
+    serving the job's control address (``serve_control``; not on sync mode's workers > 0)."""
     control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
     if control.port == 0:  # one port for every training process, and for the token files
         control = control.with_port(ports.free_ports(1, control.host)[0])
-    # The job's tokens, written once for this user and kept by every training process.
-    published, security = publish_for_launch(
-        str(control), ControlSecurity.from_args(args, os.environ)
-    )
-    argv = psctl_argv(
-        *args.raw_argv, *security.as_argv(), "--control-address", str(control), "--once"
-    )
-
-    def start(counters: Counters) -> subprocess.Popen[bytes]:
-        counters_json = json.dumps(asdict(counters))
-        return TrainingProcess(
-            [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
+    # The job's tokens, written once for this user and kept by every training process;
+    # the control address is the launcher's, the training process listens behind it.
+    security = ControlSecurity.from_args(args, os.environ)
+    with contextlib.ExitStack() as stack:
+        address = str(control)
+        if serve_control:
+            front, security = stack.enter_context(launch_control(str(control), security, job=job))
+            address = front.backend_address
+        argv = psctl_argv(
+            *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
         )
 
-    supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
-    try:
+        def start(counters: Counters) -> subprocess.Popen[bytes]:
+            counters_json = json.dumps(asdict(counters))
+            return TrainingProcess(
+                [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
+            )
+
+        supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
+        if serve_control:
+            front.on_stop = supervisor.control_stop
         with forward_stop_signals(supervisor):
             return supervisor.run()
-    finally:
-        published.remove()
 
 
 def start_metrics(

@@ -256,4 +256,10 @@ def check_output_dirs(checkpoint_dir: str, summary_json: str) -> None:
     if checkpoint_dir:
         require_writable_dir(checkpoint_dir, field="--checkpoint-dir")
     if summary_json:
+        if os.path.isdir(summary_json):
+            raise ConfigError(
+                "--summary-json",
+                f"{summary_json} is a directory",
+                "give a file path, e.g. DIR/summary.json",
+            )
         require_writable_dir(os.path.dirname(os.path.abspath(summary_json)), field="--summary-json")

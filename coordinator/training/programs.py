@@ -94,6 +94,17 @@ def make_replica_step(
     return replica_step
 
 
+def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
+    """``AutoShardPolicy.DATA`` on the job's dataset: this worker's share of its elements
+    (every num_workers-th batch, from ``index``: an int, or a tensor in the parameter-server
+    mode's per-worker function), as tf.distribute's DATA policy reads.
+    ``distribute_datasets_from_function`` never shards by itself, in either mode."""
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:
+        return dataset.shard(num_workers, index)
+    return dataset
+
+
 class DefaultProgram:
     """``--steps N``: K steps a call, each reading and updating the ps variables, over the
     job's per-worker datasets (each worker reads its own shard)."""
@@ -138,9 +149,13 @@ class DefaultProgram:
 
         def per_worker_dataset_fn() -> Any:
             # Traced once for all workers: the worker's index is a tensor, not a Python int.
-            index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            ctx = rt.data_context(tf.cast(index, tf.int64), rt.num_workers, batch_size)
-            return rt.strategy.distribute_datasets_from_function(lambda _: dataset_fn(ctx))
+            index = tf.cast(
+                tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
+            )
+            ctx = rt.data_context(index, rt.num_workers, batch_size)
+            return rt.strategy.distribute_datasets_from_function(
+                lambda _: shard_for(dataset_fn(ctx), index, rt.num_workers)
+            )
 
         return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import PeerLost, Unreachable, describe
@@ -35,7 +36,7 @@ from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.evaluation import evaluate_final
 from psctl.coordinator.training.model import TrainState, scalar
 from psctl.coordinator.training.packing import Packer, packer_for
-from psctl.coordinator.training.programs import DefaultProgram, Runtime
+from psctl.coordinator.training.programs import DefaultProgram, Runtime, shard_for
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.summary import Summary, accuracy_of
 
@@ -95,16 +96,6 @@ def peer_lost(err: BaseException) -> bool:
         text = str(err).lower()
         return "collective" in text or "incarnation" in text or "restarted" in text
     return True
-
-
-def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
-    """``AutoShardPolicy.DATA`` on the job's dataset: this worker's share of its elements
-    (every num_workers-th batch, from ``index``), as tf.distribute's DATA policy reads.
-    ``distribute_datasets_from_function`` never shards by itself."""
-    policy = dataset.options().experimental_distribute.auto_shard_policy
-    if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:
-        return dataset.shard(num_workers, index)
-    return dataset
 
 
 class Agreement:
@@ -306,6 +297,42 @@ class SyncLoop:
             self.metrics.observe_call(steps=steps, seconds=seconds)
 
 
+class ChiefEvalEvery:
+    """``--eval-every N`` in sync mode: every N global steps the chief evaluates its copy of
+    the model (the same on every worker) over every eval example once, between calls, and
+    publishes it as the final evaluation is; the other workers wait for it at the next
+    agreement (a collective: no timeout, docs/sync.md)."""
+
+    def __init__(
+        self,
+        job: Job,
+        settings: TrainSettings,
+        state: TrainState,
+        publisher: Publisher,
+        *,
+        start_step: int,
+    ) -> None:
+        if job.eval_dataset_fn is None:
+            raise ConfigError(
+                "--eval-every",
+                f"the job {job.name} has no eval_dataset_fn",
+                "define eval_dataset_fn(ctx) in the job, or drop --eval-every",
+            )
+        self.job, self.settings, self.state, self.publisher = job, settings, state, publisher
+        self.every = settings.eval_every
+        self.next_step = (start_step // self.every + 1) * self.every
+
+    def __call__(self, loop: Any) -> None:
+        step = int(loop.completed)
+        if step < self.next_step or step >= loop.program.target:  # the final one follows
+            return
+        self.next_step = (step // self.every + 1) * self.every
+        state = self.state
+        values = evaluate_final(self.job, self.settings, state.model, state.metric_factories, step)
+        if values:
+            self.publisher.evaluation(values, step=step)
+
+
 class SyncTrainer:
     """One worker's part of a synchronous job, on a strategy from ``sync_strategy`` (made
     before the job is loaded): builds the state and the data, and runs ``SyncLoop`` to a
@@ -387,8 +414,6 @@ class SyncTrainer:
         whole = DataContext.from_settings(s, worker_index=0, num_workers=1, batch_size=s.batch_size)
         dataset = self.job.dataset_fn(dataclasses.replace(whole, one_pass=True))
         if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
-            from psctl.cluster.errors import ConfigError
-
             raise ConfigError(
                 "--epochs",
                 f"the job's dataset_fn ({self.job.name}) returns an endless dataset",
@@ -398,8 +423,6 @@ class SyncTrainer:
         batches = count_batches(mine)
         fewest = int(self.agreement.min([float(batches)])[0])  # the fewest any worker has
         if fewest < 1:
-            from psctl.cluster.errors import ConfigError
-
             raise ConfigError(
                 "--epochs",
                 f"one pass has fewer batches than the {n} workers",
@@ -449,6 +472,10 @@ class SyncTrainer:
                 batch_size=self.global_batch,
                 start_step=start_step,
             )
+            if s.eval_every:
+                actions.append(
+                    ChiefEvalEvery(self.job, s, state, self.publisher, start_step=start_step)
+                )
         loop = SyncLoop(
             program=program,
             agreement=self.agreement,

@@ -52,18 +52,8 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def load_step(path: str) -> int:
-    """Read global_step from a checkpoint in a fresh process: proves it is restorable."""
-    code = (
-        "import sys, tensorflow as tf; r = tf.train.load_checkpoint(sys.argv[1]); "
-        "print(int(r.get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE')))"
-    )
-    stdout = run_python(code, path)
-    return int(stdout.strip())
-
-
-@pytest.mark.timeout(300)
-def test_operator_drives_a_running_job(workdir):
+def start_local_job(workdir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`psctl local` of 100,000 steps on a free control port: (process, address, summary)."""
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     out = workdir / "out.json"
@@ -78,25 +68,46 @@ def test_operator_drives_a_running_job(workdir):
             address,
             "--summary-json",
             str(out),
-            "--checkpoint-every",  # no periodic checkpoint rotates the requested one away
-            "1000000",
+            *extra,
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=child_env(),
     )
+    return job, address, out
+
+
+def wait_training(address: str) -> dict:
+    """The job's status once it is RUNNING with steps done."""
+    return wait_until(
+        lambda: (
+            (s := status_or_none(address))
+            and s["state"] == "JOB_STATE_RUNNING"
+            and int(s["global_step"]) > 0
+            and s
+        ),
+        timeout=150,
+        what="RUNNING with steps",
+    )
+
+
+def load_step(path: str) -> int:
+    """Read global_step from a checkpoint in a fresh process: proves it is restorable."""
+    code = (
+        "import sys, tensorflow as tf; r = tf.train.load_checkpoint(sys.argv[1]); "
+        "print(int(r.get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE')))"
+    )
+    stdout = run_python(code, path)
+    return int(stdout.strip())
+
+
+@pytest.mark.timeout(300)
+def test_operator_drives_a_running_job(workdir):
+    # No periodic checkpoint rotates the requested one away.
+    job, address, out = start_local_job(workdir, "--checkpoint-every", "1000000")
     try:
         # status: every task with health and pid, and a rising global step
-        first = wait_until(
-            lambda: (
-                (s := status_or_none(address))
-                and s["state"] == "JOB_STATE_RUNNING"
-                and int(s["global_step"]) > 0
-                and s
-            ),
-            timeout=150,
-            what="RUNNING with steps",
-        )
+        first = wait_training(address)
         tasks = {(t["type"], t["index"]): t for t in first["tasks"]}
         assert set(tasks) == {("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)}
         for task in tasks.values():
@@ -167,3 +178,43 @@ def test_status_without_coordinator_is_one_clear_line():
     assert proc.stderr.strip() == (
         f"psctl: error: no coordinator at 127.0.0.1:{port}: connection refused"
     )
+
+
+@pytest.mark.timeout(300)
+def test_control_api_answers_while_the_training_process_restarts(workdir):
+    """The launcher holds the control address: a SIGKILLed training process shows as
+    RECOVERING (never a closed port) until the next one answers; requests that need it are
+    refused in one line meanwhile, and a stop afterwards ends the job cleanly."""
+    job, address, out = start_local_job(workdir)
+    try:
+        first = wait_training(address)
+        (chief,) = [int(t["pid"]) for t in first["tasks"] if t["type"] == "chief"]
+        assert chief != job.pid  # the training process, not the launcher
+        subprocess.run(["kill", "-9", str(chief)], check=True)
+        states, refused = [], None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            now = status_or_none(address)
+            assert now is not None, "the control address stopped answering"
+            states.append(now["state"])
+            if now["state"] == "JOB_STATE_RECOVERING" and refused is None:
+                assert "restarting" in now["message"], now
+                refused = control_cli(address, "pause")
+            chiefs = [int(t["pid"]) for t in now["tasks"] if t["type"] == "chief"]
+            if now["state"] == "JOB_STATE_RUNNING" and chiefs and chiefs != [chief]:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"no new training process answered: {states[-20:]}")
+        assert "JOB_STATE_RECOVERING" in states, states
+        assert refused is not None and refused.returncode != 0
+        (line,) = refused.stderr.strip().splitlines()
+        assert "RECOVERING" in line and "try again" in line, line
+        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=60) == 0
+    finally:
+        kill_if_running(job)
+    summary = read_json(out)
+    assert summary["restarts"] >= 1 and summary["stopped_early"] is True
+    assert processes_mentioning(str(workdir)) == []

@@ -150,7 +150,8 @@ def test_sync_local_sigkill_leaves_no_worker_behind(workdir):
 @pytest.mark.timeout(200)
 def test_sync_trains_a_job_with_an_auc_metric(run_cli, workdir, tmp_path):
     """The ctr job: embeddings, and a training metric (AUC) that is not a mean, whose
-    on-read variables must not be all-reduced by the chief alone."""
+    on-read variables must not be all-reduced by the chief alone; --eval-every on the
+    chief between calls."""
     out = tmp_path / "summary.json"
     argv = psctl_argv(
         "local",
@@ -168,11 +169,17 @@ def test_sync_trains_a_job_with_an_auc_metric(run_cli, workdir, tmp_path):
         "200",
         "--log-every",
         "1",
+        "--eval-every",
+        "80",
+        "--steps-per-execution",
+        "20",
         "--summary-json",
         str(out),
     )
     proc = run_cli(argv, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = re.findall(r"eval \| step:\s+(\d+) \| loss: [0-9.]+ \| auc: 0\.", proc.stderr)
+    assert evals == ["80", "160", "200"], proc.stderr[-3000:]
     summary = read_json(out)
     assert summary["global_step"] == 200
     assert summary["eval_auc"] is not None and summary["eval_auc"] > 0.6, summary

@@ -230,6 +230,8 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
     assert info.value.exit_status == 78
     with pytest.raises(ConfigError, match=r"^--summary-json: cannot write to"):
         check_output_dirs(str(tmp_path / "ok"), str(blocker / "out.json"))
+    with pytest.raises(ConfigError, match=r"^--summary-json: .* is a directory; give a file"):
+        check_output_dirs(str(tmp_path / "ok"), str(tmp_path))
 
 
 @pytest.mark.timeout(60)

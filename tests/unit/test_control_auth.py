@@ -398,3 +398,16 @@ def test_control_env_names_are_known():
         }
     )
     assert sys.modules["psctl.coordinator.control.security"]
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "on please"])
+def test_insecure_control_env_takes_a_yes_or_no_only(value):
+    import argparse
+
+    with pytest.raises(ConfigError, match=r"^PSCTL_INSECURE_CONTROL: got .*set it to 1"):
+        ControlSecurity.from_args(argparse.Namespace(), {"PSCTL_INSECURE_CONTROL": value})
+    for allowed, expected in (("1", True), ("yes", True), ("0", False), ("", False)):
+        security = ControlSecurity.from_args(
+            argparse.Namespace(), {"PSCTL_INSECURE_CONTROL": allowed}
+        )
+        assert security.insecure is expected

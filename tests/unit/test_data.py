@@ -394,7 +394,10 @@ def test_mlp_one_pass_is_every_example_once():
         ("a,label\n1,1\r2,0\n", "bad.csv line 2 ends in a lone carriage return"),
         ("\ufeffa,label\n1,1\n", "bad.csv starts with a byte order mark (BOM, U+FEFF)"),
         ("a,label\n1e39,1\n", "line 2, column 'a': 1e+39 is beyond float32"),
-        ("a,label\n1e999,1\n", "line 2, column 'a': inf; give finite numbers"),
+        # Past float64 a number reads as inf: the cell is quoted as written (cut if long).
+        ("a,label\n1e999,1\n", "line 2, column 'a': '1e999' is beyond float32"),
+        ('a,label\n"-1e999",1\n', "line 2, column 'a': '-1e999' is beyond float32"),
+        ("a,label\n" + "9" * 400 + ",1\n", "'99999999999999999999999"),
         ("a,label\n1,-Infinity\n", "line 2, column 'label': -Infinity is not a finite number"),
         ('a,label\n "1",1\n', "column 'a': ' \"1\"' is not a number in quotes that open and close"),
         ("a,label\n0x10,1\n", "column 'a': '0x10' is not a number"),
@@ -418,6 +421,9 @@ def test_csv_error_lines_cut_a_huge_cell(tmp_path: Path):
     path.write_text("a" * 10_000 + ",b\n1,2\n")
     message = config_error(str(path))
     assert len(message) < 400 and "no label column 'label'" in message
+    path.write_text("a,label\n" + "9" * 20_000_000 + ",1\n")  # a number past float64
+    message = config_error(str(path))
+    assert len(message) < 400 and "... (20000000 characters) is beyond float32" in message
 
 
 def test_csv_tensorflow_parses_is_accepted_and_read_the_same(tmp_path: Path):

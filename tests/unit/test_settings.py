@@ -372,3 +372,72 @@ def test_a_directory_as_config_is_one_line_and_78(tmp_path: Path):
     assert proc.stderr.strip().splitlines() == [
         f"psctl: error: --config: {tmp_path} is a directory; give the TOML job file's path"
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        # argparse's int() and float() took these; the flags now read as PSCTL_* values do.
+        (["--steps", "1_000"], "--steps: '1_000' is not a whole number"),
+        (["--steps", "\u0661\u0662"], "--steps: '\u0661\u0662' is not a whole number"),
+        (["--steps", "\uff11\uff12"], "--steps: '\uff11\uff12' is not a whole number"),
+        (["--steps", "1e20"], "--steps: '1e20' is not a whole number"),
+        (["--steps", "9" * 5000], "is out of range"),
+        (["--local-scale", "1_0"], "--local-scale: '1_0' is not a number"),
+        (["--local-scale", "\u0661"], "--local-scale: '\u0661' is not a number"),
+        (["--steps-per-execution", "many"], "--steps-per-execution: 'many' is not a whole"),
+        (["--seed", str(2**64)], "from -9,223,372,036,854,775,808 to"),
+    ],
+)
+def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
+    args = build_parser().parse_args(["train", *argv])
+    from psctl.coordinator.cli.main import train_flag_values
+
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags=train_flag_values(args), config_file=None, environ={})
+    assert problem in str(err.value) and len(str(err.value)) < 250, str(err.value)
+    good = build_parser().parse_args(["train", "--steps", " 12", "--steps-per-execution", "Auto"])
+    s = resolve_settings(flags=train_flag_values(good), config_file=None, environ={})
+    assert (s.steps, s.steps_per_execution) == (12, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["local", "--workers", "0"], "psctl: error: --workers: got 0; give a whole number"),
+        (["local", "--ps", str(10**20)], "psctl: error: --ps: got 100000000000000000000;"),
+        (["local", "--start-timeout", "nan"], "psctl: error: --start-timeout: got nan;"),
+        (["train", "--connect-timeout", "inf"], "psctl: error: --connect-timeout: got inf;"),
+        (["train", "--connect-timeout", "-5"], "psctl: error: --connect-timeout: got -5;"),
+        (["train", "--recovery-timeout", "0"], "psctl: error: --recovery-timeout: got 0;"),
+        (["train", "--max-restarts", "-1"], "psctl: error: --max-restarts: got -1;"),
+        (["train", "--metrics-port", "70000"], "psctl: error: --metrics-port: got 70000;"),
+    ],
+)
+def test_launcher_flags_out_of_range_are_one_line_and_78(capsys, argv: list[str], line: str):
+    from psctl.coordinator.cli.main import run_command
+
+    assert run_command(build_parser().parse_args(argv)) == 78
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--steps"],
+        ["train", "--stpes", "2"],
+        ["local", "--workers", "1_0"],
+        ["local", "--workers", "\u0662"],
+        ["train", "--connect-timeout", "1_0"],
+        ["train", "--task-index", "x" * 5000],
+        ["frobnicate"],
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_2(capsys, argv: list[str]):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("psctl: error: ") and err.count("\n") == 1, err
+    assert "--help'" in err and len(err) < 400 and "usage:" not in err

@@ -45,7 +45,6 @@ def test_peer_lost_restarts_the_process_in_every_scope():
     [
         ({"update_mode": "local"}, "--update-mode"),
         ({"max_shards": "4"}, "--max-shards"),
-        ({"eval_every": "100"}, "--eval-every"),
     ],
 )
 def test_sync_refuses_settings_of_the_ps_mode(flags, field):
@@ -54,6 +53,13 @@ def test_sync_refuses_settings_of_the_ps_mode(flags, field):
     assert field in str(info.value) and "strategy sync" in str(info.value)
     # The same settings are fine in the default mode.
     assert resolve_settings(flags=flags, config_file=None, environ={}).strategy == "async"
+
+
+def test_sync_takes_eval_every():
+    settings = resolve_settings(
+        flags={"strategy": "sync", "eval_every": "100"}, config_file=None, environ={}
+    )
+    assert settings.eval_every == 100
 
 
 def test_a_cluster_without_ps_is_read_only_for_sync(tmp_path):
@@ -110,7 +116,8 @@ def test_peer_lost_tells_a_lost_peer_from_the_jobs_own_errors():
 def test_auto_shard_policy_data_shards_the_batches():
     import tensorflow as tf
 
-    from psctl.coordinator.training.sync import count_batches, shard_for
+    from psctl.coordinator.training.programs import shard_for
+    from psctl.coordinator.training.sync import count_batches
 
     batches = tf.data.Dataset.range(10).batch(2)
     options = tf.data.Options()
@@ -119,6 +126,9 @@ def test_auto_shard_policy_data_shards_the_batches():
     mine = [b.numpy().tolist() for b in shard_for(data, 1, 2)]
     assert mine == [[2, 3], [6, 7]]
     assert count_batches(shard_for(data, 0, 2)) == 3
+    # The parameter-server mode's per-worker function has the worker's index as a tensor.
+    by_tensor = [b.numpy().tolist() for b in shard_for(data, tf.constant(1, tf.int64), 2)]
+    assert by_tensor == mine
     # Without the policy the job shards itself: the dataset is left as it is.
     assert count_batches(shard_for(batches, 1, 2)) == 5
     assert count_batches(batches.filter(lambda b: tf.reduce_sum(b) > 4)) == 4  # counted
