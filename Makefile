@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[$(TF_EXTRA),dev,test]'
 	touch $(STAMP)
 
+# Byte-compile psctl's own modules (an editable install reads them from this checkout):
+# with PYTHONDONTWRITEBYTECODE set, as on many CI images, every psctl process would compile
+# them again at start (`psctl status` took 0.15 s of CPU instead of 0.10 s).
 install: $(STAMP)
+	$(BIN)/python -m compileall -q psctl cluster coordinator jobs protos/psctl ps_server worker_server
 
 demo: install
 	$(BIN)/psctl local

@@ -23,6 +23,12 @@ import threading
 import time
 from pathlib import Path
 
+# This process forks a `psctl status` per timed run while its own gRPC threads serve 100
+# streams: gRPC's fork handlers (on by default) would charge their wait to every run, a
+# cost an operator's shell never pays. psctl's own launchers turn them off the same way
+# (coordinator/cli/__init__.py).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import grpc
 
 from psctl.cluster.ports import free_ports
