@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.coordinator.cli.numbers import decimal, whole_number
 from psctl.coordinator.control.client import (
     cmd_checkpoint,
     cmd_health,
@@ -86,17 +87,17 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     status = add_address(sub.add_parser("status", help="show the running job's status"))
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     watch = add_address(sub.add_parser("watch", help="live view of the job's status"))
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds (0.1-60; 1)")
-    watch.add_argument("--count", type=int, default=0, help="stop after N updates")
-    watch.add_argument("--duration", type=float, default=0.0, help="stop after S seconds")
+    watch.add_argument("--interval", type=decimal, default=1.0, help="seconds (0.1-60; 1)")
+    watch.add_argument("--count", type=whole_number, default=0, help="stop after N updates")
+    watch.add_argument("--duration", type=decimal, default=0.0, help="stop after S seconds")
     ckpt = add_address(sub.add_parser("checkpoint", help="save a checkpoint now"))
-    ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    ckpt.add_argument("--timeout", type=decimal, default=300.0, help="seconds (default 300)")
     add_address(sub.add_parser("pause", help="stop scheduling new steps"))
     add_address(sub.add_parser("resume", help="go on after pause"))
     stop = add_address(sub.add_parser("stop", help="graceful stop: checkpoint, eval, exit"))
     stop.add_argument(
         "--timeout",
-        type=float,
+        type=decimal,
         default=120.0,
         help="seconds to wait for the coordinator to exit (default 120)",
     )
@@ -104,11 +105,11 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     probe.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
     probe.add_argument(
         "--health-port-offset",
-        type=int,
+        type=whole_number,
         default=HEALTH_PORT_OFFSET,
         help=f"health port = TF port + this (default {HEALTH_PORT_OFFSET})",
     )
-    probe.add_argument("--timeout", type=float, default=2.0, help="seconds per check")
+    probe.add_argument("--timeout", type=decimal, default=2.0, help="seconds per check")
     return {
         "status": cmd_status,
         "watch": cmd_watch,

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from psctl.coordinator.cli.numbers import decimal
 from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 
 
@@ -65,5 +66,5 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         help="reach every server's TF port and health service; non-zero if any is not up",
     )
     check_p.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
-    check_p.add_argument("--timeout", type=float, default=2.0, help="seconds per check")
+    check_p.add_argument("--timeout", type=decimal, default=2.0, help="seconds per check")
     return {"deploy": cmd_deploy}

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from psctl.cluster.requirements import require_tensorflow
+from psctl.coordinator.cli.numbers import decimal, whole_number
 from psctl.coordinator.settings import default_help, flag_values
 
 DEFAULT_POLL_INTERVAL = 2.0
@@ -39,23 +40,23 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
         parser.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument(
         "--steps",
-        type=int,
+        type=whole_number,
         default=None,
         help="the run's final global step: exit after evaluating a checkpoint that reaches it "
         "(default: PSCTL_STEPS or the --config file's steps, else none)",
     )
     parser.add_argument(
-        "--max-evaluations", type=int, default=None, help="exit after N evaluations"
+        "--max-evaluations", type=whole_number, default=None, help="exit after N evaluations"
     )
     parser.add_argument(
         "--poll-interval",
-        type=float,
+        type=decimal,
         default=DEFAULT_POLL_INTERVAL,
         help=f"seconds between looks for a new checkpoint (default {DEFAULT_POLL_INTERVAL:g})",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=decimal,
         default=DEFAULT_TIMEOUT,
         help=f"exit when no new checkpoint appears for this long (default {DEFAULT_TIMEOUT:g} s)",
     )

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,14 +18,13 @@ from psctl.coordinator.cli.client import add_client_commands, add_control_securi
 from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
 from psctl.coordinator.cli.export import add_export_command
+from psctl.coordinator.cli.numbers import check_ranges, decimal, whole_number
 from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
     DEFAULT_METRICS_PORT,
     DEFAULTS,
     IN_FLIGHT_PER_WORKER,
-    INT32_MAX,
-    MAX_SECONDS,
     default_help,
     flag_values,
     parse_steps_per_execution,
@@ -36,10 +33,6 @@ from psctl.coordinator.settings import (
 
 log = logging.getLogger("psctl")
 EXIT_USAGE = 2  # argparse's status for a bad command line (failures.EXIT_USAGE)
-MAX_LOCAL_TASKS = 1000  # psctl local --ps / --workers: servers on this one machine
-_WHOLE = re.compile(r"[+-]?[0-9]{1,30}")  # ASCII: int() also takes 1_000, other digits
-_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-_NOT_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,28 +43,6 @@ class _Parser(argparse.ArgumentParser):
         if len(text) > 200:  # argparse repeats the bad value whole
             text = f"{text[:197]}... ({len(text)} characters)"
         self.exit(EXIT_USAGE, f"psctl: error: {text}; see '{self.prog} --help'\n")
-
-
-def _whole_number(text: str) -> int:
-    """A launcher flag's whole number: ASCII digits with an optional sign."""
-    if not _WHOLE.fullmatch(text.strip(" \t")):
-        raise ValueError(text)
-    return int(text)
-
-
-_whole_number.__name__ = "whole number"  # argparse names the type in its error line
-
-
-def _decimal(text: str) -> float:
-    """A launcher flag's number: ASCII (not 1_000 or other scripts' digits); inf and nan
-    are refused with the ranges (check_launch_flags), as for the run settings."""
-    number = text.strip(" \t")
-    if not (_DECIMAL.fullmatch(number) or _NOT_FINITE.fullmatch(number)):
-        raise ValueError(text)
-    return float(number)
-
-
-_decimal.__name__ = "number"
 
 
 def _seconds(value: float) -> str:
@@ -174,14 +145,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts",
-        type=_whole_number,
+        type=whole_number,
         default=10,
         help="restarts of the training process within 10 minutes before the job FAILS "
         "(default %(default)s)",
     )
     parser.add_argument(
         "--recovery-timeout",
-        type=_decimal,
+        type=decimal,
         default=300.0,
         help="seconds to wait for failed ps tasks before restarting anyway (default %(default)g)",
     )
@@ -218,15 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start ps and worker servers on loopback, train, then stop every server.",
     )
     local.add_argument(
-        "--ps", type=_whole_number, default=1, help="ps servers (default %(default)s)"
+        "--ps", type=whole_number, default=1, help="ps servers (default %(default)s)"
     )
     local.add_argument(
-        "--workers", type=_whole_number, default=2, help="worker servers (default %(default)s)"
+        "--workers", type=whole_number, default=2, help="worker servers (default %(default)s)"
     )
     local.add_argument("--workdir", help="run directory (default ./psctl-work/local-TIME)")
     local.add_argument(
         "--start-timeout",
-        type=_decimal,
+        type=decimal,
         default=120.0,
         help="seconds to wait for every server to be SERVING (default %(default)g)",
     )
@@ -246,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--task-index",
-        type=_whole_number,
+        type=whole_number,
         metavar="N",
         help="--strategy sync: which worker of the cluster this host runs (0 is the chief); "
         "default: TF_CONFIG's task index",
@@ -263,13 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_address(train)
     train.add_argument(
         "--metrics-port",
-        type=_whole_number,
+        type=whole_number,
         default=DEFAULT_METRICS_PORT,
         help="coordinator's Prometheus /metrics port (default %(default)s; 0: off)",
     )
     train.add_argument(
         "--connect-timeout",
-        type=_decimal,
+        type=decimal,
         default=120.0,
         help="seconds to wait for every server's TF port, then exit 69 (default %(default)g)",
     )
@@ -287,44 +258,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Launcher flags that are not run settings: name -> (lowest, highest, what is meant).
-_LAUNCH_RANGES: dict[str, tuple[float, float, str]] = {
-    "ps": (1, MAX_LOCAL_TASKS, "a whole number"),
-    "workers": (1, MAX_LOCAL_TASKS, "a whole number"),
-    "max_restarts": (0, INT32_MAX, "a whole number"),
-    "task_index": (0, INT32_MAX, "a whole number"),
-    "metrics_port": (0, 65535, "a port number (0: off)"),
-    "start_timeout": (0, MAX_SECONDS, "seconds above 0"),
-    "recovery_timeout": (0, MAX_SECONDS, "seconds above 0"),
-    "connect_timeout": (0, MAX_SECONDS, "seconds above 0"),
-}
-
-
-def check_launch_flags(args: argparse.Namespace) -> None:
-    """ConfigError (one line, exit 78) for a launcher flag out of range: ``--workers 0``,
-    ``--connect-timeout -5`` (a timer past a week overflows; a negative one gives up at
-    once)."""
-    for name, (low, high, what) in _LAUNCH_RANGES.items():
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        seconds = what.startswith("seconds")
-        in_range = low < value if seconds else low <= value
-        if math.isfinite(value) and in_range and value <= high:
-            continue
-        flag = f"--{name.replace('_', '-')}"
-        shown = f"{value:g}" if isinstance(value, float) else str(value)
-        bound = f"at most {high:,g}" if seconds else f"from {low:,} to {high:,}"
-        raise ConfigError(flag, f"got {shown}", f"give {what}, {bound}")
-
-
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from psctl.cluster.dataservice import dispatcher_address
     from psctl.cluster.spec import check_config, format_table
+    from psctl.coordinator.control.client import explicit_health_addresses
 
     cluster, source, task = check_config(cluster_file=args.file, environ=os.environ)
+    # The file's optional sections too: the tf.data service and the health addresses.
+    dispatcher = dispatcher_address(flag=None, cluster_file=args.file, environ={})
+    explicit_health_addresses(args.file)
     print(format_table(cluster, source=source))
     if task is not None:
         print(f"task: {task.task_type} {task.task_index} ({task.address})")
+    if dispatcher:
+        print(f"tf.data service dispatcher: {dispatcher}")
     return 0
 
 
@@ -372,7 +319,7 @@ def run_command(args: argparse.Namespace) -> int:
     from psctl.coordinator.control.client import ControlError
 
     try:
-        check_launch_flags(args)
+        check_ranges(args)
         return int({**COMMANDS, **CLIENT_COMMANDS}[args.command](args))
     except (ConfigError, ControlError) as err:
         print(f"psctl: error: {err}", file=sys.stderr)

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE
+from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.spec import Address, resolve_cluster
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.security import (
@@ -281,11 +281,19 @@ def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int],
     if not cluster_file:
         return {}
     with open(cluster_file) as f:
-        section = json.load(f).get("health", {})
+        top = json.load(f)
+    section = top.get("health", {}) if isinstance(top, dict) else {}
+    shape = 'give "health": {"ps": ["host:port", ...], "worker": [...]} or leave it out'
+    if not isinstance(section, dict):
+        raise ConfigError(f"{cluster_file}: health", "is not an object", shape)
     found: dict[tuple[str, int], Address] = {}
-    for task_type, addresses in section.items() if isinstance(section, dict) else ():
-        for index, address in enumerate(addresses if isinstance(addresses, list) else []):
+    for task_type, addresses in section.items():
+        if not isinstance(addresses, list):
+            raise ConfigError(f"{cluster_file}: health.{task_type}", "is not a list", shape)
+        for index, address in enumerate(addresses):
             field = f"{cluster_file}: health.{task_type}[{index}]"
+            if not isinstance(address, str):
+                raise ConfigError(field, "is not a string", 'give "host:port"')
             found[(task_type, index)] = Address.parse(address, field=field)
     return found
 

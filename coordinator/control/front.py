@@ -89,6 +89,8 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         request = control_pb2.GetStatusRequest()
         try:
             status = self._stub.GetStatus(request, timeout=timeout, metadata=self._metadata)
+        except ValueError:  # the channel is closed: the launcher is stopping
+            return self.current()
         except grpc.RpcError as err:
             # DEADLINE_EXCEEDED on a fail-fast call: it was connected, the process is busy.
             # UNAVAILABLE: not connected: gone, or a new process the channel has not dialled
@@ -102,7 +104,7 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
                     metadata=self._metadata,
                     wait_for_ready=True,
                 )
-            except grpc.RpcError:
+            except (grpc.RpcError, ValueError):
                 with self._lock:
                     self._answering = False
                 return self.current()
@@ -190,7 +192,11 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         self, method: str, request: Any, context: grpc.ServicerContext, default: float
     ) -> Any:
         call = getattr(self._stub, method)
-        return call(request, timeout=_timeout(context, default), metadata=self._metadata)
+        try:
+            return call(request, timeout=_timeout(context, default), metadata=self._metadata)
+        except ValueError:  # the channel is closed: the launcher is stopping
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the job is ending")
+            raise  # unreachable: abort raises
 
     def _forward(
         self,

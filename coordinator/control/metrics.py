@@ -186,10 +186,14 @@ class CoordinatorMetrics:
         num_workers: int,
         num_ps: int,
         batch_size: int,
+        examples_per_step: int = 0,
     ) -> None:
+        """``batch_size`` is per worker; ``examples_per_step`` (default ``batch_size``: a
+        parameter-server step is one worker's batch) counts examples, a sync step being
+        every worker's batch."""
         self.registry = registry
         self.job = job
-        self.batch_size = batch_size
+        self.batch_size = examples_per_step or batch_size
         self.process = ProcessMetrics(registry=registry, task_type="chief", task_index=0)
         r = registry
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -146,13 +146,14 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if is_chief:
         from psctl.coordinator.launch.train import start_metrics
 
-        # A sync step reads a batch on every worker: examples are counted per step so.
         metrics = start_metrics(
             args.metrics_port,
-            replace(settings, batch_size=settings.batch_size * cluster.num_workers),
+            settings,  # psctl_batch_size: per worker, as in the parameter-server mode
             # The metrics bind on the chief's host: worker 0's, here.
             cluster.with_chief(str(cluster.task_address("worker", 0).with_port(args.metrics_port))),
             counters,
+            # A sync step reads a batch on every worker: examples are counted per step so.
+            examples_per_step=settings.batch_size * cluster.num_workers,
         )
     tasks = (
         load_tasks(args.tasks_file, cluster)

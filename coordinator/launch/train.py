@@ -318,10 +318,16 @@ def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job
 
 
 def start_metrics(
-    port: int, settings: TrainSettings, cluster: ClusterConfig, counters: Counters
+    port: int,
+    settings: TrainSettings,
+    cluster: ClusterConfig,
+    counters: Counters,
+    *,
+    examples_per_step: int = 0,
 ) -> CoordinatorMetrics | None:
     """The coordinator's /metrics (its own registry), counting on from the earlier training
-    processes' ``counters``; port 0 turns it off."""
+    processes' ``counters``; port 0 turns it off. ``examples_per_step``: see
+    CoordinatorMetrics."""
     if not port:
         return None
     from prometheus_client import CollectorRegistry
@@ -337,6 +343,7 @@ def start_metrics(
         num_workers=cluster.num_workers,
         num_ps=cluster.num_ps,
         batch_size=settings.batch_size,
+        examples_per_step=examples_per_step,
     )
     metrics.carry_over(
         restarts=counters.restarts,

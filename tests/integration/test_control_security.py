@@ -78,8 +78,10 @@ def wait_training(address: str, after: int, timeout: float = 60) -> int:
 
 # As another user: the CLI imported first (the interpreter lives under root's home), then
 # uid/gid 65534, a home of its own, and psctl's own main().
+# Everything the command imports is imported before the uid changes: this checkout and its
+# Python may live where uid 65534 cannot read (/root). argparse imports shutil lazily.
 AS_NOBODY = """
-import os, sys
+import os, sys, shutil
 from psctl.coordinator.cli.main import main
 path = sys.argv[1]
 os.setgroups([]); os.setgid(65534); os.setuid(65534)

@@ -36,6 +36,10 @@ def test_check_config_file_prints_table(tmp_path: Path):
     for address in ("10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222", "10.0.0.4:2222"):
         assert address in proc.stdout
     assert "2 workers" in proc.stdout
+    path.write_text(json.dumps({**CLUSTER, "data_service": {"dispatcher": "10.0.0.1:5050"}}))
+    proc = run("check-config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "tf.data service dispatcher: 10.0.0.1:5050" in proc.stdout
 
 
 @pytest.mark.timeout(60)
@@ -54,6 +58,11 @@ def test_check_config_from_tf_config():
         (json.dumps({"cluster": {"worker": ["h:1"]}}), "ps"),
         (json.dumps({"cluster": {"ps": ["h:1"]}}), "worker"),
         (json.dumps({"cluster": {"ps": ["h:1"], "worker": ["h:99999"]}}), "worker[0]"),
+        (json.dumps({**CLUSTER, "health": 5}), "health: is not an object"),
+        (json.dumps({**CLUSTER, "health": {"ps": "h:1"}}), "health.ps: is not a list"),
+        (json.dumps({**CLUSTER, "health": {"ps": ["h:x"]}}), "health.ps[0]"),
+        (json.dumps({**CLUSTER, "data_service": 5}), "data_service: has no dispatcher"),
+        (json.dumps({**CLUSTER, "data_service": {"dispatcher": "h"}}), "data_service.dispatcher"),
     ],
 )
 def test_check_config_errors_are_one_line_78(tmp_path: Path, body: str, field: str):

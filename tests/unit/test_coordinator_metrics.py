@@ -214,3 +214,13 @@ def test_exposition_follows_naming_rules(registry, metrics):
         if kind == "histogram":
             assert name.endswith("_seconds"), name
     assert not any("millis" in name for name in types)
+
+
+def test_sync_counts_every_workers_batch_but_shows_the_batch_per_worker():
+    registry = CollectorRegistry()
+    sync = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=2, num_ps=0, batch_size=64, examples_per_step=128
+    )
+    sync.observe_call(steps=10, seconds=0.1)
+    assert value(registry, "psctl_batch_size") == 64
+    assert value(registry, "psctl_train_examples_total") == 10 * 128

@@ -412,6 +412,13 @@ def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
         (["train", "--recovery-timeout", "0"], "psctl: error: --recovery-timeout: got 0;"),
         (["train", "--max-restarts", "-1"], "psctl: error: --max-restarts: got -1;"),
         (["train", "--metrics-port", "70000"], "psctl: error: --metrics-port: got 70000;"),
+        (["stop", "--timeout", "nan"], "psctl: error: --timeout: got nan;"),
+        (["checkpoint", "--timeout", "-1"], "psctl: error: --timeout: got -1;"),
+        (["watch", "--interval", "0.01"], "psctl: error: --interval: got 0.01; give seconds"),
+        (["watch", "--count", "-3"], "psctl: error: --count: got -3;"),
+        (["health", "--timeout", "inf"], "psctl: error: --timeout: got inf;"),
+        (["evaluate", "--checkpoint-dir", "d", "--poll-interval", "0"], "psctl: error: --poll"),
+        (["evaluate", "--checkpoint-dir", "d", "--max-evaluations", "0"], "psctl: error: --max"),
     ],
 )
 def test_launcher_flags_out_of_range_are_one_line_and_78(capsys, argv: list[str], line: str):
@@ -431,6 +438,9 @@ def test_launcher_flags_out_of_range_are_one_line_and_78(capsys, argv: list[str]
         ["local", "--workers", "\u0662"],
         ["train", "--connect-timeout", "1_0"],
         ["train", "--task-index", "x" * 5000],
+        ["stop", "--timeout", "1_0"],
+        ["watch", "--count", "\u0663"],
+        ["evaluate", "--checkpoint-dir", "d", "--steps", "1e3"],
         ["frobnicate"],
     ],
 )
