@@ -21,13 +21,21 @@ def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[],
     """A ``preexec_fn``: the child gets ``sig`` when its parent dies, even by SIGKILL.
 
     The kernel sends it when the *thread* that started the child ends: start children from
-    a thread that lives as long as they should. ``nice`` lowers the child's priority.
+    a thread that lives as long as they should. ``nice`` lowers the child's priority: its
+    own, and its autogroup's (``spawn`` starts a new session, so with autogroup scheduling,
+    the default on desktop and many server kernels, the child is a group of its own, and
+    the scheduler shares CPU between groups by the group's nice, not the process's).
     """
     parent = os.getpid()
 
     def arm() -> None:  # runs in the child between fork and exec
         if nice:
             os.nice(nice)
+            try:  # Linux with CONFIG_SCHED_AUTOGROUP; raising it needs no privilege
+                with open("/proc/self/autogroup", "w") as f:
+                    f.write(str(nice))
+            except OSError:
+                pass  # no autogroups here: the process's nice is what counts
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:  # the parent died before prctl took effect

@@ -43,10 +43,11 @@ from psctl.coordinator.training.checkpoint_files import check_output_dirs
 log = logging.getLogger("psctl.local")
 
 # TensorFlow's many busy threads in every server would starve the coordinator and the
-# operator's shell on a small machine (seen: `psctl status` took 2-4 s on 2 cores). CFS
-# weighs each runnable thread: at nice 10 a server's dozen busy threads still outweighed
-# one `psctl status` (median 0.44 s under the default job); at 19, 0.35 s, and the job
-# trains as fast (6,000 mlp steps: 330 and 392 steps/s at 10, 386 and 372 at 19).
+# operator's shell on a small machine (seen: `psctl status` took 2-4 s on 2 cores). Each
+# server is a session, so an autogroup, of its own: spawn sets the group's nice too
+# (cluster/procs.py), without which a process's nice does not count against other groups
+# (`psctl status` with the default job training: median 0.35-0.44 s before, 0.15 s after;
+# same steps/s).
 SERVER_NICE = 19
 
 

@@ -74,6 +74,21 @@ def test_spawn_appends_output_to_the_log_and_applies_nice(tmp_path: Path) -> Non
     assert log.read_text() == f"earlier\n{min(19, os.nice(0) + 3)}\n"
 
 
+@pytest.mark.skipif(
+    not Path("/proc/self/autogroup").exists(), reason="this kernel has no autogroup scheduling"
+)
+def test_spawn_applies_nice_to_the_childs_own_autogroup(tmp_path: Path) -> None:
+    """A child in a session of its own is an autogroup of its own: its nice only counts
+    against other groups (an operator's shell) when the group's nice is set too."""
+    log = tmp_path / "child.log"
+    code = "print(open('/proc/self/autogroup').read().strip())"
+    proc = spawn([sys.executable, "-c", code], log_path=log, nice=7)
+    assert proc.wait(timeout=20) == 0
+    group, _, nice = log.read_text().strip().partition(" nice ")
+    mine = Path("/proc/self/autogroup").read_text().split()[0]
+    assert group != mine and int(nice) == 7, log.read_text()
+
+
 def test_stop_processes_terminates_then_kills() -> None:
     stubborn = subprocess.Popen(
         [
