@@ -342,6 +342,12 @@ def _read_toml(path: str) -> dict[str, Any]:
             f"{path} is not UTF-8 text ({err.reason} at byte {err.start})",
             "save the job file as UTF-8 TOML",
         ) from None
+    if text.startswith("\ufeff"):
+        raise ConfigError(
+            "--config",
+            f"{path} starts with a byte order mark (BOM), which TOML does not allow",
+            "save it as UTF-8 without BOM",
+        )
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -343,6 +343,7 @@ def test_every_error_names_where_the_value_came_from(tmp_path: Path):
     [
         (None, "is a directory"),
         (b"[train]\nsteps = 5 # \xff\n", "is not UTF-8 text"),
+        ("\ufeff[train]\nsteps = 5\n".encode(), "starts with a byte order mark (BOM)"),
         (b"[train]\nsteps = " + b"9" * 5000 + b"\n", "a number is too long"),
         (b"x = " + b"[" * 50_000, "nested too deeply"),
     ],
