@@ -578,7 +578,9 @@ class ControlServer:
                 name="task-health",
                 daemon=True,
             ).start()
-        log.info(
+        # A training process behind its launcher's front: not the operator's address.
+        log.log(
+            logging.DEBUG if self.address.startswith("unix:") else logging.INFO,
             "control API on %s (pid %d, %s)",
             self.address,
             os.getpid(),

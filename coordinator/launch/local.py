@@ -356,11 +356,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
                 workdir / "logs",
             )
             local.write_tasks()
-            log.info(
-                "control API on %s (psctl status --address %s)",
-                args.control_address,
-                args.control_address,
-            )
+            log.info("psctl status --address %s: the job's status", args.control_address)
             argv = train_argv(local, flags, args, security, front.backend_address)
 
             def start(counters: Counters) -> subprocess.Popen[bytes]:

@@ -426,12 +426,7 @@ def local_sync_main(
     # listens behind this process's control front.
     security = ControlSecurity.from_args(args, os.environ)
     print(format_table(job.cluster, source=str(job.cluster_file)), flush=True)
-    log.info(
-        "control API on %s (psctl status --address %s); worker logs in %s",
-        args.control_address,
-        args.control_address,
-        workdir / "logs",
-    )
+    log.info("worker logs in %s; psctl status --address %s", workdir / "logs", args.control_address)
 
     def handle(signum: int, _frame: FrameType | None) -> None:
         job.request_stop(signum)

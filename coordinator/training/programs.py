@@ -5,6 +5,7 @@ and ``--epochs`` pick one (default here, local-step here, epochs in epochs.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -99,7 +100,12 @@ def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
     (every num_workers-th batch, from ``index``: an int, or a tensor in the parameter-server
     mode's per-worker function), as tf.distribute's DATA policy reads.
     ``distribute_datasets_from_function`` never shards by itself, in either mode."""
-    policy = dataset.options().experimental_distribute.auto_shard_policy
+    with warnings.catch_warnings():
+        # In the parameter-server mode this runs while the per-worker function is traced:
+        # TensorFlow warns that options() is read the legacy way there, which is right for
+        # a dataset made in the same function (tests/unit/test_sync_mode.py).
+        warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data")
+        policy = dataset.options().experimental_distribute.auto_shard_policy
     if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:
         return dataset.shard(num_workers, index)
     return dataset

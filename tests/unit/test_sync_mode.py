@@ -5,6 +5,7 @@ units `psctl deploy render --strategy sync` writes."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,19 @@ def test_auto_shard_policy_data_shards_the_batches():
     # The parameter-server mode's per-worker function has the worker's index as a tensor.
     by_tensor = [b.numpy().tolist() for b in shard_for(data, tf.constant(1, tf.int64), 2)]
     assert by_tensor == mine
+
+    # ... and there the dataset is made while a function is traced: options() read in graph
+    # mode still sees the policy (and TensorFlow's warning about it is not shown).
+    def traced(index: tf.Tensor) -> tf.Tensor:
+        made = tf.data.Dataset.range(10).batch(2).with_options(options)
+        return shard_for(made, index, 2).reduce(
+            tf.constant(0, tf.int64), lambda a, b: a + tf.reduce_sum(b)
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        total = tf.function(traced, autograph=False)(tf.constant(1, tf.int64))
+    assert int(total) == 2 + 3 + 6 + 7
     # Without the policy the job shards itself: the dataset is left as it is.
     assert count_batches(shard_for(batches, 1, 2)) == 5
     assert count_batches(batches.filter(lambda b: tf.reduce_sum(b) > 4)) == 4  # counted
