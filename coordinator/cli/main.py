@@ -8,7 +8,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
@@ -19,7 +19,7 @@ from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
 from psctl.coordinator.cli.export import add_export_command
 from psctl.coordinator.cli.numbers import check_ranges, decimal, whole_number
-from psctl.coordinator.failures import describe
+from psctl.coordinator.failures import EXIT_USAGE, describe
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
     DEFAULT_METRICS_PORT,
@@ -27,12 +27,10 @@ from psctl.coordinator.settings import (
     IN_FLIGHT_PER_WORKER,
     default_help,
     flag_values,
-    parse_steps_per_execution,
     show_steps_per_execution,
 )
 
 log = logging.getLogger("psctl")
-EXIT_USAGE = 2  # argparse's status for a bad command line (failures.EXIT_USAGE)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,91 +51,81 @@ def _in_flight(value: int) -> str:
     return str(value) if value else f"{IN_FLIGHT_PER_WORKER} per worker"
 
 
-# (flag, type, help) for every run setting; the names match settings.TrainSettings, and
-# the defaults shown are its own.
-TRAIN_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+# (flag, help) for every run setting; the names match settings.TrainSettings, and the
+# defaults shown are its own. The flags take text: the settings layer parses it as it does
+# PSCTL_* values (ASCII digits only, finite, in range), so a bad one is one line naming the
+# flag, exit 78.
+TRAIN_FLAGS: list[tuple[str, str]] = [
     (
         "--job",
-        str,
         f"job: built-in name (mlp), module (pkg.job) or file (job.py); default {DEFAULTS.job}",
     ),
     (
         "--strategy",
-        str,
         "async: parameter servers, a coordinator dispatches steps to the workers; sync: "
         "every worker runs the loop and gradients are all-reduced each step "
         f"(MultiWorkerMirroredStrategy; ps tasks unused) {default_help('strategy')}",
     ),
-    ("--steps", int, f"train until this global step {default_help('steps')}"),
+    ("--steps", f"train until this global step {default_help('steps')}"),
     (
         "--epochs",
-        int,
         "instead of --steps: every example exactly N times, through the tf.data service "
         "(dynamic sharding over the workers)",
     ),
-    ("--batch-size", int, f"examples per step per worker {default_help('batch_size')}"),
+    ("--batch-size", f"examples per step per worker {default_help('batch_size')}"),
     (
         "--steps-per-execution",
-        parse_steps_per_execution,
         "steps packed into one scheduled function, or auto: measured at start and re-checked "
         "so the per-call overhead stays under 10%% "
         + default_help("steps_per_execution", show_steps_per_execution),
     ),
     (
         "--update-mode",
-        str,
         "default: the ps optimizer updates the variables every step; local: each call runs "
         f"--local-steps steps on the worker and pushes the change {default_help('update_mode')}",
     ),
-    ("--local-steps", int, f"--update-mode local: steps per call {default_help('local_steps')}"),
+    ("--local-steps", f"--update-mode local: steps per call {default_help('local_steps')}"),
     (
         "--local-scale",
-        float,
         f"--update-mode local: factor on each call's change {default_help('local_scale')}",
     ),
-    ("--checkpoint-dir", str, "checkpoint directory; restored from on start"),
-    ("--checkpoint-every", int, f"steps between checkpoints {default_help('checkpoint_every')}"),
-    ("--keep-checkpoints", int, f"checkpoints kept {default_help('keep_checkpoints')}"),
-    ("--eval-batch-size", int, f"batch size of evaluations {default_help('eval_batch_size')}"),
+    ("--checkpoint-dir", "checkpoint directory; restored from on start"),
+    ("--checkpoint-every", f"steps between checkpoints {default_help('checkpoint_every')}"),
+    ("--keep-checkpoints", f"checkpoints kept {default_help('keep_checkpoints')}"),
+    ("--eval-batch-size", f"batch size of evaluations {default_help('eval_batch_size')}"),
     (
         "--eval-every",
-        int,
         "also evaluate every N steps, on the workers, over the whole eval set once",
     ),
-    ("--seed", int, f"seed given to dataset functions {default_help('seed')}"),
-    ("--log-every", float, f"seconds between progress lines {default_help('log_every', _seconds)}"),
-    ("--max-shards", int, "partition each large variable into up to N shards over the ps"),
+    ("--seed", f"seed given to dataset functions {default_help('seed')}"),
+    ("--log-every", f"seconds between progress lines {default_help('log_every', _seconds)}"),
+    ("--max-shards", "partition each large variable into up to N shards over the ps"),
     (
         "--min-shard-bytes",
-        int,
         "smallest variable shard when partitioning "
         + default_help("min_shard_bytes", lambda n: f"{n >> 10} KiB"),
     ),
     (
         "--max-in-flight",
-        int,
         f"scheduled calls not yet finished {default_help('max_in_flight', _in_flight)}",
     ),
     (
         "--stall-timeout",
-        float,
         "seconds without a finished step before the stall watchdog "
         f"reports and reschedules stuck calls {default_help('stall_timeout', _seconds)}",
     ),
-    ("--summary-json", str, "write the final summary as JSON to this path"),
-    ("--logdir", str, "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
-    ("--train-data", str, "training files (glob) for the job, e.g. 'data/train-*.csv'"),
-    ("--eval-data", str, "evaluation files (glob) for the job"),
-    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
+    ("--summary-json", "write the final summary as JSON to this path"),
+    ("--logdir", "TensorBoard summaries here (psctl local: WORKDIR/tensorboard)"),
+    ("--train-data", "training files (glob) for the job, e.g. 'data/train-*.csv'"),
+    ("--eval-data", "evaluation files (glob) for the job"),
+    ("--label-column", f"CSV label column {default_help('label_column')}"),
 ]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (flags > PSCTL_* environment > --config file)")
     group.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
-    for flag, _kind, text in TRAIN_FLAGS:
-        # The text as given: the settings layer parses it as it does PSCTL_* values (ASCII
-        # digits only, finite, in range), so a bad one is one line naming the flag, exit 78.
+    for flag, text in TRAIN_FLAGS:
         group.add_argument(flag, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
 
@@ -169,7 +157,7 @@ def add_control_address(parser: argparse.ArgumentParser) -> None:
 
 
 def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    return flag_values(args, (flag for flag, _, _ in TRAIN_FLAGS))
+    return flag_values(args, (flag for flag, _ in TRAIN_FLAGS))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -92,6 +92,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_private_socket(address: str) -> bool:
+    """A ``unix:PATH`` control address: a training process behind its launcher's front
+    (control/front.py), in a directory only the job's user can open."""
+    return address.startswith("unix:")
+
+
 def token_paths(address: str, environ: Mapping[str, str] | None = None) -> tuple[Path, Path]:
     """The (control token, read-only token) files of the job on ``address``."""
     base = runtime_dir(environ) / address_key(address)
@@ -258,7 +264,7 @@ class ControlSecurity:
             raise ConfigError(
                 "--control-tls-cert/--control-tls-key", "only one is given", "give both"
             )
-        if address.startswith("unix:"):  # a launcher's private socket (control/front.py)
+        if is_private_socket(address):
             return
         host, _ = split_host_port(address, field="--control-address", allow_port_zero=True)
         if is_loopback(host) or self.insecure:

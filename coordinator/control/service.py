@@ -32,6 +32,7 @@ from psctl.coordinator.control.security import (
     ControlSecurity,
     PublishedTokens,
     Tokens,
+    is_private_socket,
 )
 from psctl.coordinator.control.state import (
     ACTIVITIES,
@@ -543,7 +544,7 @@ class ControlServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        if address.startswith("unix:"):
+        if is_private_socket(address):
             bind, host = address, ""
         else:
             host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
@@ -580,7 +581,7 @@ class ControlServer:
             ).start()
         # A training process behind its launcher's front: not the operator's address.
         log.log(
-            logging.DEBUG if self.address.startswith("unix:") else logging.INFO,
+            logging.DEBUG if is_private_socket(self.address) else logging.INFO,
             "control API on %s (pid %d, %s)",
             self.address,
             os.getpid(),
@@ -601,7 +602,7 @@ def start_control_server(
     tokens, publish them for this user when the launcher has not (a bare ``train --once``),
     listen and start. ``server.published`` (or None) is removed by ``stop_control_server``.
     """
-    if address.startswith("unix:"):  # behind the launcher's front: it holds TLS
+    if is_private_socket(address):  # behind the launcher's front: it holds TLS
         security = security.for_private_socket()
     security.check_server(address)
     tokens = security.server_tokens()

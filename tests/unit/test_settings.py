@@ -178,13 +178,13 @@ def test_flag_names_round_trip():
 
 def test_train_flags_are_settings():
     names = {f.name for f in fields(TrainSettings)}
-    assert {setting_name(flag) for flag, _, _ in TRAIN_FLAGS} <= names
+    assert {setting_name(flag) for flag, _ in TRAIN_FLAGS} <= names
 
 
 def test_help_shows_the_defaults_train_settings_hold():
     assert default_help("steps") == f"(default {TrainSettings().steps})"
     assert default_help("log_every", "{:g}".format) == "(default 5)"
-    helps = {flag: text for flag, _, text in TRAIN_FLAGS}
+    helps = {flag: text for flag, text in TRAIN_FLAGS}
     assert helps["--steps"].endswith(f"(default {DEFAULTS.steps})")
     assert helps["--min-shard-bytes"].endswith("(default 256 KiB)")
     assert helps["--max-in-flight"].endswith("(default 4 per worker)")
