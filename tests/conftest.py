@@ -62,6 +62,18 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def describe_process(pid: int) -> str:
+    """A process as a failing test reports it: command line, state and signal masks."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return f"{pid}: gone"
+    wanted = ("State", "PPid", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    fields = [line for line in status if line.split(":")[0] in wanted]
+    return f"{pid}: {cmdline.strip()} | " + ", ".join(" ".join(f.split()) for f in fields)
+
+
 def run_python(code: str, *args: str, timeout: float = 60) -> str:
     """Run ``code`` in a fresh interpreter (e.g. to read TensorFlow files while keeping this
     process free of TensorFlow); its stdout, or the test fails with its stderr."""

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import (
     child_env,
+    describe_process,
     kill_if_running,
     processes_mentioning,
     psctl_argv,
@@ -155,7 +156,8 @@ def test_sigkill_of_launcher_leaves_no_server(workdir):
     deadline = time.monotonic() + 20
     while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_mentioning(str(workdir)) == []
+    left = processes_mentioning(str(workdir))
+    assert left == [], "\n".join(describe_process(pid) for pid in left)
 
 
 USER_JOB = '''
