@@ -66,8 +66,25 @@ def _key_path(parent: str, key: str) -> str:
     return f"{parent}.{step}" if not step.startswith("[") else f"{parent}{step}"
 
 
+class _LongInteger:
+    """A JSON integer too long for int() (sys.get_int_max_str_digits): decoded as this, so
+    the check of the field it is in names that field."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {len(self.digits.lstrip('-'))} digits"
+
+
+def _read_integer(digits: str) -> int | _LongInteger:
+    return int(digits) if len(digits) <= 1000 else _LongInteger(digits)
+
+
 def _kind(value: object) -> str:
     """The JSON kind of a decoded value, with its article."""
+    if isinstance(value, _LongInteger):
+        return "a number"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -87,6 +104,8 @@ def _show(value: object) -> str:
     """A short, one-line rendering of a user's value, as JSON writes it where it can."""
     if isinstance(value, str) and len(value) > ECHO_LIMIT:
         return echo(value)
+    if isinstance(value, _LongInteger):
+        return repr(value)
     if isinstance(value, (list, dict)) or (isinstance(value, int) and value.bit_length() > 64):
         return echo(value)  # cut before rendering: it may be huge or deeply nested
     try:
@@ -202,8 +221,9 @@ def split_host_port(address: str, *, field: str, allow_port_zero: bool = False) 
     # int() refuses thousands of digits; past 5 the port is out of range anyway.
     port = int(port_text) if len(port_text.lstrip("0")) <= 5 else 65536
     if not (0 if allow_port_zero else 1) <= port <= 65535:
+        number = port if port < 65536 else echo(port_text, limit=12)
         raise _error(
-            field, f"address {shown}: port {port} is out of range", "give a port number 1..65535"
+            field, f"address {shown}: port {number} is out of range", "give a port number 1..65535"
         )
     return host, port
 
@@ -427,7 +447,7 @@ def _decode(text: str, source: str) -> object:
     if not text.strip():
         raise _error(source, "is empty", f"give a JSON object like {_EXAMPLE_TF_CONFIG}")
     try:
-        return json.loads(text, object_pairs_hook=_pairs_hook)
+        return json.loads(text, object_pairs_hook=_pairs_hook, parse_int=_read_integer)
     except json.JSONDecodeError as e:
         raise _error(
             source,
@@ -644,6 +664,10 @@ def _check_task_index(
     index: object, cluster: ClusterConfig, task_type: str, field: str, how: str
 ) -> int:
     count = len(cluster.jobs[task_type])
+    if isinstance(index, _LongInteger):
+        raise _error(
+            field, f"{_show(index)} is out of range", f"{how} an index in {_index_range(count)}"
+        )
     if isinstance(index, bool) or not isinstance(index, int):
         raise _error(
             field,

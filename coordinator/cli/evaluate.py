@@ -14,14 +14,15 @@ from psctl.coordinator.settings import default_help, flag_values
 DEFAULT_POLL_INTERVAL = 2.0
 DEFAULT_TIMEOUT = 3600.0
 
-# Run settings shared with training (flags > PSCTL_* environment > --config [train] table).
-SHARED_FLAGS: list[tuple[str, type, str]] = [
-    ("--job", str, f"the job that trained the checkpoints {default_help('job')}"),
-    ("--checkpoint-dir", str, "the training run's checkpoint directory (required)"),
-    ("--eval-data", str, "evaluation files (glob) for the job; default: the job's own"),
-    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
-    ("--eval-batch-size", int, f"evaluation batch size {default_help('eval_batch_size')}"),
-    ("--seed", int, f"seed given to the dataset function {default_help('seed')}"),
+# Run settings shared with training (flags > PSCTL_* environment > --config [train] table),
+# as (flag, help): their values are settings text, checked as training's are.
+SHARED_FLAGS: list[tuple[str, str]] = [
+    ("--job", f"the job that trained the checkpoints {default_help('job')}"),
+    ("--checkpoint-dir", "the training run's checkpoint directory (required)"),
+    ("--eval-data", "evaluation files (glob) for the job; default: the job's own"),
+    ("--label-column", f"CSV label column {default_help('label_column')}"),
+    ("--eval-batch-size", f"evaluation batch size {default_help('eval_batch_size')}"),
+    ("--seed", f"seed given to the dataset function {default_help('seed')}"),
 ]
 
 
@@ -36,8 +37,8 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
-    for flag, kind, text in SHARED_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=text)
+    for flag, text in SHARED_FLAGS:  # settings text, parsed where the settings are
+        parser.add_argument(flag, default=None, help=text)
     parser.add_argument(
         "--steps",
         type=whole_number,
@@ -72,4 +73,4 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     require_tensorflow()
     from psctl.coordinator.launch.evaluate import evaluate_main
 
-    return evaluate_main(args, flag_values(args, (flag for flag, _, _ in SHARED_FLAGS)))
+    return evaluate_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

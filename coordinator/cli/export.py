@@ -10,13 +10,14 @@ from typing import Any
 from psctl.cluster.requirements import require_tensorflow
 from psctl.coordinator.settings import default_help, flag_values
 
-# Run settings shared with training (flags > PSCTL_* environment > --config [train] table).
-SHARED_FLAGS: list[tuple[str, type, str]] = [
-    ("--job", str, f"the job that trained the checkpoints {default_help('job')}"),
-    ("--checkpoint-dir", str, "the training run's checkpoint directory (its newest is exported)"),
-    ("--train-data", str, "the job's training files (glob), if it reads files"),
-    ("--eval-data", str, "the job's evaluation files (glob), if it reads files"),
-    ("--label-column", str, f"CSV label column {default_help('label_column')}"),
+# Run settings shared with training (flags > PSCTL_* environment > --config [train] table),
+# as (flag, help): their values are settings text, checked as training's are.
+SHARED_FLAGS: list[tuple[str, str]] = [
+    ("--job", f"the job that trained the checkpoints {default_help('job')}"),
+    ("--checkpoint-dir", "the training run's checkpoint directory (its newest is exported)"),
+    ("--train-data", "the job's training files (glob), if it reads files"),
+    ("--eval-data", "the job's evaluation files (glob), if it reads files"),
+    ("--label-column", f"CSV label column {default_help('label_column')}"),
 ]
 
 
@@ -31,8 +32,8 @@ def add_export_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], int
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
-    for flag, kind, text in SHARED_FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=text)
+    for flag, text in SHARED_FLAGS:  # settings text, parsed where the settings are
+        parser.add_argument(flag, default=None, help=text)
     parser.add_argument("--checkpoint", help="this checkpoint (a ckpt-N prefix) instead")
     parser.add_argument("--out", required=True, help="the export base directory")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
@@ -43,4 +44,4 @@ def cmd_export(args: argparse.Namespace) -> int:
     require_tensorflow()
     from psctl.coordinator.launch.export import export_main
 
-    return export_main(args, flag_values(args, (flag for flag, _, _ in SHARED_FLAGS)))
+    return export_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

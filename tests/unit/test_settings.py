@@ -452,3 +452,24 @@ def test_a_bad_command_line_is_one_line_and_2(capsys, argv: list[str]):
     err = capsys.readouterr().err
     assert err.startswith("psctl: error: ") and err.count("\n") == 1, err
     assert "--help'" in err and len(err) < 400 and "usage:" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["evaluate", "--checkpoint-dir", "d", "--seed", "1_000"], "--seed: '1_000' is not a"),
+        (["evaluate", "--checkpoint-dir", "d", "--eval-batch-size", "\u0661"], "--eval-batch-size"),
+        (["evaluate", "--checkpoint-dir", "d", "--seed", "1e3"], "--seed: '1e3'"),
+    ],
+)
+def test_evaluate_takes_run_settings_as_training_does(argv: list[str], line: str):
+    """Its shared flags are settings text, checked by the settings as `psctl train`'s are
+    (argparse's int() took `1_000` and other scripts' digits)."""
+    from psctl.coordinator.cli.evaluate import SHARED_FLAGS
+
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(
+            flags=flag_values(args, (flag for flag, _ in SHARED_FLAGS)), config_file=None
+        )
+    assert str(err.value).startswith(line), err.value

@@ -776,12 +776,22 @@ def test_canonical_host() -> None:
     ("text", "problem"),
     [
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-        ('{"cluster": {"ps": ["a:1"], "worker": ["b:1"]}, "x": ' + "9" * 5000 + "}", "too long"),
     ],
 )
 def test_json_python_cannot_read_is_a_config_error(text: str, problem: str) -> None:
     err = config_error(parse_cluster_json, text, source="c.json")
     assert problem in err.problem
+
+
+def test_an_integer_of_thousands_of_digits_is_named_by_its_field() -> None:
+    """Python's int() refuses it; the check of the field it stands in still names that field."""
+    huge = "9" * 5000
+    err = config_error(parse_cluster_json, '{"ps": ["a:1"], "worker": [' + huge + "]}", source="c")
+    assert err.field == "c: worker[0]" and "an integer of 5000 digits" in err.problem
+    err = config_error(
+        parse_tf_config, tf_config(task={"type": "worker", "index": 0})[:-3] + huge + "}}"
+    )
+    assert err.field == "TF_CONFIG.task.index" and "5000 digits is out of range" in err.problem
 
 
 def test_a_port_of_thousands_of_digits_is_out_of_range() -> None:
