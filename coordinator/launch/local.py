@@ -15,7 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -51,6 +53,12 @@ log = logging.getLogger("psctl.local")
 # process of the operator's, and two such (a build, another job) kept the servers from
 # starting in 120 s; at 10, 47 s, and `psctl status` stays at 0.2 s median.
 SERVER_NICE = 10
+# A server whose health service has not answered for this long is frozen (SIGSTOP, a
+# hung interpreter): killed, then restarted like any dead server. systemd does the same
+# with the units' WatchdogSec=30. TensorFlow sometimes lets a frozen worker hold up the ps
+# (seen: every step waited 7 min, until the test gave up), so leaving it frozen can stall
+# the whole job.
+WATCHDOG_SECONDS = 30.0
 
 
 @dataclass
@@ -274,6 +282,66 @@ def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any
     return {"targets": [address], "labels": labels}
 
 
+class FrozenServerWatchdog:
+    """Kills a server that stopped answering its health checks (SIGKILL), so that
+    ``LocalCluster.restart_failed_servers`` starts it again. Armed for a process once it has
+    answered: one still starting is ``wait_serving``'s to judge."""
+
+    def __init__(
+        self,
+        servers: Callable[[], Sequence[ServerProcess]],
+        *,
+        timeout: float = WATCHDOG_SECONDS,
+        interval: float = 2.0,
+    ) -> None:
+        self.servers = servers
+        self.timeout = timeout
+        self.interval = interval
+        self.killed: list[str] = []
+        self._answered: dict[int, float] = {}  # pid -> when its health service last answered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="psctl-watchdog", daemon=True)
+
+    def start(self) -> FrozenServerWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval + 5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.check()
+
+    def check(self) -> None:
+        """One look at every server (the health checks' deadlines bound it)."""
+        for server in list(self.servers()):
+            pid = server.proc.pid
+            if server.proc.poll() is not None:
+                self._answered.pop(pid, None)
+                continue
+            result = health.check(server.health_address, timeout=min(2.0, self.timeout / 3))
+            now = time.monotonic()
+            if result.status != "UNREACHABLE":
+                self._answered[pid] = now
+                continue
+            last = self._answered.get(pid)
+            if last is None or now - last < self.timeout or self._stop.is_set():
+                continue
+            log.warning(
+                "%s (pid %d) has not answered a health check for %.0fs (frozen?): killing it "
+                "to start it again",
+                server.name,
+                pid,
+                now - last,
+            )
+            server.proc.kill()
+            self._answered.pop(pid, None)
+            self.killed.append(server.name)
+
+
 class ServerFailed(Exception):
     exit_status = EXIT_FAILURE
 
@@ -345,6 +413,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     # `stop --address ADDR` find them; every training process is given them and listens
     # behind this process's control front, which answers while one restarts.
     security = ControlSecurity.from_args(args, os.environ)
+    watchdog = FrozenServerWatchdog(lambda: local.servers)
     try:
         with launch_control(args.control_address, security, job=settings.job) as (front, security):
             local.start()
@@ -358,6 +427,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
                 workdir / "logs",
             )
             local.write_tasks()
+            watchdog.start()
             log.info("psctl status --address %s: the job's status", args.control_address)
             argv = train_argv(local, flags, args, security, front.backend_address)
 
@@ -386,6 +456,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status
     finally:
+        watchdog.stop()
         local.stop()
         log.info("all servers stopped")
 

@@ -199,7 +199,9 @@ def test_frozen_worker_is_reported_and_left_behind(job):
     os.kill(frozen, signal.SIGSTOP)
     try:
         # The other worker carries on (checkpoints are written off the loop's thread: a save
-        # can wait for the frozen worker, seen up to 150 s, until gRPC gives up on it).
+        # can wait for the frozen worker, seen up to 150 s, until gRPC gives up on it). When
+        # TensorFlow lets the frozen worker hold up the ps (seen once: no step for 7 min),
+        # psctl local's watchdog kills it after 30 s without a health answer and restarts it.
         to_step = j.sampler.first_new_step(fault_at, timeout=60)
         summary = j.finish(timeout=400)
     finally:
