@@ -17,13 +17,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 
 from psctl.cluster import ports, sdnotify
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
 from psctl.cluster.requirements import require_tensorflow
+from psctl.cluster.signals import SignalRelay
 from psctl.cluster.spec import TaskConfig, resolve_task
 
 # The names only: psctl.cluster.metrics imports prometheus_client, deferred to serve().
@@ -240,14 +240,14 @@ def resolve_options(
 
 
 class _Stop:
-    """Set from a signal handler; the main thread waits on it."""
+    """Set by a stop signal (on cluster.signals' relay thread); the main thread waits on it."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal_name = ""
 
-    def handle(self, signum: int, _frame: FrameType | None) -> None:
-        self.signal_name = signal.Signals(signum).name
+    def handle(self, signum: int) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
         self.event.set()
 
 
@@ -340,8 +340,7 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
 def main(task_type: str, argv: Sequence[str] | None = None) -> int:
     stop = _Stop()
     # Handlers first: a SIGTERM during TensorFlow's import still ends the process cleanly.
-    signal.signal(signal.SIGTERM, stop.handle)
-    signal.signal(signal.SIGINT, stop.handle)
+    SignalRelay(stop.handle)
     args = build_parser(task_type).parse_args(argv)
     configure_logging(verbose=args.verbose, name=f"{task_type}-server")
     quiet_tensorflow(verbose=args.verbose)

@@ -71,6 +71,12 @@ def describe_process(pid: int) -> str:
         return f"{pid}: gone"
     wanted = ("State", "PPid", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
     fields = [line for line in status if line.split(":")[0] in wanted]
+    try:  # where its main thread waits
+        wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+        syscall = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+    except OSError:
+        wchan = syscall = "?"
+    fields.append(f"main thread: wchan {wchan}, syscall {syscall}")
     return f"{pid}: {cmdline.strip()} | " + ", ".join(" ".join(f.split()) for f in fields)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.files import write_json_atomic
+from psctl.cluster.signals import SignalRelay
 from psctl.coordinator.settings import ENV_PREFIX, TrainSettings, load_toml, resolve_settings
 from psctl.coordinator.training.evaluate import Evaluation, SidecarEvaluator
 from psctl.coordinator.training.report import eval_line
@@ -100,7 +101,7 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         )
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
+        SignalRelay(lambda _signum: stop.set(), [signal.SIGTERM])
     sidecar = SidecarEvaluator(job, settings, logdir=args.logdir or "")
     summary = EvaluateSummary(
         job=settings.job, checkpoint_dir=settings.checkpoint_dir, final_step=final_step

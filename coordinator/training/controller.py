@@ -13,11 +13,11 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from psctl.cluster.signals import SignalRelay
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.actions import Action, PublishStatus
@@ -41,16 +41,13 @@ def install_stop_signals(control: JobControl) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def handle(signum: int, _frame: FrameType | None) -> None:
-        if control.stop_requested.is_set():
-            raise KeyboardInterrupt
+    def handle(signum: int) -> None:  # on the relay thread: the Event's lock is safe there
         log.warning(
             "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
         )
         control.stop_requested.set()
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
+    SignalRelay(handle, abort_on_second=True)
 
 
 class Controller:
