@@ -56,7 +56,7 @@ class SidecarEvaluator:
         assert job.eval_dataset_fn is not None
         self.dataset = job.eval_dataset_fn(ctx)  # checks --eval-data files now, before waiting
         x_spec, y_spec = self.dataset.element_spec[0], self.dataset.element_spec[1]
-        built = JobModel(job, x_spec, y_spec)
+        built = JobModel(job, x_spec, y_spec, source="eval_dataset_fn")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         # The trainer's checkpoint: the same object names, so every variable matches.
         self.checkpoint = built.checkpoint(self.step)

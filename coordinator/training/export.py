@@ -4,7 +4,9 @@ The job's model is built in this process (no cluster) and restored from the chec
 checkpoints hold sharded tables whole (tables.py), so the exported model looks every id
 up in one table inside the graph. The SavedModel is written to ``OUT/<global step>/``, the
 versioned layout TensorFlow Serving watches, with a ``serving_default`` signature whose
-inputs are what the job's dataset yields as features and whose output is ``outputs``.
+inputs are what the job's dataset yields as features (one input, ``features``, for one
+tensor; one per feature, under the ``keras.Input`` names, for named inputs) and whose output
+is ``outputs``.
 """
 
 from __future__ import annotations
@@ -19,33 +21,44 @@ from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import Unusable, load_checked, restore_newest
+from psctl.coordinator.training.features import feature_names
 from psctl.coordinator.training.model import JobModel
 
 log = logging.getLogger(__name__)
 
 
-def _features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any]:
-    """The features' and labels' specs, batch dimension open, from the job's own data."""
+def _features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any, str]:
+    """The features' and labels' specs, batch dimension open, from the job's own data, and
+    the dataset function they came from."""
     ctx = DataContext.from_settings(settings, worker_index=0, num_workers=1, batch_size=1)
+    source = "eval_dataset_fn" if job.eval_dataset_fn is not None else "dataset_fn"
     make = job.eval_dataset_fn or job.dataset_fn
     x_spec, y_spec = make(ctx).element_spec[:2]
 
     def open_batch(spec: Any) -> Any:
         return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=spec.name)
 
-    return tf.nest.map_structure(open_batch, x_spec), y_spec
+    return tf.nest.map_structure(open_batch, x_spec), y_spec, source
 
 
-def serving_module(model: Any, features: Any) -> Any:
-    """A ``tf.Module`` holding the model and its ``serve`` function (``features`` in,
-    ``{"outputs": ...}`` out), traced for ``features``' spec."""
+def serving_module(model: Any, features: Any, names: list[str]) -> Any:
+    """A ``tf.Module`` holding the model and its ``serve`` function, traced for
+    ``features``' spec: one input per leaf of the features, under ``names`` (``features``
+    for a model of one input; the ``keras.Input`` names for named inputs), and
+    ``{"outputs": ...}`` out."""
+    leaves = tf.nest.flatten(features)
+    signature = [
+        tf.TensorSpec(leaf.shape, leaf.dtype, name=name)
+        for leaf, name in zip(leaves, names, strict=True)
+    ]
 
-    def serve(features: Any) -> dict[str, Any]:  # the signature's input is "features"
-        return {"outputs": model(features, training=False)}
+    def serve(*tensors: Any) -> dict[str, Any]:
+        inputs = tf.nest.pack_sequence_as(features, list(tensors))
+        return {"outputs": model(inputs, training=False)}
 
     module = tf.Module()
     module.model = model
-    module.serve = tf.function(serve, input_signature=[features])
+    module.serve = tf.function(serve, input_signature=signature)
     return module
 
 
@@ -58,8 +71,8 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
     """Restore ``checkpoint`` (None: the newest usable one in ``--checkpoint-dir``, a
     damaged newer one skipped with a line saying why) into the job's model and save it to
     ``out/<step>/``."""
-    x_spec, y_spec = _features_spec(job, settings)
-    built = JobModel(job, x_spec, y_spec)
+    x_spec, y_spec, source = _features_spec(job, settings)
+    built = JobModel(job, x_spec, y_spec, source=source)
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     saved = built.checkpoint(step)
 
@@ -89,8 +102,15 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
         raise ConfigError(
             "--out", f"{target} exists already", "remove it, or export to another --out"
         )
-    module = serving_module(built.model, x_spec)
+    names = feature_names(built.model, x_spec, job=job.name)
+    module = serving_module(built.model, x_spec, names)
     target.parent.mkdir(parents=True, exist_ok=True)
     tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
-    log.info("exported %s (global step %d) to %s", checkpoint, int(step.numpy()), target)
+    log.info(
+        "exported %s (global step %d) to %s; serving_default takes %s",
+        checkpoint,
+        int(step.numpy()),
+        target,
+        ", ".join(names),
+    )
     return Exported(checkpoint, target)

@@ -11,8 +11,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from psctl.coordinator.job import Job
+from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.features import build_model, check_features, leaf_shape
 from psctl.coordinator.training.metric_objects import metric_factories
 from psctl.coordinator.training.sparse import SparseUpdater
 from psctl.coordinator.training.tables import building
@@ -23,25 +24,39 @@ def scalar(value: Any) -> float:
 
 
 class JobModel:
-    """The job's model (built for ``x_spec``), its optimizer (built over the model's
+    """The job's model (checked against and built for ``x_spec``: what ``source``, a dataset
+    function of the job, yields as features), its optimizer (built over the model's
     trainable variables) and fresh-metric factories fitted to the label and output shapes."""
 
-    def __init__(self, job: Job, x_spec: Any, y_spec: Any) -> None:
+    def __init__(self, job: Job, x_spec: Any, y_spec: Any, *, source: str = "dataset_fn") -> None:
+        self.job_name = job.name
         self.model = job.create_model()
-        if not self.model.built:
-            self.model.build(x_spec.shape)
+        self.check(x_spec, source)
+        predictions = build_model(self.model, x_spec)
         self.optimizer = job.create_optimizer()
         if getattr(self.model, "compiled", False):
             # compile()'s own optimizer is not the one that trains (psctl's is made fresh,
             # in this scope): the model points at psctl's, so a checkpoint holds one.
             self.model.optimizer = self.optimizer
         self.optimizer.build(self.model.trainable_variables)
-        pred_shape = self.model.compute_output_spec(
-            keras.KerasTensor(x_spec.shape, dtype=x_spec.dtype)
-        ).shape
         self.metric_factories = metric_factories(
-            job.metrics, label_shape=y_spec.shape, pred_shape=pred_shape
+            job.metrics, label_shape=leaf_shape(y_spec), pred_shape=leaf_shape(predictions)
         )
+
+    def check(self, x_spec: Any, source: str) -> None:
+        """ConfigError (one line naming the key) where ``source``'s features do not fit the
+        model's inputs."""
+        check_features(self.model, x_spec, job=self.job_name, source=source)
+
+    def check_eval(self, job: Job, settings: TrainSettings) -> None:
+        """Check the eval dataset's features too, before training: the final evaluation
+        would meet a mismatch only after the last step. The dataset is never iterated."""
+        if job.eval_dataset_fn is None:
+            return
+        ctx = DataContext.from_settings(
+            settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
+        )
+        self.check(job.eval_dataset_fn(ctx).element_spec[0], "eval_dataset_fn")
 
     def checkpoint(self, global_step: Any) -> Any:
         """The checkpoint every psctl process writes and reads: model, optimizer, step."""
@@ -68,6 +83,7 @@ class TrainState(JobModel):
     ) -> None:
         with building(settings) as plan:
             super().__init__(job, x_spec, y_spec)
+        self.check_eval(job, settings)
         self.tables = plan.tables
         self.sparse = SparseUpdater(self.optimizer, plan.tables, strategy) if plan.tables else None
         train_metrics = [make() for make in self.metric_factories]

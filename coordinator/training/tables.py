@@ -208,7 +208,11 @@ def _build_table(layer: Any, plan: TablePlan) -> None:
         # tensors as it goes: eager ops hold the random draw, its scaled copy and the result
         # at once (peak 3.2x the shard, measured in one process; 2.1x this way).
         part = tuple(shard_info.shape) if shard_info is not None else shape
-        return tf.function(lambda: initializer(part, dtype=dtype))()
+        initialize = tf.function(lambda: initializer(part, dtype=dtype))
+        # One function per shard, traced once each: not the retracing TensorFlow warns of
+        # after 5 ("triggered tf.function retracing"), which it counts by the source line.
+        initialize._omit_frequent_tracing_warning = True
+        return initialize()
 
     _BUILDING.table = True
     try:
