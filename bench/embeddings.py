@@ -131,7 +131,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.cluster.spec import load_cluster_file
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training.hooks import LoopHooks
+    from psctl.hooks import LoopHooks
 
     settings = TrainSettings(
         job=JOB,

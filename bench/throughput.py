@@ -142,7 +142,7 @@ def _stamp_hooks(
     """The Trainer's public loop hooks, time-stamping its dataset creation, schedules, fetches
     and join: wall time, and this process's CPU seconds (every thread: TF's, the loop's, a
     /metrics server's), less skewed by other load than wall time."""
-    from psctl.coordinator.training.hooks import LoopHooks
+    from psctl.hooks import LoopHooks
 
     open_: dict[str, tuple[float, float]] = {}
 
@@ -407,7 +407,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
     """``run_psctl`` with the coordinator's metrics on, as ``psctl train --metrics-port`` has
-    them (``start_metrics``, psctl.coordinator.launch.train): a ``CoordinatorMetrics`` on its own
+    them (``start_metrics``, psctl.coordinator.launch.process): a ``CoordinatorMetrics`` on its own
     registry, served on /metrics; the parent scrapes it every second while this runs."""
     from prometheus_client import CollectorRegistry
 

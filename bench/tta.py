@@ -401,7 +401,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.cluster.spec import load_cluster_file
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import MAX_SECONDS, TrainSettings
-    from psctl.coordinator.training.hooks import LoopHooks
+    from psctl.hooks import LoopHooks
 
     local = args.run_mode == "psctl-local"
     settings = TrainSettings(

@@ -32,6 +32,20 @@ from psctl.coordinator.data import expand
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
 
+# What jobs use (``from psctl.job import criteo``): the format, the check, the reader.
+__all__ = [
+    "COLUMNS",
+    "NUM_DENSE",
+    "NUM_INPUTS",
+    "NUM_SPARSE",
+    "TsvFiles",
+    "check_files",
+    "format_line",
+    "hash_ids",
+    "make_dataset",
+    "parse_lines",
+]
+
 NUM_DENSE = 13
 NUM_SPARSE = 26
 NUM_CELLS = 1 + NUM_DENSE + NUM_SPARSE

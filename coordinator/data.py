@@ -49,6 +49,18 @@ from psctl.cluster.errors import ConfigError, echo
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
 
+# What jobs use (``from psctl.job import data``): the readers, the checks, the writers.
+__all__ = [
+    "DataFiles",
+    "check_files",
+    "eval_dataset",
+    "inspect_files",
+    "make_dataset",
+    "train_dataset",
+    "write_csv",
+    "write_tfrecord",
+]
+
 CSV_SUFFIXES = (".csv",)
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")
 DEFAULT_SHUFFLE_BUFFER = 10_000  # examples (CSV lines or serialized records) per worker

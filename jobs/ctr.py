@@ -47,9 +47,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from psctl.cluster.errors import ConfigError
-from psctl.coordinator import criteo
-from psctl.job import DataContext
+from psctl.job import ConfigError, DataContext, criteo
 
 NUM_DENSE = criteo.NUM_DENSE  # 13 integer features
 NUM_SPARSE = criteo.NUM_SPARSE  # 26 categorical features

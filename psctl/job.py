@@ -1,14 +1,18 @@
-"""The public job API: what a job module imports.
+"""The public job API: everything a job module imports from psctl.
 
     from psctl.job import DataContext           # what dataset_fn(ctx) is given
     from psctl.job import data                  # CSV/TFRecord readers for --train-data
+    from psctl.job import criteo                # the Criteo TSV reader (the ctr job's)
     from psctl.job import FeatureEmbedding      # hashed, pooled, shared embedding tables
+    from psctl.job import ConfigError           # a one-line error naming a setting (exit 78)
 
-Everything else under ``psctl`` is internal and may move between releases.
+Everything else under ``psctl`` is internal and may move between releases (tools that
+measure the training loop have ``psctl.hooks``).
 """
 
-from psctl.coordinator import data
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator import criteo, data
 from psctl.coordinator.job import DataContext
 from psctl.coordinator.layers import FeatureEmbedding
 
-__all__ = ["DataContext", "FeatureEmbedding", "data"]
+__all__ = ["ConfigError", "DataContext", "FeatureEmbedding", "criteo", "data"]

@@ -39,6 +39,7 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
+from psctl.coordinator.launch.sync import local_sync_main
 from psctl.coordinator.settings import resolve_settings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
@@ -395,9 +396,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     settings = resolve_settings(flags=flags, config_file=args.config)  # bad input: fail now
     check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # before any server
     if settings.strategy == "sync":
-        from psctl.coordinator.launch.sync import local_sync_main  # no servers: N trainers
-
-        return local_sync_main(args, flags, workdir, job_name=settings.job)
+        return local_sync_main(args, flags, workdir, job_name=settings.job)  # no servers
     local = LocalCluster(
         num_ps=args.ps,
         num_workers=args.workers,

@@ -52,6 +52,13 @@ from psctl.coordinator.failures import (
     exit_status,
 )
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
+from psctl.coordinator.launch.process import (
+    count_nonfinite,
+    end_on_error,
+    load_tasks,
+    start_metrics,
+    supervise_train,
+)
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
@@ -111,8 +118,6 @@ def workers_only(cluster: ClusterConfig) -> ClusterConfig:
 
 def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train --strategy sync`: this worker's training process, supervised."""
-    from psctl.coordinator.launch.train import supervise_train
-
     full, index, source = resolve_sync_cluster(args.cluster, getattr(args, "task_index", None))
     if index == 0:  # the only one that writes them
         check_output_dirs(settings.checkpoint_dir, settings.summary_json)
@@ -137,15 +142,12 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     # group (ARCHITECTURE.md).
     if (os.cpu_count() or 1) < cluster.num_workers + 2:
         tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
-    from psctl.coordinator.launch.train import count_nonfinite, end_on_error, load_tasks
 
     failures = FailurePolicy()
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     is_chief = index == 0
     metrics = None
     if is_chief:
-        from psctl.coordinator.launch.train import start_metrics
-
         metrics = start_metrics(
             args.metrics_port,
             settings,  # psctl_batch_size: per worker, as in the parameter-server mode

@@ -3,60 +3,49 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import random
 import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.logs import forward_stderr, tensorflow_import_quietly
-from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
+from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.spec import (
-    Address,
     ClusterConfig,
     TaskConfig,
     load_cluster_file,
     parse_tf_config,
     require_chief,
 )
-from psctl.coordinator.control.front import launch_control
 from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.control.service import (
     JobControl,
-    TaskInfo,
     start_control_server,
     stop_control_server,
 )
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
-    Decision,
     Failure,
     FailurePolicy,
     Scope,
     Unreachable,
     classify,
-    describe,
     exit_status,
-    tasks_named,
 )
-from psctl.coordinator.launch.argv import psctl_argv
-from psctl.coordinator.launch.supervisor import (
-    Counters,
-    RestartPolicy,
-    TrainingSupervisor,
-    forward_stop_signals,
+from psctl.coordinator.launch.process import (
+    count_nonfinite,
+    end_on_error,
+    load_tasks,
+    start_metrics,
+    supervise_train,
 )
+from psctl.coordinator.launch.supervisor import Counters
+from psctl.coordinator.launch.sync import sync_train_main
 from psctl.coordinator.settings import TrainSettings, resolve_settings, show_steps_per_execution
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
@@ -123,9 +112,7 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     settings = resolve_settings(flags=flags, config_file=args.config)
     if settings.strategy == "sync":
-        from psctl.coordinator.launch.sync import sync_train_main  # every worker trains
-
-        return sync_train_main(args, settings)
+        return sync_train_main(args, settings)  # every worker trains
     cluster, source = resolve_chief_cluster(args.cluster)
     check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # not after training
     dispatcher = None
@@ -180,181 +167,6 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
     finally:
         stop_control_server(server)
-
-
-def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> None:
-    """A NaN/inf loss or model ends this process: counted in psctl_nonfinite_loss_total, and
-    left for the supervisor, so the next process's counter goes on from it (PsctlLossNaN)."""
-    counters.nonfinite_losses += 1
-    counters.leave_report()
-    if metrics is not None:
-        metrics.nonfinite_loss()
-
-
-def end_on_error(
-    err: BaseException,
-    control: JobControl,
-    failures: FailurePolicy,
-    *,
-    recovery_timeout: float,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> int:
-    """The training process's exit status after ``err`` ended its run, as the policy
-    decides; a permanent failure marks the job FAILED and raises ``err`` again, for the
-    CLI's one-line report and its exit status (the same as ``exit_status(decision)``)."""
-    decision = failures.decide(classify(err), scope=Scope.PROCESS)
-    if decision is Decision.WAIT_FOR_PS_THEN_RESTART:
-        return recover(control, err, timeout=recovery_timeout, clock=clock, sleep=sleep)
-    if decision is Decision.RESTART:
-        log.error("%s: restarting the training process from the latest checkpoint", err)
-        control.set_state(State.RECOVERING, str(err))
-        return exit_status(decision)
-    if decision is Decision.FAIL:
-        # Not handled by psctl: the whole error, once (TensorFlow's per-call reports of it
-        # are at DEBUG). The CLI adds one line, and the traceback with -v.
-        log.error("job FAILED, not restarted: %s: %s", type(err).__name__, str(err).strip())
-    control.finish(State.FAILED, describe(err))
-    raise err
-
-
-def recover(
-    control: JobControl,
-    err: BaseException,
-    *,
-    timeout: float,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> int:
-    """RECOVERING: wait with backoff until every ps is SERVING again, then ask the
-    supervisor for a fresh training process (the only recovery TensorFlow supports).
-    Logs what failed, and what psctl does about it, in a line each."""
-    log.error("%s failed: %s", failed_tasks(err, control), describe(err))
-    control.set_state(State.RECOVERING, f"waiting for the ps tasks: {describe(err)}")
-    started = clock()
-    deadline = started + timeout
-    delay = 0.5
-    while clock() < deadline:
-        sleep(delay + random.uniform(0, delay / 2))
-        if control.all_ps_serving():
-            log.warning(
-                "restarting the training process from the latest checkpoint (after %.1fs; "
-                "the ps health checks pass)",
-                clock() - started,
-            )
-            break
-        delay = min(delay * 2, 2.0)  # the health checks run every 2 s
-    else:
-        log.error(
-            "ps tasks not SERVING after %.0fs (--recovery-timeout): restarting anyway; the "
-            "new training process waits --connect-timeout for them, then the job ends "
-            "with exit 69",
-            timeout,
-        )
-    return exit_status(Decision.WAIT_FOR_PS_THEN_RESTART)
-
-
-def failed_tasks(err: BaseException, control: JobControl) -> str:
-    """The tasks to blame, with their addresses: the ps tasks the error names, else those
-    the health checks saw fail, else whatever the error names."""
-    named = tasks_named(err)
-    unhealthy = control.unhealthy_tasks()
-    tasks = (
-        [t for t in named if t.startswith("ps:")]
-        or [t for t in unhealthy if t.startswith("ps:")]
-        or named
-        or unhealthy
-    )
-    addresses = {f"{t.type}:{t.index}": t.address for t in control.tasks}
-    shown = [f"{t} ({addresses[t]})" if addresses.get(t) else t for t in tasks]
-    return ", ".join(shown) or "a task TensorFlow did not name"
-
-
-class TrainingProcess(subprocess.Popen[bytes]):
-    """The training process, its stderr passed on by ``forward_stderr`` (TensorFlow's C++
-    reports of a lost task left out unless ``verbose``); ``wait`` returns once all of it
-    is out, so the supervisor's next line comes after the child's last."""
-
-    def __init__(self, argv: list[str], *, verbose: bool) -> None:
-        super().__init__(argv, stderr=subprocess.PIPE)
-        assert self.stderr is not None
-        self._forwarder = forward_stderr(self.stderr, verbose=verbose)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = super().wait(timeout)
-        self._forwarder.join(timeout=5.0)
-        return code
-
-
-def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job: str = "") -> int:
-    """`psctl train` without --once: run the training process under the restart policy,
-    serving the job's control address (``serve_control``; not on sync mode's workers > 0)."""
-    control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
-    if control.port == 0:  # one port for every training process, and for the token files
-        control = control.with_port(ports.free_ports(1, control.host)[0])
-    # The job's tokens, written once for this user and kept by every training process;
-    # the control address is the launcher's, the training process listens behind it.
-    security = ControlSecurity.from_args(args, os.environ)
-    with contextlib.ExitStack() as stack:
-        address = str(control)
-        if serve_control:
-            front, security = stack.enter_context(launch_control(str(control), security, job=job))
-            address = front.backend_address
-        argv = psctl_argv(
-            *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
-        )
-
-        def start(counters: Counters) -> subprocess.Popen[bytes]:
-            counters_json = json.dumps(asdict(counters))
-            return TrainingProcess(
-                [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
-            )
-
-        supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
-        if serve_control:
-            front.on_stop = supervisor.control_stop
-        with forward_stop_signals(supervisor):
-            return supervisor.run()
-
-
-def start_metrics(
-    port: int,
-    settings: TrainSettings,
-    cluster: ClusterConfig,
-    counters: Counters,
-    *,
-    examples_per_step: int = 0,
-) -> CoordinatorMetrics | None:
-    """The coordinator's /metrics (its own registry), counting on from the earlier training
-    processes' ``counters``; port 0 turns it off. ``examples_per_step``: see
-    CoordinatorMetrics."""
-    if not port:
-        return None
-    from prometheus_client import CollectorRegistry
-
-    from psctl.cluster.metrics import serve_metrics
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
-
-    ports.check_port_free(port, field="--metrics-port")
-    registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(
-        registry=registry,
-        job=settings.job,
-        num_workers=cluster.num_workers,
-        num_ps=cluster.num_ps,
-        batch_size=settings.batch_size,
-        examples_per_step=examples_per_step,
-    )
-    metrics.carry_over(
-        restarts=counters.restarts,
-        ps_failures=counters.ps_failures,
-        nonfinite_losses=counters.nonfinite_losses,
-    )
-    host = bind_host(None, os.environ, cluster.task_address("chief", 0).host)
-    cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
-    serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
-    log.info("metrics on %s://%s:%d/metrics", "https" if cert else "http", host, port)
-    return metrics
 
 
 def _train(
@@ -412,32 +224,3 @@ def _train(
     if metrics is not None:
         metrics.wait_until_scraped()  # so no alert takes this exit for a crash
     return 0
-
-
-def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]:
-    """The tasks GetStatus reports: from psctl local's tasks file (with pids), or else from
-    the cluster with the default side ports."""
-    if tasks_file:
-        try:
-            entries = json.loads(Path(tasks_file).read_text())
-            tasks = [TaskInfo(**entry) for entry in entries]
-        except (OSError, ValueError, TypeError) as err:
-            raise ConfigError(
-                "--tasks-file",
-                f"cannot read {tasks_file}: {err}",
-                "give the tasks.json psctl local wrote",
-            ) from None
-        return [replace(t, pid=os.getpid()) if t.type == "chief" else t for t in tasks]
-    tasks = []
-    for task_type, index, address in cluster.task_addresses():
-        health_address = metrics_url = ""
-        if task_type in ("ps", "worker"):
-            health_port = address.port + ports.HEALTH_PORT_OFFSET
-            metrics_port = address.port + ports.METRICS_PORT_OFFSET
-            if health_port < 65536:
-                health_address = str(address.with_port(health_port))
-            if metrics_port < 65536:
-                metrics_url = f"http://{address.with_port(metrics_port)}/metrics"
-        pid = os.getpid() if task_type == "chief" else 0
-        tasks.append(TaskInfo(task_type, index, str(address), health_address, metrics_url, pid))
-    return tasks

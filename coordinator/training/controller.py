@@ -22,11 +22,11 @@ from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.actions import Action, PublishStatus
 from psctl.coordinator.training.checkpoints import Checkpointer
-from psctl.coordinator.training.hooks import LoopHooks
 from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.programs import StepProgram
 from psctl.coordinator.training.publish import Publisher
+from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics

@@ -22,7 +22,6 @@ from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.controller import Controller
 from psctl.coordinator.training.epochs import EpochProgram
 from psctl.coordinator.training.evaluation import evaluate_elsewhere, evaluate_final
-from psctl.coordinator.training.hooks import LoopHooks
 from psctl.coordinator.training.inline_eval import InlineEval
 from psctl.coordinator.training.model import TrainState
 from psctl.coordinator.training.packing import packer_for
@@ -35,6 +34,7 @@ from psctl.coordinator.training.programs import (
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.strategy import connect
 from psctl.coordinator.training.summary import Summary, accuracy_of
+from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics

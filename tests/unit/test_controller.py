@@ -16,8 +16,8 @@ from psctl.coordinator.control.service import JobControl
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.training.controller import Controller
-from psctl.coordinator.training.hooks import LoopHooks
 from psctl.coordinator.training.packing import Packer
+from psctl.hooks import LoopHooks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -43,7 +43,7 @@ from psctl.coordinator.failures import (
     exit_status,
     tasks_named,
 )
-from psctl.coordinator.launch import train
+from psctl.coordinator.launch import process
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from tests.conftest import child_env, psctl_argv
 
@@ -270,7 +270,7 @@ def test_no_tensorflow_import() -> None:
     code = (
         "import sys\n"
         "import psctl.coordinator.failures, psctl.coordinator.launch.supervisor\n"
-        "import psctl.coordinator.launch.train\n"
+        "import psctl.coordinator.launch.train, psctl.coordinator.launch.process\n"
         "from psctl.coordinator.failures import classify\n"
         "classify(ValueError())\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
@@ -279,7 +279,7 @@ def test_no_tensorflow_import() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-# ---- The training process: train.end_on_error, as train_main calls it -----------------
+# ---- The training process: process.end_on_error, as train_main calls it -----------------
 
 
 class FakeControl:
@@ -322,7 +322,7 @@ class FakeTime:
 
 
 def _end(err: BaseException, control: FakeControl, fake: FakeTime, timeout: float = 60.0) -> int:
-    return train.end_on_error(
+    return process.end_on_error(
         err,
         control,  # type: ignore[arg-type]
         FailurePolicy(),
@@ -706,9 +706,9 @@ def test_tasks_named_follows_wrappers_in_order() -> None:
 def test_failed_tasks_prefers_the_ps_the_error_names() -> None:
     control = FakeControl(unhealthy=["worker:1"])
     named = FakeOpError(UNAVAILABLE, TF_PS_KILLED)
-    assert train.failed_tasks(named, control) == "ps:0 (10.0.0.2:2222)"  # type: ignore[arg-type]
-    assert train.failed_tasks(ValueError(), control) == "worker:1 (10.0.0.4:2222)"  # type: ignore[arg-type]
-    assert train.failed_tasks(ValueError(), FakeControl()) == "a task TensorFlow did not name"  # type: ignore[arg-type]
+    assert process.failed_tasks(named, control) == "ps:0 (10.0.0.2:2222)"  # type: ignore[arg-type]
+    assert process.failed_tasks(ValueError(), control) == "worker:1 (10.0.0.4:2222)"  # type: ignore[arg-type]
+    assert process.failed_tasks(ValueError(), FakeControl()) == "a task TensorFlow did not name"  # type: ignore[arg-type]
 
 
 def test_a_failure_psctl_does_not_handle_is_logged_in_full(

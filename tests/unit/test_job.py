@@ -9,6 +9,7 @@ import pytest
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import load_job
+from tests.conftest import REPO
 
 GOOD = """
 metrics = ["accuracy"]
@@ -77,3 +78,26 @@ def test_job_importing_a_missing_module_shows_the_real_problem(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="not_installed_dependency_xyz"):
         load_job("brokenpkg.job_b")
+
+
+def test_the_public_job_api_is_psctl_job_alone():
+    """``psctl.job`` names everything a job needs, and the built-in jobs (which users copy)
+    import nothing else of psctl's."""
+    import ast
+
+    import psctl.job
+
+    for name in psctl.job.__all__:
+        assert getattr(psctl.job, name) is not None, name
+    for module in (psctl.job.data, psctl.job.criteo):
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__
+    for path in sorted((REPO / "jobs").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = [
+            node.module if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        ]
+        inner = [m for m in imported if m and m.startswith("psctl") and m != "psctl.job"]
+        assert not inner, f"{path.name} imports {inner}"

@@ -88,7 +88,7 @@ def test_a_non_finite_loss_is_counted_and_left_for_the_supervisor(tmp_path: Path
     from prometheus_client import CollectorRegistry
 
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.launch.train import count_nonfinite
+    from psctl.coordinator.launch.process import count_nonfinite
 
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(

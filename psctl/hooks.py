@@ -1,4 +1,5 @@
-"""Public hooks into the training loop, for tools that measure it (benchmarks, probes).
+"""Public hooks into the training loop, for tools that measure it (benchmarks, probes):
+``from psctl.hooks import LoopHooks``.
 
 Subclass ``LoopHooks``, override what you need and pass it as ``Trainer(hooks=...)``: each
 method is called on the loop's thread at the moment its name says; none may block for
@@ -8,6 +9,8 @@ long. ``on_poll`` gets the controller and may call ``request_stop()``.
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = ["LoopHooks"]
 
 
 class LoopHooks:
