@@ -63,31 +63,32 @@ SCHEDULING_STATES: frozenset[State] = frozenset({State.STARTING, State.RUNNING, 
 # States in which the loop serves a requested checkpoint.
 CHECKPOINT_STATES: frozenset[State] = frozenset({State.RUNNING, State.PAUSED})
 
-# Where each transition happens (controller = coordinator/training/controller.py,
-# train = coordinator/launch/train.py). Every non-final state may fail: train.py's
+# Where each transition happens (loop = TrainingLoop in coordinator/training/loop.py, both
+# strategies; finish = the runner's end: ScheduledRunner.finish, scheduled.py, or the sync
+# trainer's; train = coordinator/launch/train.py). Every non-final state may fail: train.py's
 # handlers call finish(FAILED) whatever the state was.
 TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
     {
         State.STARTING: frozenset(
             {
-                State.RUNNING,  # controller.run: steps left to train
-                State.STOPPING,  # controller.finish: nothing to train, or a stop came first
+                State.RUNNING,  # loop.run: steps left to train
+                State.STOPPING,  # finish: nothing to train, or a stop came first
                 State.RECOVERING,  # train: cluster failure or RestartFromCheckpoint
                 State.FAILED,
             }
         ),
         State.RUNNING: frozenset(
             {
-                State.PAUSED,  # controller.run: pause requested
-                State.STOPPING,  # controller.finish: all scheduled, or a stop requested
+                State.PAUSED,  # loop.run: pause requested
+                State.STOPPING,  # finish: all scheduled, or a stop requested
                 State.RECOVERING,
                 State.FAILED,
             }
         ),
         State.PAUSED: frozenset(
             {
-                State.RUNNING,  # controller.run: resume requested
-                State.STOPPING,  # controller.finish: a stop requested while paused
+                State.RUNNING,  # loop.run: resume requested
+                State.STOPPING,  # finish: a stop requested while paused
                 State.RECOVERING,
                 State.FAILED,
             }

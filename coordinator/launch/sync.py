@@ -205,7 +205,7 @@ def _train(
     args: argparse.Namespace,
 ) -> int:
     from psctl.coordinator.job import load_job
-    from psctl.coordinator.training.controller import install_stop_signals
+    from psctl.coordinator.training.loop import install_stop_signals
     from psctl.coordinator.training.summary import print_summary, write_summary
     from psctl.coordinator.training.sync import SyncTrainer, sync_strategy
 

@@ -180,7 +180,7 @@ def _train(
     dispatcher: str | None = None,
     policy: FailurePolicy | None = None,
 ) -> int:
-    from psctl.coordinator.training.controller import install_stop_signals
+    from psctl.coordinator.training.loop import install_stop_signals
     from psctl.coordinator.training.summary import print_summary, write_summary
     from psctl.coordinator.training.trainer import Trainer
 

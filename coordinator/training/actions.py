@@ -20,10 +20,10 @@ STATUS_EVERY = 1.0  # seconds between status/metrics updates
 
 
 class Loop(Protocol):
-    """What an action reads of its loop: the steps finished so far (the controller's, or
-    the synchronous loop's, sync.py)."""
+    """What an action reads of its loop (loop.py's ``TrainingLoop``): the steps finished."""
 
-    completed: int
+    @property
+    def completed(self) -> int: ...
 
 
 class Action(Protocol):

@@ -35,6 +35,7 @@ from psctl.cluster.dataservice import require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import split_host_port
 from psctl.coordinator.training.graph_ops import seconds_since
+from psctl.coordinator.training.loop import OPEN_TARGET
 from psctl.coordinator.training.programs import Runtime, make_replica_step
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def make_epoch_train_fn(rt: Runtime) -> Any:
 class EpochProgram:
     """The step program of ``--epochs``: runs until every worker saw the end of the data."""
 
-    target = 2**62  # unknown in advance; the end of the data ends the loop
+    target = OPEN_TARGET  # unknown in advance; the end of the data ends the loop
     progress_total = 0
 
     def __init__(
@@ -121,7 +122,7 @@ class EpochProgram:
         self.makeup_passes = 0
         self.function: Any = None
         self.iterator: Any = None
-        self._old_iterators: list[Any] = []  # never collected (see Controller.run)
+        self._old_iterators: list[Any] = []  # never collected (see ScheduledRunner.start)
         self._settle: Callable[[], None] = lambda: None
 
     def start(self, settle: Callable[[], None]) -> None:

@@ -31,14 +31,16 @@ from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import PeerLost, Unreachable, describe
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
+from psctl.coordinator.training.actions import Action
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.evaluation import evaluate_final
+from psctl.coordinator.training.loop import Turn, end_run, make_loop
 from psctl.coordinator.training.model import TrainState, scalar
 from psctl.coordinator.training.packing import Packer, packer_for
 from psctl.coordinator.training.programs import DefaultProgram, Runtime, shard_for
 from psctl.coordinator.training.publish import Publisher
-from psctl.coordinator.training.summary import Summary, accuracy_of
+from psctl.coordinator.training.summary import Summary
+from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -54,7 +56,6 @@ log = logging.getLogger(__name__)
 # start a thread).
 HEALTH_INTERVAL = 5
 HEALTH_TIMEOUT = 5
-PAUSE_POLL = 0.2  # seconds between agreements while paused
 # gRPC codes (OpError.error_code) of a collective that lost a peer: CANCELLED,
 # DEADLINE_EXCEEDED, FAILED_PRECONDITION (a peer restarted), ABORTED, UNAVAILABLE.
 _PEER_CODES = frozenset({1, 4, 9, 10, 14})
@@ -192,9 +193,15 @@ class SyncProgram(DefaultProgram):
         return iter(self.rt.strategy.distribute_datasets_from_function(lambda _: self.dataset))
 
 
-class SyncLoop:
-    """The loop every worker runs, in step with the others; ``completed`` is the global
-    step (the same on every worker)."""
+class CollectiveRunner:
+    """Collective steps under ``MultiWorkerMirroredStrategy``: a ``Runner`` (loop.py) that
+    every worker runs in step with the others; ``completed`` is the global step (the same
+    on every worker). Each turn opens with one all-gather in which the workers agree on
+    anyone's stop, the chief's pause and the chief's steps per call. Nothing is in flight
+    between turns, so there is nothing to drain or give up, and no stall watchdog: a lost
+    or frozen peer fails the collectives instead (``PeerLost``)."""
+
+    stalls = 0
 
     def __init__(
         self,
@@ -202,34 +209,26 @@ class SyncLoop:
         program: SyncProgram,
         agreement: Agreement,
         control: JobControl,
-        publisher: Publisher,
-        status: PublishStatus | None,
-        checkpointer: Checkpointer,
-        actions: list[Action],
         packer: Packer,
         metrics: CoordinatorMetrics | None,
         is_chief: bool,
         start_step: int,
+        hooks: LoopHooks | None = None,
     ) -> None:
         self.program = program
         self.agreement = agreement
         self.control = control
-        self.publisher = publisher
-        self.status = status
-        self.checkpointer = checkpointer
-        self.actions = actions
         self.packer = packer
         self.metrics = metrics
         self.is_chief = is_chief
-        self.completed = start_step
-        self.started = time.monotonic()
-        self.ended: float | None = None
-        self.paused_seconds = 0.0
+        self.hooks = hooks or LoopHooks()
+        self.completed = self.scheduled = start_step
+        self._constants: dict[int, Any] = {}
 
-    def train_seconds(self) -> float:
-        return (self.ended or time.monotonic()) - self.started - self.paused_seconds
+    def start(self) -> None:
+        self.program.start(lambda: None)
 
-    def agree(self) -> tuple[bool, bool, int]:
+    def next_turn(self) -> Turn:
         """(stop, pause, steps per call): anyone's stop, the chief's pause and K."""
         control = self.control
         stop = 1.0 if control.stop_requested.is_set() else 0.0
@@ -239,53 +238,22 @@ class SyncLoop:
         stop, pause, k = self.agreement.max([stop, pause, k])
         if self.metrics is not None:
             self.metrics.observe_allreduce(time.monotonic() - started)
-        return stop > 0, pause > 0, max(1, int(k))
+        if stop > 0 and not control.stop_requested.is_set():
+            log.warning("another worker stops: stopping at global step %d", self.completed)
+            control.stop_requested.set()
+        return Turn(stop=stop > 0, pause=pause > 0, steps_per_call=max(1, int(k)))
 
-    def run(self, target: int) -> None:
-        control = self.control
-        control.set_state(State.RUNNING)
-        self.program.start(lambda: None)
-        paused_at: float | None = None
-        constants: dict[int, Any] = {}
-        while self.completed < target:
-            stop, pause, k = self.agree()
-            if stop:
-                if not control.stop_requested.is_set():
-                    log.warning("another worker stops: stopping at global step %d", self.completed)
-                    control.stop_requested.set()
-                break
-            if pause:
-                if paused_at is None:
-                    paused_at = time.monotonic()
-                    control.set_state(State.PAUSED, "paused by request")
-                    self.publisher.progress(self.completed, 0.0, self._last_values())
-                    log.info("paused at global step %d", self.completed)
-                self.checkpointer.serve_requests()
-                time.sleep(PAUSE_POLL)
-                continue
-            if paused_at is not None:
-                self.paused_seconds += time.monotonic() - paused_at
-                paused_at = None
-                control.set_state(State.RUNNING)
-                log.info("resumed at global step %d", self.completed)
-                if self.status is not None:
-                    self.status.restart_window(self.completed)
-            self.checkpointer.serve_requests()
-            steps = min(k, target - self.completed)
-            num = constants.get(steps)
-            if num is None:
-                num = constants[steps] = tf.constant(steps, tf.int64)
-            seconds = float(self.program.function(self.program.iterator, num))
-            self.completed += steps
-            self._observe(steps, seconds)
-            for action in self.actions:
-                action(self)
-        self.ended = time.monotonic()
+    def wants_more(self) -> bool:
+        return self.completed < self.program.target
 
-    def _last_values(self) -> dict[str, float]:
-        return self.status.last_values if self.status is not None else {}
-
-    def _observe(self, steps: int, seconds: float) -> None:
+    def run_call(self, steps: int) -> None:
+        num = self._constants.get(steps)
+        if num is None:
+            num = self._constants[steps] = tf.constant(steps, tf.int64)
+        self.hooks.before_schedule(steps)
+        seconds = float(self.program.function(self.program.iterator, num))
+        self.hooks.after_schedule(steps)
+        self.completed = self.scheduled = self.completed + steps
         if self.is_chief:
             k = self.packer.observe(steps=steps, worker_seconds=seconds)
             if k is not None:
@@ -295,6 +263,16 @@ class SyncLoop:
                     self.metrics.set_steps_per_execution(k)
         if self.metrics is not None:
             self.metrics.observe_call(steps=steps, seconds=seconds)
+        self.hooks.after_call(steps, seconds)
+
+    def quiesce(self) -> None:
+        """Nothing is in flight between turns."""
+
+    def abort(self) -> None:
+        """No watcher to stop."""
+
+    def finish(self) -> None:
+        self.control.set_state(State.STOPPING, "final checkpoint and eval")
 
 
 class ChiefEvalEvery:
@@ -335,8 +313,8 @@ class ChiefEvalEvery:
 
 class SyncTrainer:
     """One worker's part of a synchronous job, on a strategy from ``sync_strategy`` (made
-    before the job is loaded): builds the state and the data, and runs ``SyncLoop`` to a
-    ``Summary``."""
+    before the job is loaded): builds the state and the data, and runs ``TrainingLoop``
+    over a ``CollectiveRunner`` to a ``Summary``."""
 
     def __init__(
         self,
@@ -348,9 +326,11 @@ class SyncTrainer:
         control: JobControl,
         strategy: Any,  # sync_strategy(cluster, index, ...)
         metrics: CoordinatorMetrics | None = None,
+        hooks: LoopHooks | None = None,
     ) -> None:
         self.job = job
         self.cluster = cluster
+        self.hooks = hooks
         self.index = index
         self.is_chief = index == 0
         self.num_workers = cluster.num_workers
@@ -452,98 +432,63 @@ class SyncTrainer:
             raise
 
     def _run(self) -> Summary:
-        s, control, state = self.settings, self.control, self.state
+        s, state = self.settings, self.state
         wall_started = time.monotonic()
         start_step = self.restore()
         program = SyncProgram(
             self.rt, index=self.index, dataset=self.dataset, steps_per_epoch=self.steps_per_epoch
         )
-        target = program.target
         packer = packer_for(s, self.num_workers)
-        status = None
         actions: list[Action] = []
-        if self.is_chief:
-            status, actions = status_and_checkpoints(
-                s,
-                state=state,
-                publisher=self.publisher,
-                checkpointer=self.checkpointer,
-                progress_total=program.progress_total,
-                batch_size=self.global_batch,
-                start_step=start_step,
+        if self.is_chief and s.eval_every:
+            actions.append(
+                ChiefEvalEvery(self.job, s, state, self.publisher, start_step=start_step)
             )
-            if s.eval_every:
-                actions.append(
-                    ChiefEvalEvery(self.job, s, state, self.publisher, start_step=start_step)
-                )
-        loop = SyncLoop(
+        runner = CollectiveRunner(
             program=program,
             agreement=self.agreement,
-            control=control,
-            publisher=self.publisher,
-            status=status,
-            checkpointer=self.checkpointer,
-            actions=actions,
+            control=self.control,
             packer=packer,
             metrics=self.metrics,
             is_chief=self.is_chief,
             start_step=start_step,
+            hooks=self.hooks,
         )
-        control.update(global_step=start_step)
-        if self.metrics is not None:
-            self.metrics.set_global_step(start_step)
-            self.metrics.set_target_steps(program.progress_total)
-            self.metrics.set_steps_per_execution(packer.k)
-        if start_step >= target:
-            log.info("global step %d already reaches the target %d", start_step, target)
-        elif not control.stop_requested.is_set():
-            loop.run(target)
-        control.set_state(State.STOPPING, "final checkpoint and eval")
-        train_seconds = loop.train_seconds()
-        final_step = state.step()
-        trained = final_step - start_step
-        values = state.read_train_metrics() if trained > 0 else {}
-        values = values or (status.last_values if status else {})
-        rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
-        checkpoint = None
-        eval_values: dict[str, float] = {}
-        if self.is_chief:
-            assert status is not None
-            status.progress.finish(final_step, rate * self.global_batch, values)
-            self.publisher.progress(final_step, rate, values)
-            if self.checkpointer.enabled:
-                checkpoint = self.checkpointer.save() if trained > 0 else self.checkpointer.latest
-            eval_values = evaluate_final(
-                self.job, s, state.model, state.metric_factories, final_step
-            )
-            if eval_values:
-                self.publisher.evaluation(eval_values, step=final_step)
-        else:
-            log.info("worker %d done at global step %d", self.index, final_step)
-        extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
-        return Summary(
-            job=self.job.name,
-            global_step=final_step,
+        loop = make_loop(
+            runner,
+            settings=s,
+            state=state,
+            control=self.control,
+            publisher=self.publisher,
+            checkpointer=self.checkpointer,
             start_step=start_step,
-            target_steps=target,
-            loss=values.get("loss"),
-            accuracy=accuracy_of(values),
-            eval_accuracy=accuracy_of(eval_values),
-            eval_loss=eval_values.get("loss"),
-            eval_auc=eval_values.get("auc"),
-            examples_per_sec=rate * self.global_batch,
-            steps_per_sec=rate,
-            wall_seconds=time.monotonic() - wall_started,
-            train_seconds=train_seconds,
+            examples_per_step=self.global_batch,
+            chief=self.is_chief,  # the chief alone reports, checkpoints and evaluates
+            actions=actions,
+            hooks=self.hooks,
+            metrics=self.metrics,
+        )
+        loop.train(start_step, steps_per_execution=packer.k)
+
+        def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:
+            return evaluate_final(self.job, s, state.model, state.metric_factories, step)
+
+        summary = end_run(
+            loop,
+            job=self.job,
+            settings=s,
+            state=state,
+            start_step=start_step,
+            wall_started=wall_started,
+            examples_per_step=self.global_batch,
             num_workers=self.num_workers,
             num_ps=0,
-            batch_size=s.batch_size,
             steps_per_execution=packer.k,
-            checkpoint=checkpoint,
-            stopped_early=final_step < target,
-            metrics=extra,
-            eval_metrics=eval_values,
+            evaluate=evaluate if self.is_chief else None,
         )
+        if not self.is_chief:
+            log.info("worker %d done at global step %d", self.index, summary.global_step)
+        return summary
 
 
 def _quiet(settings: TrainSettings) -> TrainSettings:

@@ -17,12 +17,12 @@ from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
-from psctl.coordinator.training.actions import EvalEvery, status_and_checkpoints
+from psctl.coordinator.training.actions import Action, EvalEvery
 from psctl.coordinator.training.checkpoints import Checkpointer
-from psctl.coordinator.training.controller import Controller
 from psctl.coordinator.training.epochs import EpochProgram
 from psctl.coordinator.training.evaluation import evaluate_elsewhere, evaluate_final
 from psctl.coordinator.training.inline_eval import InlineEval
+from psctl.coordinator.training.loop import end_run, make_loop
 from psctl.coordinator.training.model import TrainState
 from psctl.coordinator.training.packing import packer_for
 from psctl.coordinator.training.programs import (
@@ -32,8 +32,9 @@ from psctl.coordinator.training.programs import (
     StepProgram,
 )
 from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.coordinator.training.strategy import connect
-from psctl.coordinator.training.summary import Summary, accuracy_of
+from psctl.coordinator.training.summary import Summary
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
@@ -119,20 +120,11 @@ class Trainer:
         return DefaultProgram(self.rt)
 
     def run(self) -> Summary:
-        s, control, state = self.settings, self.control, self.state
+        s, state = self.settings, self.state
         wall_started = time.monotonic()
         start_step = self.checkpointer.restore()
         program = self.program = self._program()
-        target = program.target
-        status, actions = status_and_checkpoints(
-            s,
-            state=state,
-            publisher=self.publisher,
-            checkpointer=self.checkpointer,
-            progress_total=program.progress_total,
-            batch_size=s.batch_size,
-            start_step=start_step,
-        )
+        actions: list[Action] = []
         evals = None
         if s.eval_every:
             evals = InlineEval(
@@ -140,79 +132,51 @@ class Trainer:
             )
             actions.append(EvalEvery(evals))
         packer = packer_for(s, self.num_workers)
-        loop = Controller(
+        runner = ScheduledRunner(
             program=program,
             coordinator=self.coordinator,
-            control=control,
-            publisher=self.publisher,
-            status=status,
-            checkpointer=self.checkpointer,
-            actions=actions,
+            control=self.control,
             packer=packer,
             policy=self.policy,
             metrics=self.metrics,
             max_in_flight=s.max_in_flight or IN_FLIGHT_PER_WORKER * self.num_workers,
             stall_timeout=s.stall_timeout,
             start_step=start_step,
-            global_step=state.global_step,
             hooks=self.hooks,
         )
-        if start_step >= target:
-            log.info(
-                "global step %d already reaches --steps %d: nothing to train", start_step, target
-            )
-        control.update(global_step=start_step)
-        if self.metrics is not None:
-            self.metrics.set_global_step(start_step)
-            self.metrics.set_target_steps(program.progress_total)
-            self.metrics.set_steps_per_execution(packer.k)
-        if start_step < target and not control.stop_requested.is_set():
-            loop.run(target)
-        loop.finish()
-        if evals is not None:
-            evals.poll()  # an inline evaluation that finished with the last steps
-        train_seconds = loop.train_seconds()
-        final_step = state.step()
-        trained = final_step - start_step
-        values = state.read_train_metrics() if trained > 0 else {}
-        values = values or status.last_values
-        rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
-        status.progress.finish(final_step, rate * s.batch_size, values)
-        self.publisher.progress(final_step, rate, values)
-        if self.checkpointer.enabled:
-            checkpoint = self.checkpointer.save() if trained > 0 else self.checkpointer.latest
-        else:
-            checkpoint = None
-        if loop.abandoned and checkpoint:
-            eval_values = evaluate_elsewhere(s, checkpoint)
-        else:
-            eval_values = evaluate_final(
-                self.job, s, state.model, state.metric_factories, final_step
-            )
-        if eval_values:
-            self.publisher.evaluation(eval_values, step=final_step)
-        extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
-        return Summary(
-            job=self.job.name,
-            global_step=final_step,
+        loop = make_loop(
+            runner,
+            settings=s,
+            state=state,
+            control=self.control,
+            publisher=self.publisher,
+            checkpointer=self.checkpointer,
             start_step=start_step,
-            target_steps=final_step if s.epochs else target,
-            loss=values.get("loss"),
-            accuracy=accuracy_of(values),
-            eval_accuracy=accuracy_of(eval_values),
-            eval_loss=eval_values.get("loss"),
-            eval_auc=eval_values.get("auc"),
-            examples_per_sec=rate * s.batch_size,
-            steps_per_sec=rate,
-            wall_seconds=time.monotonic() - wall_started,
-            train_seconds=train_seconds,
+            examples_per_step=s.batch_size,
+            chief=True,
+            actions=actions,
+            hooks=self.hooks,
+            metrics=self.metrics,
+        )
+        loop.train(start_step, steps_per_execution=packer.k)
+
+        def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:
+            if evals is not None:
+                evals.poll()  # an inline evaluation that finished with the last steps
+            if runner.abandoned and checkpoint:
+                return evaluate_elsewhere(s, checkpoint)
+            return evaluate_final(self.job, s, state.model, state.metric_factories, step)
+
+        return end_run(
+            loop,
+            job=self.job,
+            settings=s,
+            state=state,
+            start_step=start_step,
+            wall_started=wall_started,
+            examples_per_step=s.batch_size,
             num_workers=self.num_workers,
             num_ps=self.cluster.num_ps,
-            batch_size=s.batch_size,
             steps_per_execution=packer.k,
-            checkpoint=checkpoint,
-            stopped_early=program.stopped_early(final_step),
-            stalls=loop.stalls,
-            metrics=extra,
-            eval_metrics=eval_values,
+            evaluate=evaluate,
         )

@@ -1,6 +1,7 @@
-"""The controller (the training loop) driven with scripted fakes: a fake coordinator whose
-calls finish, fail or hang as the test says, a fake step program, the real JobControl and
-failure policy. No cluster; TensorFlow is only imported, never connected."""
+"""The training loop (loop.py) over the parameter-server runner (scheduled.py), driven with
+scripted fakes: a fake coordinator whose calls finish, fail or hang as the test says, a fake
+step program, the real JobControl and failure policy. No cluster; TensorFlow is only
+imported, never connected."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 from psctl.coordinator.control.service import JobControl
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import FailurePolicy
-from psctl.coordinator.training.controller import Controller
+from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer
+from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.hooks import LoopHooks
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,37 +146,41 @@ def run_loop(
     actions: list[Any] | None = None,
     hooks: LoopHooks | None = None,
     control: JobControl | None = None,
-) -> tuple[Controller, FakeProgram, JobControl]:
+) -> tuple[ScheduledRunner, FakeProgram, JobControl, TrainingLoop]:
     program = FakeProgram(target)
     control = control or new_control(target=target, k=k)
     quiet = Quiet()
-    loop = Controller(
+    runner = ScheduledRunner(
         program=program,
         coordinator=coordinator,
         control=control,
-        publisher=quiet,  # type: ignore[arg-type]
-        status=quiet,  # type: ignore[arg-type]
-        checkpointer=quiet,  # type: ignore[arg-type]
-        actions=actions or [],
         packer=Packer(fixed=k, num_workers=2),
         policy=FailurePolicy(),
         metrics=None,
         max_in_flight=4,
         stall_timeout=stall_timeout,
         start_step=0,
-        global_step=Step(program),
         hooks=hooks,
     )
-    loop.run(target)
-    loop.finish()
-    return loop, program, control
+    loop = TrainingLoop(
+        runner=runner,
+        control=control,
+        publisher=quiet,  # type: ignore[arg-type]
+        status=quiet,  # type: ignore[arg-type]
+        checkpointer=quiet,  # type: ignore[arg-type]
+        actions=actions or [],
+        hooks=hooks,
+    )
+    loop.run()
+    runner.finish()
+    return runner, program, control, loop
 
 
 def test_trains_to_the_target_and_joins():
     coordinator = FakeCoordinator()
     seen: list[State] = []
     control = new_control(on_state=lambda name: seen.append(State[name.upper()]))
-    loop, program, control = run_loop(coordinator, control=control)
+    loop, program, control, _ = run_loop(coordinator, control=control)
     assert loop.completed == program.ran == 100
     assert len(coordinator.calls) == 10 and coordinator.joined
     assert seen == [State.RUNNING, State.STOPPING]
@@ -182,7 +188,7 @@ def test_trains_to_the_target_and_joins():
 
 def test_a_call_lost_with_its_worker_is_scheduled_again():
     coordinator = FakeCoordinator(fail={2: WORKER_GONE})
-    loop, program, _ = run_loop(coordinator)
+    loop, program, _, _ = run_loop(coordinator)
     assert program.ran == 100 and loop.completed == 100
     assert len(coordinator.calls) == 11  # the lost call's 10 steps once more
 
@@ -203,7 +209,7 @@ def test_a_call_stuck_on_a_frozen_worker_is_given_up_and_its_steps_run_elsewhere
     # A late call hangs and later ones finish: while the loop drains, the watchdog gives it
     # up and the loop schedules its steps again (seen: a run ended 20 steps short).
     coordinator = FakeCoordinator(hang={6})
-    loop, program, _ = run_loop(coordinator, stall_timeout=0.3)
+    loop, program, _, _ = run_loop(coordinator, stall_timeout=0.3)
     assert loop.abandoned == 1
     assert program.ran == 100
     assert not coordinator.joined  # join() would wait for the frozen worker
@@ -225,7 +231,7 @@ def test_hooks_see_every_call_and_can_stop_the_loop():
                 controller.request_stop()
 
     hooks = Stopper()
-    loop, program, _ = run_loop(FakeCoordinator(), hooks=hooks)
+    loop, program, _, _ = run_loop(FakeCoordinator(), hooks=hooks)
     assert 30 <= program.ran < 100
     assert hooks.scheduled == hooks.finished == len(loop.calls.calls) + hooks.finished
 
@@ -241,14 +247,17 @@ def test_pause_then_resume():
     control = new_control(on_state=states.append)
     paused: list[int] = []
 
-    def pause_once(loop: Controller) -> None:
+    def pause_once(loop: TrainingLoop) -> None:
         if loop.completed >= 20 and not paused:
             paused.append(loop.completed)
             control.request_pause()
             threading.Timer(0.3, control.request_resume).start()
 
     started = time.monotonic()
-    _, program, _ = run_loop(FakeCoordinator(), actions=[pause_once], control=control)
+    _, program, _, whole = run_loop(FakeCoordinator(), actions=[pause_once], control=control)
     assert program.ran == 100
-    assert time.monotonic() - started >= 0.3
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.3
     assert states == ["running", "paused", "running", "stopping"]
+    assert whole.paused_seconds >= 0.3
+    assert whole.train_seconds() <= elapsed - 0.3  # a pause is not training time

@@ -1,5 +1,6 @@
-"""The synchronous loop's decisions, with a scripted agreement and step function (the real
-ones are all-reduces over worker processes: tests/integration/test_sync.py)."""
+"""The training loop (loop.py) over the synchronous runner (sync.py's CollectiveRunner): its
+decisions, with a scripted agreement and step function (the real ones are all-reduces over
+worker processes: tests/integration/test_sync.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 
 from psctl.coordinator.control.service import JobControl
 from psctl.coordinator.control.state import State
+from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer
-from psctl.coordinator.training.sync import SyncLoop
+from psctl.coordinator.training.sync import CollectiveRunner
 
 
 class ScriptedAgreement:
@@ -28,8 +30,9 @@ class ScriptedAgreement:
 class Program:
     iterator = object()
 
-    def __init__(self) -> None:
+    def __init__(self, target: int = 100) -> None:
         self.calls: list[int] = []
+        self.target = target
 
     def start(self, settle: Any) -> None:
         pass
@@ -49,30 +52,43 @@ class Publisher:
         pass
 
 
+class SyncLoop(TrainingLoop):
+    """The loop with its runner's agreement at hand, for the assertions."""
+
+    agreement: ScriptedAgreement
+
+
 def make_loop(others: list[list[float]], *, chief: bool, k: int = 5) -> tuple[SyncLoop, Any]:
     control = JobControl(
         job="t", target_steps=100, steps_per_execution=k, tasks=[], can_checkpoint=False
     )
     program = Program()
-    loop = SyncLoop(
+    agreement = ScriptedAgreement(others)
+    runner = CollectiveRunner(
         program=program,  # type: ignore[arg-type]
-        agreement=ScriptedAgreement(others),  # type: ignore[arg-type]
+        agreement=agreement,  # type: ignore[arg-type]
         control=control,
-        publisher=Publisher(),  # type: ignore[arg-type]
-        status=None,
-        checkpointer=Checkpointer(),  # type: ignore[arg-type]
-        actions=[],
         packer=Packer(fixed=k),
         metrics=None,
         is_chief=chief,
         start_step=0,
     )
+    loop = SyncLoop(
+        runner=runner,
+        control=control,
+        publisher=Publisher(),  # type: ignore[arg-type]
+        status=None,
+        checkpointer=Checkpointer(),  # type: ignore[arg-type]
+        actions=[],
+    )
+    loop.agreement = agreement
     return loop, program
 
 
 def test_a_worker_runs_the_chiefs_steps_per_call_and_stops_at_the_target():
     loop, program = make_loop([[0, 0, 7]] * 10, chief=False, k=3)
-    loop.run(target=20)
+    program.target = 20
+    loop.run()
     assert program.calls == [7, 7, 6]  # the chief's K, the last call clipped to the target
     assert loop.completed == 20
     assert loop.agreement.sent[0] == [0.0, 0.0, 0.0]  # a worker proposes no K, no pause
@@ -80,7 +96,8 @@ def test_a_worker_runs_the_chiefs_steps_per_call_and_stops_at_the_target():
 
 def test_another_workers_stop_stops_this_one_at_the_same_turn():
     loop, program = make_loop([[0, 0, 0], [1, 0, 0]], chief=True)
-    loop.run(target=100)
+    program.target = 100
+    loop.run()
     assert program.calls == [5]
     assert loop.control.stop_requested.is_set()
 
@@ -88,14 +105,16 @@ def test_another_workers_stop_stops_this_one_at_the_same_turn():
 def test_a_stop_here_is_sent_to_the_others():
     loop, program = make_loop([], chief=False)
     loop.control.stop_requested.set()
-    loop.run(target=100)
+    program.target = 100
+    loop.run()
     assert program.calls == []
     assert loop.agreement.sent == [[1.0, 0.0, 0.0]]
 
 
 def test_the_chiefs_pause_holds_every_worker_until_resumed():
     loop, program = make_loop([[0, 1, 5], [0, 1, 5], [0, 0, 5]] + [[0, 0, 5]] * 10, chief=False)
-    loop.run(target=10)
+    program.target = 10
+    loop.run()
     assert program.calls == [5, 5]  # nothing ran while paused
     assert loop.control.state is State.RUNNING
     assert loop.paused_seconds > 0

@@ -1,31 +1,24 @@
-"""The controller: the outer training loop, and the only writer of the job's state.
-
-It schedules the step program's calls (packed K steps each), keeps a bounded number in
-flight, honours pause/resume/stop/checkpoint requests, runs the cadenced actions after
-every turn (status and progress, periodic checkpoints, inline evaluation), watches for
-stalls, and hands every error to the failure policy.
+"""The parameter-server strategy's runner (``--strategy async``) under the one outer loop
+(loop.py): schedules the step program's calls (packed K steps each) on a
+``ClusterCoordinator``, keeps a bounded number in flight, watches for stalls and gives up
+calls stuck on a frozen worker (their steps run again elsewhere), hands every call's error
+to the failure policy, and joins the workers at the end.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
-import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from psctl.cluster.signals import SignalRelay
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
-from psctl.coordinator.training.actions import Action, PublishStatus
-from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
+from psctl.coordinator.training.loop import Turn
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.programs import StepProgram
-from psctl.coordinator.training.publish import Publisher
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
@@ -35,61 +28,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def install_stop_signals(control: JobControl) -> None:
-    """SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0. A second one
-    aborts."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+class ScheduledRunner:
+    """Scheduled calls on a ``ClusterCoordinator``: a ``Runner`` (loop.py)."""
 
-    def handle(signum: int) -> None:  # on the relay thread: the Event's lock is safe there
-        log.warning(
-            "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
-        )
-        control.stop_requested.set()
-
-    SignalRelay(handle, abort_on_second=True)
-
-
-class Controller:
     def __init__(
         self,
         *,
         program: StepProgram,
         coordinator: Any,  # tf.distribute.coordinator.ClusterCoordinator
         control: JobControl,
-        publisher: Publisher,
-        status: PublishStatus,
-        checkpointer: Checkpointer,
-        actions: Sequence[Action],
         packer: Packer,
         policy: FailurePolicy,
         metrics: CoordinatorMetrics | None,
         max_in_flight: int,
         stall_timeout: float,
         start_step: int,
-        global_step: Any,  # the ps variable
         hooks: LoopHooks | None = None,
     ) -> None:
         self.program = program
         self.coordinator = coordinator
         self.control = control
-        self.publisher = publisher
-        self.status = status
-        self.checkpointer = checkpointer
-        self.actions = list(actions)
         self.packer = packer
         self.policy = policy
         self.metrics = metrics
         self.max_in_flight = max_in_flight
-        self.global_step = global_step
         self.hooks = hooks or LoopHooks()
         self.start_step = start_step
         self.scheduled = self.completed = start_step
         self.calls = CallTracker()
         self.watchdog = StallWatchdog(timeout=stall_timeout)
         self.abandoned = 0  # calls given up by the stall watchdog
-        self.started = time.monotonic()
-        self.ended: float | None = None
         self._constants: dict[int, Any] = {}
         self._done = threading.Event()  # the loop and its drain are over: stop watching
         control.steps_per_execution = packer.k
@@ -104,73 +72,50 @@ class Controller:
     def stalls(self) -> int:
         return self.watchdog.stalls
 
-    def train_seconds(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
+    # -- the Runner -----------------------------------------------------------------------
 
-    # -- the job state: written here only -------------------------------------------------
-
-    def _set_state(self, state: State, message: str = "") -> None:
-        self.control.set_state(state, message)
-
-    # -- the loop -------------------------------------------------------------------------
-
-    def run(self, target: int) -> None:
-        """Train until the program wants no more steps or a stop is requested."""
-        self._set_state(State.RUNNING)
-        self.hooks.before_dataset()
+    def start(self) -> None:
         # The program keeps its iterators, never collected: destroying per-worker iterators
         # sends ops to every worker, and one to a restarted worker can hold up all later
         # eager work (seen: the final evaluation hung after a worker and a ps restarted).
         self.program.start(self.settle)
-        self.hooks.after_dataset()
         threading.Thread(target=self._watch_stalls, name="psctl-stall", daemon=True).start()
-        try:
-            self._loop(target)
-        except BaseException:
-            self._done.set()
-            raise
 
-    def _loop(self, target: int) -> None:
+    def next_turn(self) -> Turn:
         control = self.control
-        paused = False
-        while not control.stop_requested.is_set():
-            if not self.program.wants_more(self.scheduled):
-                # The last calls land, or the watchdog gives up those stuck on a frozen
-                # worker: their steps are owed again, and scheduled on the others.
-                self.settle()
-                if not self.program.wants_more(self.scheduled):
-                    break
-            if control.pause_requested:
-                self.drain()  # in-flight steps finish; nothing new is scheduled
-                if not paused:
-                    paused = True
-                    self._set_state(State.PAUSED, "paused by request")
-                    step = int(self.global_step.numpy())
-                    self.publisher.progress(step, 0.0, self.status.last_values)
-                    log.info("paused at global step %d", step)
-                self.checkpointer.serve_requests()
-                control.stop_requested.wait(0.1)
-                self.status.restart_window(self.completed)
-                continue
-            if paused:
-                paused = False
-                self._set_state(State.RUNNING)
-                log.info("resumed at global step %d", self.completed)
-                self.ended = None
-            self.checkpointer.serve_requests()
-            self._schedule(min(self.packer.k, target - self.scheduled))
-            self._wait(room_for=self.max_in_flight)
-            self._poll()
-            if self.metrics is not None:
-                self.metrics.set_closures(in_flight=len(self.calls), queued=0)
-            for action in self.actions:
-                action(self)
-        self.drain()  # the loop ends when all is scheduled or a stop was requested
+        return Turn(
+            stop=control.stop_requested.is_set(),
+            pause=control.pause_requested,
+            steps_per_call=self.packer.k,
+        )
+
+    def wants_more(self) -> bool:
+        if self.program.wants_more(self.scheduled):
+            return True
+        # The last calls land, or the watchdog gives up those stuck on a frozen worker:
+        # their steps are owed again, and scheduled on the others.
+        self.settle()
+        return bool(self.program.wants_more(self.scheduled))
+
+    def run_call(self, steps: int) -> None:
+        self._schedule(steps)
+        self._wait(room_for=self.max_in_flight)
+        self._poll()
+        if self.metrics is not None:
+            self.metrics.set_closures(in_flight=len(self.calls), queued=0)
+
+    def quiesce(self) -> None:
+        self.settle()
+
+    def abort(self) -> None:
+        self._done.set()
 
     def finish(self) -> None:
         """After the loop: STOPPING, every call landed (or given up), join the workers."""
-        self._set_state(State.STOPPING, "finishing in-flight steps, final checkpoint and eval")
-        self.drain()
+        self.control.set_state(
+            State.STOPPING, "finishing in-flight steps, final checkpoint and eval"
+        )
+        self.settle()
         self._done.set()
         self.hooks.before_join()
         if self.abandoned:
@@ -194,11 +139,6 @@ class Controller:
     def settle(self) -> None:
         """Wait until every call in flight has finished (or was given up)."""
         self._wait(room_for=0)
-
-    def drain(self) -> None:
-        self.settle()
-        if self.ended is None:
-            self.ended = time.monotonic()
 
     def _wait(self, *, room_for: int) -> None:
         """Retire finished calls until at most ``room_for`` are in flight. Never blocks on

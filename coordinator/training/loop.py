@@ -1,0 +1,338 @@
+"""The one outer training loop, for both strategies, and the end of a run (its ``Summary``).
+
+As orbit's ``Controller`` drives any trainer, ``TrainingLoop`` drives a ``Runner``: the loop
+owns the job's life while it trains (RUNNING, PAUSED: the only writer of those states),
+pause/resume/stop, checkpoint requests, the cadenced actions after every call (status with
+the NaN guard, checkpoint-every, eval-every), the loop's hooks and its timing; ``end_run``
+reads the final metrics, saves the final checkpoint, evaluates and builds the ``Summary``.
+What differs between the strategies is the runner's:
+
+- ``ScheduledRunner`` (scheduled.py, ``--strategy async``): schedules packed calls of the
+  step program on a ``ClusterCoordinator``, keeps a bounded number in flight, watches for
+  stalls (calls stuck on a frozen worker) and joins the workers at the end;
+- ``CollectiveRunner`` (sync.py, ``--strategy sync``): every worker calls the step function
+  in place under ``MultiWorkerMirroredStrategy``; each turn opens with one small all-gather
+  in which the workers agree on what to do. No calls in flight, so no stall watchdog: a
+  lost or frozen peer fails the collectives (``PeerLost``).
+
+A pause does not count as training time: ``train_seconds`` (and so ``steps_per_sec``) is
+the time the loop ran minus the time it was paused, in both strategies.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from psctl.cluster.signals import SignalRelay
+from psctl.coordinator.control.state import State
+from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
+from psctl.coordinator.training.checkpoints import Checkpointer
+from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.summary import Summary, accuracy_of
+from psctl.hooks import LoopHooks
+
+if TYPE_CHECKING:
+    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.control.service import JobControl
+    from psctl.coordinator.job import Job
+    from psctl.coordinator.settings import TrainSettings
+    from psctl.coordinator.training.model import TrainState
+
+log = logging.getLogger(__name__)
+
+PAUSE_POLL = 0.2  # seconds between looks (and, in sync mode, agreements) while paused
+OPEN_TARGET = 2**62  # a program's target when the data decides (--epochs)
+
+
+def install_stop_signals(control: JobControl) -> None:
+    """SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0. A second one
+    aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int) -> None:  # on the relay thread: the Event's lock is safe there
+        log.warning(
+            "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
+        )
+        control.stop_requested.set()
+
+    SignalRelay(handle, abort_on_second=True)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What the loop does next, as the runner reads the requests (sync: as all agree)."""
+
+    stop: bool
+    pause: bool
+    steps_per_call: int
+
+
+class Runner(Protocol):
+    """One strategy's way of running steps under ``TrainingLoop``."""
+
+    program: Any  # the step program: target, progress_total, stopped_early(final_step)
+    completed: int  # steps finished: the global step
+    scheduled: int  # steps handed out (== completed where calls return when done)
+
+    @property
+    def stalls(self) -> int:
+        """Stalls reported (0 where nothing can stall without failing)."""
+        ...
+
+    def start(self) -> None:
+        """Before the first step: the program's function and iterators, any watchers."""
+
+    def next_turn(self) -> Turn:
+        """Read the stop and pause requests and the steps per call (sync: agree on them
+        with every worker: a collective, so every worker calls it every turn)."""
+        ...
+
+    def wants_more(self) -> bool:
+        """Whether steps are owed (may wait for calls in flight to land first)."""
+        ...
+
+    def run_call(self, steps: int) -> None:
+        """Run (or schedule) one call of ``steps`` packed steps."""
+
+    def quiesce(self) -> None:
+        """Every step handed out has finished (or was given up): for a pause, the end."""
+
+    def abort(self) -> None:
+        """The loop raised: stop any watcher."""
+
+    def finish(self) -> None:
+        """After the loop, before the final checkpoint and evaluation: STOPPING, and what
+        the strategy does at the end (async: every call lands, the workers are joined)."""
+
+
+class TrainingLoop:
+    """The outer loop over a ``Runner``; ``completed`` is the runner's (the actions read it)."""
+
+    def __init__(
+        self,
+        *,
+        runner: Runner,
+        control: JobControl,
+        publisher: Publisher,
+        status: PublishStatus | None,  # None: a sync worker other than the chief
+        checkpointer: Checkpointer,
+        actions: Sequence[Action],
+        hooks: LoopHooks | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.control = control
+        self.publisher = publisher
+        self.status = status
+        self.checkpointer = checkpointer
+        self.actions = list(actions)
+        self.hooks = hooks or LoopHooks()
+        self.metrics = metrics
+        self.clock = clock
+        self.started = clock()
+        self.ended: float | None = None
+        self.paused_seconds = 0.0
+        self._paused_at: float | None = None
+
+    @property
+    def completed(self) -> int:
+        return self.runner.completed
+
+    @property
+    def program(self) -> Any:
+        return self.runner.program
+
+    def request_stop(self) -> None:
+        """End the loop as a stop request does: in-flight steps finish, then the usual end."""
+        self.control.stop_requested.set()
+
+    def train_seconds(self) -> float:
+        """Seconds the loop ran, pauses left out."""
+        end = self.ended if self.ended is not None else self.clock()
+        paused = self.paused_seconds
+        if self._paused_at is not None:
+            paused += end - self._paused_at
+        return max(0.0, end - self.started - paused)
+
+    def train(self, start_step: int, *, steps_per_execution: int) -> None:
+        """The whole loop from ``start_step``: say where the run starts, train if steps are
+        owed and no stop came first, then the runner's end."""
+        target = self.runner.program.target
+        self.control.update(global_step=start_step)
+        if self.metrics is not None:
+            self.metrics.set_global_step(start_step)
+            self.metrics.set_target_steps(self.runner.program.progress_total)
+            self.metrics.set_steps_per_execution(steps_per_execution)
+        if start_step >= target:
+            log.info(
+                "global step %d already reaches the target %d: nothing to train", start_step, target
+            )
+        elif not self.control.stop_requested.is_set():
+            self.run()
+        self.runner.finish()
+
+    def run(self) -> None:
+        """Train until the runner owes no more steps (the program's target) or a stop is
+        requested."""
+        self.control.set_state(State.RUNNING)
+        self.started = self.clock()
+        self.hooks.before_dataset()
+        self.runner.start()
+        self.hooks.after_dataset()
+        try:
+            self._loop(self.runner.program.target)
+        except BaseException:
+            self.runner.abort()
+            raise
+        finally:
+            self.ended = self.clock()
+            self._resumed()
+
+    def _loop(self, target: int) -> None:
+        runner, control = self.runner, self.control
+        while runner.wants_more():
+            turn = runner.next_turn()
+            if turn.stop:
+                break
+            if turn.pause:
+                self._pause()
+                continue
+            if self._paused_at is not None:
+                self._resumed()
+                control.set_state(State.RUNNING)
+                log.info("resumed at global step %d", runner.completed)
+                if self.status is not None:
+                    self.status.restart_window(runner.completed)  # no rate over the pause
+            self.checkpointer.serve_requests()
+            runner.run_call(min(turn.steps_per_call, target - runner.scheduled))
+            for action in self.actions:
+                action(self)
+        runner.quiesce()  # the loop ends when all is run or a stop was requested
+
+    def _pause(self) -> None:
+        self.runner.quiesce()  # in-flight steps finish; nothing new runs
+        if self._paused_at is None:
+            self._paused_at = self.clock()
+            self.control.set_state(State.PAUSED, "paused by request")
+            values = self.status.last_values if self.status is not None else {}
+            self.publisher.progress(self.runner.completed, 0.0, values)
+            log.info("paused at global step %d", self.runner.completed)
+        self.checkpointer.serve_requests()
+        self.control.stop_requested.wait(PAUSE_POLL)
+
+    def _resumed(self) -> None:
+        if self._paused_at is not None:
+            self.paused_seconds += self.clock() - self._paused_at
+            self._paused_at = None
+
+
+def make_loop(
+    runner: Runner,
+    *,
+    settings: TrainSettings,
+    state: TrainState,
+    control: JobControl,
+    publisher: Publisher,
+    checkpointer: Checkpointer,
+    start_step: int,
+    examples_per_step: int,
+    chief: bool,
+    actions: Sequence[Action] = (),
+    hooks: LoopHooks | None = None,
+    metrics: CoordinatorMetrics | None = None,
+) -> TrainingLoop:
+    """The loop a trainer runs: on the chief (the one that reports and checkpoints) with
+    the status action and checkpoint-every before the strategy's own ``actions``."""
+    status, cadenced = None, list[Action]()
+    if chief:
+        status, cadenced = status_and_checkpoints(
+            settings,
+            state=state,
+            publisher=publisher,
+            checkpointer=checkpointer,
+            progress_total=runner.program.progress_total,
+            batch_size=examples_per_step,
+            start_step=start_step,
+        )
+    return TrainingLoop(
+        runner=runner,
+        control=control,
+        publisher=publisher,
+        status=status,
+        checkpointer=checkpointer,
+        actions=[*cadenced, *actions] if chief else [],
+        hooks=hooks,
+        metrics=metrics,
+    )
+
+
+def end_run(
+    loop: TrainingLoop,
+    *,
+    job: Job,
+    settings: TrainSettings,
+    state: TrainState,
+    start_step: int,
+    wall_started: float,
+    examples_per_step: int,
+    num_workers: int,
+    num_ps: int,
+    steps_per_execution: int,
+    evaluate: Callable[[int, str | None], dict[str, float]] | None,
+) -> Summary:
+    """After the loop (and the runner's own end): the final metrics, progress line,
+    checkpoint and evaluation (``evaluate(step, checkpoint)``; None: not this process's to
+    do, as on a sync worker other than the chief) and the run's ``Summary``."""
+    train_seconds = loop.train_seconds()
+    final_step = state.step()
+    trained = final_step - start_step
+    status = loop.status
+    values = state.read_train_metrics() if trained > 0 else {}
+    values = values or (status.last_values if status is not None else {})
+    rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
+    checkpoint = None
+    eval_values: dict[str, float] = {}
+    if status is not None:
+        status.progress.finish(final_step, rate * examples_per_step, values)
+        loop.publisher.progress(final_step, rate, values)
+    if evaluate is not None:
+        checkpointer = loop.checkpointer
+        if checkpointer.enabled:
+            checkpoint = checkpointer.save() if trained > 0 else checkpointer.latest
+        eval_values = evaluate(final_step, checkpoint)
+        if eval_values:
+            loop.publisher.evaluation(eval_values, step=final_step)
+    program = loop.program
+    extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
+    return Summary(
+        job=job.name,
+        global_step=final_step,
+        start_step=start_step,
+        target_steps=final_step if program.target >= OPEN_TARGET else program.target,
+        loss=values.get("loss"),
+        accuracy=accuracy_of(values),
+        eval_accuracy=accuracy_of(eval_values),
+        eval_loss=eval_values.get("loss"),
+        eval_auc=eval_values.get("auc"),
+        examples_per_sec=rate * examples_per_step,
+        steps_per_sec=rate,
+        wall_seconds=time.monotonic() - wall_started,
+        train_seconds=train_seconds,
+        num_workers=num_workers,
+        num_ps=num_ps,
+        batch_size=settings.batch_size,
+        steps_per_execution=steps_per_execution,
+        checkpoint=checkpoint,
+        stopped_early=program.stopped_early(final_step),
+        stalls=loop.runner.stalls,
+        metrics=extra,
+        eval_metrics=eval_values,
+    )
