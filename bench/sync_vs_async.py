@@ -84,7 +84,7 @@ class Scorer:
     def __init__(self, args: argparse.Namespace) -> None:
         from psctl.coordinator.job import load_job
         from psctl.coordinator.settings import TrainSettings
-        from psctl.coordinator.training.evaluate import SidecarEvaluator
+        from psctl.coordinator.training.sidecar_eval import SidecarEvaluator
 
         settings = TrainSettings(job=args.job, checkpoint_dir="", seed=throughput.SEED)
         self.sidecar = SidecarEvaluator(load_job(args.job), settings)

@@ -1,5 +1,5 @@
 """Flags of `psctl evaluate`, the sidecar evaluator. The process is
-coordinator/launch/evaluate.py's; TensorFlow is imported only when the command runs."""
+coordinator/launch/sidecar.py's; TensorFlow is imported only when the command runs."""
 
 from __future__ import annotations
 
@@ -71,6 +71,6 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     require_tensorflow()
-    from psctl.coordinator.launch.evaluate import evaluate_main
+    from psctl.coordinator.launch.sidecar import evaluate_main
 
     return evaluate_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

@@ -1,5 +1,5 @@
 """Flags of `psctl export` (a checkpoint as a SavedModel). The process is
-coordinator/launch/export.py's; TensorFlow is imported only when the command runs."""
+coordinator/launch/serving.py's; TensorFlow is imported only when the command runs."""
 
 from __future__ import annotations
 
@@ -42,6 +42,6 @@ def add_export_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], int
 
 def cmd_export(args: argparse.Namespace) -> int:
     require_tensorflow()
-    from psctl.coordinator.launch.export import export_main
+    from psctl.coordinator.launch.serving import export_main
 
     return export_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

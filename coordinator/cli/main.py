@@ -223,8 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--metrics-port",
         type=whole_number,
-        default=DEFAULT_METRICS_PORT,
-        help="coordinator's Prometheus /metrics port (default %(default)s; 0: off)",
+        default=None,
+        help=f"coordinator's Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off); "
+        "--strategy sync: this worker's (default: worker 0 the coordinator's, the others "
+        "their TF port + 2000)",
+    )
+    train.add_argument(
+        "--health-port",
+        type=whole_number,
+        default=None,
+        help="--strategy sync: this worker's grpc.health.v1 port, SERVING while it trains "
+        "(default: its TF port + 1000, as a worker-server's; 0: off)",
     )
     train.add_argument(
         "--connect-timeout",

@@ -128,7 +128,7 @@ class JobControl:
         self.target_steps = target_steps
         self.steps_per_execution = steps_per_execution
         self.can_checkpoint = can_checkpoint
-        self.tasks = tasks
+        self.tasks = tasks  # replaced whole (set_tasks), never changed in place
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._state = State.STARTING
@@ -368,6 +368,11 @@ class JobControl:
 
     # -- health of the cluster's tasks -----------------------------------------------------
 
+    def set_tasks(self, tasks: list[TaskInfo]) -> None:
+        """The job's tasks as now (a restarted task's new pid): status and the health
+        checks read the new list from their next look."""
+        self.tasks = list(tasks)
+
     def poll_health_forever(self, stop: threading.Event) -> None:
         """Check every task's health service in the background (status must answer fast).
 
@@ -401,6 +406,10 @@ class JobControl:
                     if self.on_task_failure is not None:
                         self.on_task_failure(task.type)
                 elif before is not None and before != serving and result == serving:
+                    with self._lock:
+                        failed_before = self._failures.get(key, 0) > 0
+                    if not failed_before:  # SERVING for the first time (a worker starting)
+                        continue
                     log.info("%s:%d is SERVING again", task.type, task.index)
                     with self._lock:
                         self.recoveries += 1

@@ -13,11 +13,12 @@ import logging
 import os
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
 from psctl.cluster.errors import ConfigError
@@ -47,6 +48,7 @@ from psctl.coordinator.launch.supervisor import (
 from psctl.coordinator.settings import TrainSettings
 
 if TYPE_CHECKING:
+    from psctl.cluster.metrics import ProcessMetrics
     from psctl.coordinator.control.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
@@ -202,7 +204,6 @@ def start_metrics(
         return None
     from prometheus_client import CollectorRegistry
 
-    from psctl.cluster.metrics import serve_metrics
     from psctl.coordinator.control.metrics import CoordinatorMetrics
 
     ports.check_port_free(port, field="--metrics-port")
@@ -220,11 +221,62 @@ def start_metrics(
         ps_failures=counters.ps_failures,
         nonfinite_losses=counters.nonfinite_losses,
     )
-    host = bind_host(None, os.environ, cluster.task_address("chief", 0).host)
+    _serve(registry, bind_host(None, os.environ, cluster.task_address("chief", 0).host), port)
+    return metrics
+
+
+def start_worker_metrics(port: int, *, host: str, index: int) -> ProcessMetrics:
+    """A sync worker's /metrics but the chief's: a worker task's series (its task info,
+    health state and process), as a worker-server's in the parameter-server mode."""
+    from prometheus_client import CollectorRegistry
+
+    from psctl.cluster.metrics import ProcessMetrics
+
+    ports.check_port_free(port, host=host, field="--metrics-port")
+    registry = CollectorRegistry()
+    metrics = ProcessMetrics(registry=registry, task_type="worker", task_index=index)
+    _serve(registry, host, port)
+    return metrics
+
+
+def _serve(registry: Any, host: str, port: int) -> None:
+    from psctl.cluster.metrics import serve_metrics
+
     cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
     serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
     log.info("metrics on %s://%s:%d/metrics", "https" if cert else "http", host, port)
-    return metrics
+
+
+def follow_tasks_file(
+    tasks_file: str | None, control: JobControl, *, every: float = 1.0
+) -> threading.Thread | None:
+    """psctl local rewrites its tasks file whenever a task's process starts again (a new
+    pid): read it again when it changes, so that status shows the processes of now. A
+    file caught half-written or gone is read at the next change."""
+    if not tasks_file:
+        return None
+    path = Path(tasks_file)
+
+    def stamp() -> int:
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            return 0
+
+    def follow() -> None:
+        seen = stamp()
+        while True:
+            time.sleep(every)
+            now = stamp()
+            if now == seen:
+                continue
+            seen = now
+            with contextlib.suppress(ConfigError):
+                control.set_tasks(load_tasks(tasks_file, ClusterConfig(jobs={})))
+
+    thread = threading.Thread(target=follow, name="psctl-tasks-file", daemon=True)
+    thread.start()
+    return thread
 
 
 def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]:

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -25,8 +27,13 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.files import write_json_atomic
+from psctl.cluster.health import TLS_CERT_ENV as HEALTH_TLS_CERT_ENV
+from psctl.cluster.health import TLS_KEY_ENV as HEALTH_TLS_KEY_ENV
+from psctl.cluster.health import HealthService
 from psctl.cluster.logs import tensorflow_import_quietly
+from psctl.cluster.metrics import ProcessMetrics
 from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.server import bind_host
 from psctl.cluster.spec import (
     SYNC_REQUIRED,
     ClusterConfig,
@@ -55,12 +62,14 @@ from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.launch.process import (
     count_nonfinite,
     end_on_error,
+    follow_tasks_file,
     load_tasks,
     start_metrics,
+    start_worker_metrics,
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
-from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
@@ -146,25 +155,36 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     failures = FailurePolicy()
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     is_chief = index == 0
+    address = cluster.task_address("worker", index)
+    host = bind_host(None, os.environ, address.host)
+    metrics_port = worker_metrics_port(cluster, index, args.metrics_port)
+    health_port = (
+        address.port + ports.HEALTH_PORT_OFFSET if args.health_port is None else args.health_port
+    )
+    if health_port:
+        ports.check_port_free(health_port, host=host, field="--health-port")
+    # Every worker serves /metrics on its host: the chief the coordinator's series (steps,
+    # loss, ...: the job's, once), every other worker those of a worker task (its task info,
+    # health state and process), as a worker-server does in the parameter-server mode.
     metrics = None
+    process_metrics = None
     if is_chief:
         metrics = start_metrics(
-            args.metrics_port,
+            metrics_port,
             settings,  # psctl_batch_size: per worker, as in the parameter-server mode
-            # The metrics bind on the chief's host: worker 0's, here.
-            cluster.with_chief(str(cluster.task_address("worker", 0).with_port(args.metrics_port))),
+            cluster.with_chief(str(address.with_port(metrics_port or address.port))),
             counters,
             # A sync step reads a batch on every worker: examples are counted per step so.
             examples_per_step=settings.batch_size * cluster.num_workers,
         )
-    tasks = (
-        load_tasks(args.tasks_file, cluster)
-        if args.tasks_file
-        else [
-            TaskInfo("worker", i, str(a), "", "", os.getpid() if i == index else 0)
-            for _, i, a in cluster.task_addresses()
-        ]
-    )
+    elif metrics_port:
+        process_metrics = start_worker_metrics(metrics_port, host=host, index=index)
+    if args.tasks_file:
+        tasks = load_tasks(args.tasks_file, cluster)
+    else:
+        tasks = sync_tasks(
+            cluster, index, chief_metrics_port=worker_metrics_port(cluster, 0, args.metrics_port)
+        )
     control = JobControl(
         job=settings.job,
         target_steps=settings.steps,
@@ -174,13 +194,19 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         on_state=metrics.set_state if metrics else None,
     )
     control.recoveries = counters.restarts
+    follow_tasks_file(args.tasks_file, control)  # a restarted worker's new pid
+    if metrics is not None:
+        control.on_task_failure = metrics.task_failure
+        control.on_recovery = metrics.recovery
+    # SERVING from when this worker joined the group until it is done, as a server's.
+    health = WorkerHealth(host=host, port=health_port, metrics=process_metrics)
     server = None
     if is_chief:
         server = start_control_server(
             control, args.control_address, ControlSecurity.from_args(args, os.environ)
         )
     try:
-        return _train(cluster, index, settings, control, metrics, counters, args)
+        return _train(cluster, index, settings, control, metrics, counters, args, health)
     except Unreachable as err:
         status = exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
@@ -191,8 +217,55 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             count_nonfinite(counters, metrics)
         return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
     finally:
+        health.set_serving(False)
         if server is not None:
             stop_control_server(server)
+
+
+class WorkerHealth:
+    """A sync worker's grpc.health.v1 service (port 0: none) and the health state its
+    /metrics shows (a worker other than the chief), set together."""
+
+    def __init__(self, *, host: str, port: int, metrics: ProcessMetrics | None) -> None:
+        cert, key = os.environ.get(HEALTH_TLS_CERT_ENV, ""), os.environ.get(HEALTH_TLS_KEY_ENV, "")
+        self.service = (
+            HealthService(host=host, port=port, tls_cert=cert, tls_key=key) if port else None
+        )
+        self.metrics = metrics
+
+    def set_serving(self, serving: bool) -> None:
+        if self.service is not None:
+            self.service.set_serving(serving)
+        if self.metrics is not None:
+            self.metrics.health.state("serving" if serving else "not_serving")
+
+
+def worker_metrics_port(cluster: ClusterConfig, index: int, flag: int | None) -> int:
+    """Worker ``index``'s /metrics port: ``--metrics-port`` when given; else worker 0 the
+    coordinator's default, every other worker its TF port + 2000 (several workers may share
+    a host, as worker-servers do)."""
+    if flag is not None:
+        return flag
+    if index == 0:
+        return DEFAULT_METRICS_PORT
+    port = cluster.task_address("worker", index).port + ports.METRICS_PORT_OFFSET
+    return port if port < 65536 else 0
+
+
+def sync_tasks(cluster: ClusterConfig, index: int, *, chief_metrics_port: int) -> list[TaskInfo]:
+    """Every worker of a sync job as status lists it from the cluster alone: its health at
+    its TF port + 1000 and its /metrics (worker 0's on the coordinator's port), this
+    worker's pid (the others' are on their hosts)."""
+    tasks = []
+    for task in load_tasks(None, cluster):
+        if task.index == 0:
+            address = cluster.task_address("worker", 0)
+            url = f"http://{address.with_port(chief_metrics_port)}/metrics"
+            task = replace(task, metrics_url=url if chief_metrics_port else "")
+        if task.index == index:
+            task = replace(task, pid=os.getpid())
+        tasks.append(task)
+    return tasks
 
 
 def _train(
@@ -203,6 +276,7 @@ def _train(
     metrics: CoordinatorMetrics | None,
     counters: Counters,
     args: argparse.Namespace,
+    health: WorkerHealth | None = None,
 ) -> int:
     from psctl.coordinator.job import load_job
     from psctl.coordinator.training.loop import install_stop_signals
@@ -222,6 +296,8 @@ def _train(
     # Before the job is loaded: a job that runs TensorFlow ops when imported would set up
     # the eager context before the strategy could configure collectives (seen: ctr).
     strategy = sync_strategy(cluster, index, connect_timeout=args.connect_timeout)
+    if health is not None:
+        health.set_serving(True)
     # Again: TensorFlow's coordination service (started with the strategy) takes SIGTERM
     # for its preemption notifier; ours must handle it (graceful stop of the group).
     install_stop_signals(control)
@@ -263,6 +339,7 @@ def worker_argv(
     metrics_port: int,
     flags: dict[str, Any],
     args: argparse.Namespace,
+    health_port: int = 0,
     security: ControlSecurity | None = None,
 ) -> list[str]:
     """Worker ``index``'s training process; ``security``: the launcher's published control
@@ -279,6 +356,8 @@ def worker_argv(
         control_address,
         "--metrics-port",
         str(metrics_port),
+        "--health-port",
+        str(health_port),
         "--recovery-timeout",
         str(args.recovery_timeout),
         "--once",
@@ -296,11 +375,19 @@ class LocalSyncJob:
             raise ConfigError("--workers", f"got {num_workers}", "run at least 1 worker")
         self.workdir = workdir
         self.control_address = control_address
-        found = ports.free_ports(num_workers + 1)
-        self.metrics_port = found.pop()
-        self.cluster = ClusterConfig(jobs={"worker": tuple(f"127.0.0.1:{p}" for p in found)})
+        # Per worker: its TF port, its health port and its /metrics port.
+        found = ports.free_ports(3 * num_workers)
+        tf_ports, self.health_ports, self.metrics_ports = (
+            found[:num_workers],
+            found[num_workers : 2 * num_workers],
+            found[2 * num_workers :],
+        )
+        self.metrics_port = self.metrics_ports[0]  # the chief's: the job's series
+        self.cluster = ClusterConfig(jobs={"worker": tuple(f"127.0.0.1:{p}" for p in tf_ports)})
         self.cluster_file = workdir / "cluster.json"
         self.tasks_file = workdir / "tasks.json"
+        self.pids: dict[int, int] = {}  # worker -> its training process's pid, as now
+        self._tasks_lock = threading.Lock()
         self.supervisors: list[TrainingSupervisor] = []
         self.statuses: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
@@ -309,12 +396,29 @@ class LocalSyncJob:
     def write_files(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.cluster_file, {"cluster": self.cluster.as_dict()})
-        tasks = [
-            {"type": "worker", "index": i, "address": address}
-            for _, i, address in self.cluster.tasks()
-        ]
-        tasks[0]["metrics_url"] = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        write_json_atomic(self.tasks_file, tasks)
+        self.write_tasks()
+
+    def write_tasks(self) -> None:
+        """tasks.json: every worker with its health address, metrics URL and pid, for the
+        chief's status; rewritten when a worker's process starts again (its new pid), and
+        read again by the chief when it changes."""
+        with self._tasks_lock:
+            tasks = [
+                {
+                    "type": "worker",
+                    "index": i,
+                    "address": address,
+                    "health_address": f"127.0.0.1:{self.health_ports[i]}",
+                    "metrics_url": f"http://127.0.0.1:{self.metrics_ports[i]}/metrics",
+                    "pid": self.pids.get(i, 0),
+                }
+                for _, i, address in self.cluster.tasks()
+            ]
+            write_json_atomic(self.tasks_file, tasks)
+
+    def _started(self, index: int, pid: int) -> None:
+        self.pids[index] = pid
+        self.write_tasks()
 
     def start(
         self,
@@ -329,14 +433,16 @@ class LocalSyncJob:
                 tasks_file=self.tasks_file,
                 index=index,
                 control_address=self.control_address,
-                metrics_port=self.metrics_port if index == 0 else 0,
+                metrics_port=self.metrics_ports[index],
+                health_port=self.health_ports[index],
                 flags=flags,
                 args=args,
                 security=security,
             )
             log_path = None if index == 0 else self.workdir / "logs" / f"worker-{index}.log"
             supervisor = TrainingSupervisor(
-                _starter(argv, log_path), policy=RestartPolicy(max_restarts=args.max_restarts)
+                _starter(argv, log_path, on_start=partial(self._started, index)),
+                policy=RestartPolicy(max_restarts=args.max_restarts),
             )
             self.supervisors.append(supervisor)
             thread = threading.Thread(
@@ -399,15 +505,17 @@ class LocalSyncJob:
             thread.join(timeout=5.0)
 
 
-def _starter(argv: list[str], log_path: Path | None) -> Any:
+def _starter(argv: list[str], log_path: Path | None, *, on_start: Callable[[int], None]) -> Any:
     def start(counters: Counters) -> subprocess.Popen[bytes]:
         counters_json = json.dumps(asdict(counters))
         # Without the launcher no worker may go on: SIGKILL when it dies.
-        return spawn(
+        proc = spawn(
             [*argv, "--supervisor-counters", counters_json],
             log_path=log_path,
             death_signal=signal.SIGKILL,
         )
+        on_start(proc.pid)
+        return proc
 
     return start
 
@@ -423,7 +531,7 @@ def local_sync_main(
     )
     log.info("work dir %s", workdir)
     job.write_files()
-    # As psctl local's PS mode: the job's tokens in this user's runtime directory, handed to
+    # As psctl local in the parameter-server mode: the job's tokens in this user's runtime directory, handed to
     # worker 0's training process (so that they stay the same across its restarts), which
     # listens behind this process's control front.
     security = ControlSecurity.from_args(args, os.environ)

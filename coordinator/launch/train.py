@@ -40,13 +40,19 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.launch.process import (
     count_nonfinite,
     end_on_error,
+    follow_tasks_file,
     load_tasks,
     start_metrics,
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.launch.sync import sync_train_main
-from psctl.coordinator.settings import TrainSettings, resolve_settings, show_steps_per_execution
+from psctl.coordinator.settings import (
+    DEFAULT_METRICS_PORT,
+    TrainSettings,
+    resolve_settings,
+    show_steps_per_execution,
+)
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
@@ -141,7 +147,8 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
-    metrics = start_metrics(args.metrics_port, settings, cluster, counters)
+    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    metrics = start_metrics(metrics_port, settings, cluster, counters)
     control = JobControl(
         job=settings.job,
         target_steps=settings.steps,
@@ -151,6 +158,7 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         on_state=metrics.set_state if metrics else None,
     )
     control.recoveries = counters.restarts
+    follow_tasks_file(args.tasks_file, control)  # a restarted server's new pid
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery

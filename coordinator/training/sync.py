@@ -7,7 +7,7 @@ cadenced actions (status, checkpoints), the ``Checkpointer`` and the final evalu
 differs is the loop: no ClusterCoordinator, every worker steps together, so each call opens
 with one small all-reduce in which the workers agree on what to do (the chief's steps per
 call and pause, anyone's stop). Worker 0 is the chief: it alone checkpoints (same layout as
-async mode), publishes status and metrics, and evaluates. A restart restores on the chief
+the parameter-server mode), publishes status and metrics, and evaluates. A restart restores on the chief
 and broadcasts the state to the others, so only the chief needs the checkpoint directory.
 
 A collective that fails or times out (a worker died, froze or restarted) cannot be retried
@@ -33,7 +33,7 @@ from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
 from psctl.coordinator.training.checkpoints import Checkpointer
-from psctl.coordinator.training.evaluation import evaluate_final
+from psctl.coordinator.training.final_eval import evaluate_final
 from psctl.coordinator.training.loop import Turn, end_run, make_loop
 from psctl.coordinator.training.model import TrainState, scalar
 from psctl.coordinator.training.packing import Packer, packer_for

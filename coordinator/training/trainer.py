@@ -20,7 +20,7 @@ from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, EvalEvery
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.epochs import EpochProgram
-from psctl.coordinator.training.evaluation import evaluate_elsewhere, evaluate_final
+from psctl.coordinator.training.final_eval import evaluate_elsewhere, evaluate_final
 from psctl.coordinator.training.inline_eval import InlineEval
 from psctl.coordinator.training.loop import end_run, make_loop
 from psctl.coordinator.training.model import TrainState

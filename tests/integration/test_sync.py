@@ -16,6 +16,7 @@ import pytest
 from psctl.cluster.ports import free_ports
 from tests.conftest import (
     control_cli,
+    describe_process,
     kill_if_running,
     processes_mentioning,
     psctl_argv,
@@ -44,6 +45,29 @@ def test_sync_local_epochs_accuracy_status_and_pause(workdir):
         assert isinstance(running, dict)
         assert {t["type"] for t in running["tasks"]} == {"worker"}, running
         assert len(running["tasks"]) == 2, running
+        # Every worker as a parameter-server job shows its tasks: the pid of its process
+        # (tasks.json's), its health (its training process serves grpc.health.v1) and a
+        # /metrics that answers.
+        seen = wait_for(
+            lambda: (
+                (s := status_or_none(address))
+                and all(t.get("health") == "TASK_HEALTH_SERVING" for t in s["tasks"])
+                and s
+            ),
+            30,
+            "every worker SERVING",
+            proc,
+            log,
+        )
+        assert isinstance(seen, dict)
+        for task in seen["tasks"]:
+            assert Path(f"/proc/{int(task['pid'])}").exists(), task
+            assert f"--task-index {task['index']}" in describe_process(int(task["pid"])), task
+            with urllib.request.urlopen(task["metrics_url"], timeout=10) as response:
+                text = response.read().decode()
+            # The chief's: the coordinator's series; every other worker's: its task's.
+            series = "psctl_global_step " if task["index"] == 0 else "psctl_task_info{"
+            assert series in text and 'psctl_health_state{state="serving"} 1.0' in text, task
         paused = control_cli(address, "pause")
         assert paused.returncode == 0, paused.stderr
         first = wait_for_state(address, "JOB_STATE_PAUSED", 30, proc, log)
@@ -77,7 +101,7 @@ def test_sync_local_epochs_accuracy_status_and_pause(workdir):
 
 @pytest.mark.timeout(240)
 def test_sync_checkpoints_are_read_by_async_mode_and_evaluate(run_cli, workdir, tmp_path):
-    """One checkpoint layout: async mode goes on from a sync run's checkpoint, sync mode from
+    """One checkpoint layout: the parameter-server mode goes on from a sync run's checkpoint, sync mode from
     that async one, and `psctl evaluate` reads them."""
     checkpoints = tmp_path / "checkpoints"
     common = ["--checkpoint-dir", str(checkpoints), "--control-address", "127.0.0.1:0"]

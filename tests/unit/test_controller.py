@@ -20,21 +20,13 @@ from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.hooks import LoopHooks
+from tests.fakes import FakeOpError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class OpError(Exception):
-    """What TensorFlow's OpError looks like to the failure policy."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.error_code = code
-        self.message = message
-
-
-WORKER_GONE = OpError(14, "Socket closed: /job:worker/replica:0/task:1")
-PS_GONE = OpError(14, "Connection reset: /job:ps/replica:0/task:0")
+WORKER_GONE = FakeOpError(14, "Socket closed: /job:worker/replica:0/task:1")
+PS_GONE = FakeOpError(14, "Connection reset: /job:ps/replica:0/task:0")
 
 
 class FakeRemote:
@@ -195,7 +187,7 @@ def test_a_call_lost_with_its_worker_is_scheduled_again():
 
 def test_a_lost_ps_ends_the_loop_for_the_process_to_recover():
     coordinator = FakeCoordinator(fail={1: PS_GONE})
-    with pytest.raises(OpError):
+    with pytest.raises(FakeOpError):
         run_loop(coordinator)
 
 

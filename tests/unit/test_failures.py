@@ -46,20 +46,11 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.launch import process
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from tests.conftest import child_env, psctl_argv
+from tests.fakes import FakeOpError
 
 pytestmark = pytest.mark.timeout(10)
 
 CANCELLED, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ABORTED, UNAVAILABLE = 1, 3, 4, 5, 10, 14
-
-
-class FakeOpError(Exception):
-    """What classify sees of tf.errors.OpError: an int error_code, a str message, and
-    str(err) == message (checked against TensorFlow 2.21)."""
-
-    def __init__(self, error_code: int, message: str) -> None:
-        super().__init__(message)
-        self.error_code = error_code
-        self.message = message
 
 
 class FakeWrapper(Exception):

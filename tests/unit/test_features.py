@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.coordinator.job import DataContext, load_job
-from psctl.coordinator.training.export import serving_module
 from psctl.coordinator.training.features import check_features, feature_names
 from psctl.coordinator.training.model import JobModel
+from psctl.coordinator.training.saved_model import serving_module
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

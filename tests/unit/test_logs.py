@@ -12,19 +12,13 @@ import pytest
 
 from psctl.cluster.logs import configure_logging
 from tests.conftest import child_env
+from tests.fakes import UNAVAILABLE, FakeOpError
 
 pytestmark = pytest.mark.timeout(10)
 
 CLOSURE_REPORT = (
     " /job:worker/task:%d encountered the following error when processing closure: %r:%s"
 )
-
-
-class FakeOpError(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.error_code = 14
-        self.message = message
 
 
 @pytest.fixture
@@ -41,7 +35,9 @@ def restore_logging() -> Iterator[None]:
 def _log_from_tensorflow(capsys: pytest.CaptureFixture[str], *, verbose: bool) -> str:
     configure_logging(verbose=verbose)
     tf_logger = logging.getLogger("tensorflow")
-    tf_logger.error(CLOSURE_REPORT, 0, FakeOpError("unavailable"), "Graph execution error:")
+    tf_logger.error(
+        CLOSURE_REPORT, 0, FakeOpError(UNAVAILABLE, "unavailable"), "Graph execution error:"
+    )
     tf_logger.error("Remote function on worker %s failed with %r:%s", "/job:worker", 1, 2)
     tf_logger.error("a TensorFlow error psctl does not know")
     tf_logger.warning("In a `ClusterCoordinator`, creating an infinite closure queue ...")
@@ -93,10 +89,10 @@ class Other:
 
 def test_executor_del_with_a_tensorflow_error_goes_to_debug(restore_logging, capsys) -> None:
     configure_logging(verbose=False)
-    Executor(FakeOpError("Socket closed\nmore"))  # collected at once: __del__ raises
+    Executor(FakeOpError(UNAVAILABLE, "Socket closed\nmore"))  # collected at once: __del__ raises
     assert capsys.readouterr().err == ""
     configure_logging(verbose=True)
-    Executor(FakeOpError("Socket closed\nmore"))
+    Executor(FakeOpError(UNAVAILABLE, "Socket closed\nmore"))
     err = capsys.readouterr().err
     assert "DEBUG tensorflow: ignored in Executor.__del__: FakeOpError: Socket closed" in err
     assert "Traceback" not in err
@@ -104,7 +100,10 @@ def test_executor_del_with_a_tensorflow_error_goes_to_debug(restore_logging, cap
 
 @pytest.mark.parametrize(
     ("cls", "err"),
-    [(Executor, ValueError("not a TensorFlow error")), (Other, FakeOpError("elsewhere"))],
+    [
+        (Executor, ValueError("not a TensorFlow error")),
+        (Other, FakeOpError(UNAVAILABLE, "elsewhere")),
+    ],
     ids=["other error", "other object"],
 )
 def test_other_unraisable_exceptions_are_printed_as_python_does(

@@ -24,6 +24,7 @@ from psctl.coordinator.failures import (
 )
 from psctl.coordinator.launch.sync import resolve_sync_cluster, workers_only
 from psctl.coordinator.settings import resolve_settings
+from tests.fakes import FakeOpError
 
 WORKERS = {"worker": ["127.0.0.1:2001", "127.0.0.1:2002"]}
 
@@ -94,13 +95,6 @@ def test_tf_config_must_name_a_worker(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps(chief))
     with pytest.raises(ConfigError, match=r"task\.type"):
         resolve_sync_cluster(None, None)
-
-
-class FakeOpError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.error_code = code
-        self.message = message
 
 
 def test_peer_lost_tells_a_lost_peer_from_the_jobs_own_errors():

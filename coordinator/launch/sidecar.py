@@ -1,6 +1,6 @@
 """`psctl evaluate`: the sidecar evaluator's process, following a training run's checkpoints.
 
-One local process, no cluster: it builds a ``SidecarEvaluator`` (training/evaluate.py) and
+One local process, no cluster: it builds a ``SidecarEvaluator`` (training/sidecar_eval.py) and
 each time a new checkpoint appears in ``--checkpoint-dir`` has it evaluate that one,
 printing one line::
 
@@ -29,8 +29,8 @@ from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.signals import SignalRelay
 from psctl.coordinator.settings import ENV_PREFIX, TrainSettings, load_toml, resolve_settings
-from psctl.coordinator.training.evaluate import Evaluation, SidecarEvaluator
 from psctl.coordinator.training.report import eval_line
+from psctl.coordinator.training.sidecar_eval import Evaluation, SidecarEvaluator
 
 log = logging.getLogger("psctl.evaluate")
 

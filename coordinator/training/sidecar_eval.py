@@ -1,7 +1,7 @@
 """The sidecar evaluator: the job's model and optimizer in this process, restored from a
 training run's checkpoints (the trainer's ``tf.train.Checkpoint(model, optimizer,
 global_step)``) and evaluated over the job's ``eval_dataset_fn`` (worker 0 of 1: every eval
-example once). `psctl evaluate`'s process around it is coordinator/launch/evaluate.py.
+example once). `psctl evaluate`'s process around it is coordinator/launch/sidecar.py.
 
 TensorFlow is imported only when an evaluator is built, so ``psctl --help`` stays light.
 """
@@ -43,7 +43,7 @@ class SidecarEvaluator:
         import tensorflow as tf
 
         from psctl.coordinator.job import DataContext
-        from psctl.coordinator.training.evaluation import DatasetEvaluator
+        from psctl.coordinator.training.final_eval import DatasetEvaluator
         from psctl.coordinator.training.model import JobModel
         from psctl.coordinator.training.tensorboard import ScalarWriter
 

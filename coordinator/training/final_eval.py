@@ -2,7 +2,7 @@
 a fresh process when a task is frozen, and the loop every evaluator shares.
 
 Inline evaluation on the workers (``--eval-every``) is in inline_eval.py; the sidecar
-evaluator (``psctl evaluate``) in evaluate.py; all print ``report.eval_line``.
+evaluator (``psctl evaluate``) in sidecar_eval.py; all print ``report.eval_line``.
 """
 
 from __future__ import annotations
