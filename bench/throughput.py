@@ -120,7 +120,7 @@ def _new_trainer(
 ) -> Any:
     """``Trainer`` as ``psctl train`` builds it (a ``JobControl``, ``metrics=`` wired to the
     control's state when given), with the bench's ``hooks``."""
-    from psctl.coordinator.control.service import JobControl
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.training.trainer import Trainer
 
     control = JobControl(

@@ -63,24 +63,24 @@ SCHEDULING_STATES: frozenset[State] = frozenset({State.STARTING, State.RUNNING, 
 # States in which the loop serves a requested checkpoint.
 CHECKPOINT_STATES: frozenset[State] = frozenset({State.RUNNING, State.PAUSED})
 
-# Where each transition happens (loop = TrainingLoop in coordinator/training/loop.py, both
-# strategies; finish = the runner's end: ScheduledRunner.finish, scheduled.py, or the sync
-# trainer's; train = coordinator/launch/train.py). Every non-final state may fail: train.py's
-# handlers call finish(FAILED) whatever the state was.
+# Where each transition happens: loop = TrainingLoop in coordinator/training/loop.py (both
+# strategies; train() sets STOPPING), process = the training process's end in
+# coordinator/launch/process.py (complete, end_on_error, recover). No other code sets one.
+# Every non-final state may fail: end_on_error calls finish(FAILED) whatever the state was.
 TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
     {
         State.STARTING: frozenset(
             {
                 State.RUNNING,  # loop.run: steps left to train
-                State.STOPPING,  # finish: nothing to train, or a stop came first
-                State.RECOVERING,  # train: cluster failure or RestartFromCheckpoint
+                State.STOPPING,  # loop.train: nothing to train, or a stop came first
+                State.RECOVERING,  # process: cluster failure or RestartFromCheckpoint
                 State.FAILED,
             }
         ),
         State.RUNNING: frozenset(
             {
                 State.PAUSED,  # loop.run: pause requested
-                State.STOPPING,  # finish: all scheduled, or a stop requested
+                State.STOPPING,  # loop.train: all scheduled, or a stop requested
                 State.RECOVERING,
                 State.FAILED,
             }
@@ -88,7 +88,7 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
         State.PAUSED: frozenset(
             {
                 State.RUNNING,  # loop.run: resume requested
-                State.STOPPING,  # finish: a stop requested while paused
+                State.STOPPING,  # loop.train: a stop requested while paused
                 State.RECOVERING,
                 State.FAILED,
             }
@@ -97,8 +97,8 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
         State.CHECKPOINTING: frozenset({State.FAILED}),
         State.STOPPING: frozenset(
             {
-                State.DONE,  # train: finish(DONE) after the final checkpoint and eval
-                State.RECOVERING,  # train: the final save refused a NaN, or a ps failed
+                State.DONE,  # process.complete: DONE after the final checkpoint and eval
+                State.RECOVERING,  # process: the final save refused a NaN, or a ps failed
                 State.FAILED,
             }
         ),

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +27,8 @@ from psctl.cluster.logs import forward_stderr
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import Address, ClusterConfig
 from psctl.coordinator.control.front import launch_control
+from psctl.coordinator.control.job_state import JobControl, TaskInfo
 from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import JobControl, TaskInfo
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
@@ -73,7 +74,8 @@ def end_on_error(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """The training process's exit status after ``err`` ended its run, as the policy
-    decides; a permanent failure marks the job FAILED and raises ``err`` again, for the
+    decides: RECOVERING and a restart's status; servers not there in time FAILED and exit
+    69; any other permanent failure marks the job FAILED and raises ``err`` again, for the
     CLI's one-line report and its exit status (the same as ``exit_status(decision)``)."""
     decision = failures.decide(classify(err), scope=Scope.PROCESS)
     if decision is Decision.WAIT_FOR_PS_THEN_RESTART:
@@ -82,12 +84,27 @@ def end_on_error(
         log.error("%s: restarting the training process from the latest checkpoint", err)
         control.set_state(State.RECOVERING, str(err))
         return exit_status(decision)
+    if decision is Decision.FAIL_UNREACHABLE:
+        # Permanent (exit 69): the wait was the retry (docs/operations.md).
+        status = exit_status(decision)
+        print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
+        control.finish(State.FAILED, str(err))
+        return status
     if decision is Decision.FAIL:
         # Not handled by psctl: the whole error, once (TensorFlow's per-call reports of it
         # are at DEBUG). The CLI adds one line, and the traceback with -v.
         log.error("job FAILED, not restarted: %s: %s", type(err).__name__, str(err).strip())
     control.finish(State.FAILED, describe(err))
     raise err
+
+
+def complete(control: JobControl, metrics: CoordinatorMetrics | None) -> int:
+    """The training process's end after a run that finished: DONE, and (so that no alert
+    takes this exit for a crash) the final state scraped once; exit 0."""
+    control.finish(State.DONE)
+    if metrics is not None:
+        metrics.wait_until_scraped()
+    return 0
 
 
 def recover(

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,24 +41,17 @@ from psctl.cluster.spec import (
     parse_tf_config,
 )
 from psctl.coordinator.control.front import launch_control
+from psctl.coordinator.control.job_state import JobControl, TaskInfo
 from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import (
-    JobControl,
-    TaskInfo,
-    start_control_server,
-    stop_control_server,
-)
-from psctl.coordinator.control.state import State
+from psctl.coordinator.control.service import start_control_server, stop_control_server
 from psctl.coordinator.failures import (
     Failure,
     FailurePolicy,
-    Scope,
-    Unreachable,
     classify,
-    exit_status,
 )
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.launch.process import (
+    complete,
     count_nonfinite,
     end_on_error,
     follow_tasks_file,
@@ -207,11 +199,6 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         )
     try:
         return _train(cluster, index, settings, control, metrics, counters, args, health)
-    except Unreachable as err:
-        status = exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
-        print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
-        control.finish(State.FAILED, str(err))
-        return status
     except BaseException as err:
         if classify(err) is Failure.NON_FINITE:
             count_nonfinite(counters, metrics)
@@ -321,10 +308,7 @@ def _train(
         if settings.summary_json:
             write_summary(summary, settings.summary_json)
             log.info("summary written to %s", settings.summary_json)
-    control.finish(State.DONE)
-    if metrics is not None:
-        metrics.wait_until_scraped()
-    return 0
+    return complete(control, metrics)
 
 
 # -- psctl local --strategy sync -------------------------------------------------------
@@ -531,9 +515,9 @@ def local_sync_main(
     )
     log.info("work dir %s", workdir)
     job.write_files()
-    # As psctl local in the parameter-server mode: the job's tokens in this user's runtime directory, handed to
-    # worker 0's training process (so that they stay the same across its restarts), which
-    # listens behind this process's control front.
+    # As psctl local in the parameter-server mode: the job's tokens in this user's runtime
+    # directory, handed to worker 0's training process (so that they stay the same across
+    # its restarts), which listens behind this process's control front.
     security = ControlSecurity.from_args(args, os.environ)
     print(format_table(job.cluster, source=str(job.cluster_file)), flush=True)
     log.info("worker logs in %s; psctl status --address %s", workdir / "logs", args.control_address)

@@ -22,13 +22,9 @@ from psctl.cluster.spec import (
     parse_tf_config,
     require_chief,
 )
+from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import (
-    JobControl,
-    start_control_server,
-    stop_control_server,
-)
-from psctl.coordinator.control.state import State
+from psctl.coordinator.control.service import start_control_server, stop_control_server
 from psctl.coordinator.failures import (
     Failure,
     FailurePolicy,
@@ -38,6 +34,7 @@ from psctl.coordinator.failures import (
     exit_status,
 )
 from psctl.coordinator.launch.process import (
+    complete,
     count_nonfinite,
     end_on_error,
     follow_tasks_file,
@@ -228,7 +225,4 @@ def _train(
     if settings.summary_json:
         write_summary(summary, settings.summary_json)
         log.info("summary written to %s", settings.summary_json)
-    control.finish(State.DONE)
-    if metrics is not None:
-        metrics.wait_until_scraped()  # so no alert takes this exit for a crash
-    return 0
+    return complete(control, metrics)

@@ -39,8 +39,8 @@ from psctl.coordinator.training.model import JobModel, TrainState
 from psctl.coordinator.training.tables import Table
 
 if TYPE_CHECKING:
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.control.service import JobControl
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,7 @@ class Checkpointer:
         for request in self.control.take_checkpoint_requests():
             try:
                 path = self.save()
-                request.future.set_result(
-                    (path or "", self.control.snapshot().last_checkpoint.step)
-                )
+                request.future.set_result((path or "", self.control.view().board.checkpoint_step))
             except Exception as err:
                 log.error("requested checkpoint failed: %s", err)
                 request.future.set_exception(err)

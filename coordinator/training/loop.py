@@ -5,7 +5,9 @@ owns the job's life while it trains (RUNNING, PAUSED: the only writer of those s
 pause/resume/stop, checkpoint requests, the cadenced actions after every call (status with
 the NaN guard, checkpoint-every, eval-every), the loop's hooks and its timing; ``end_run``
 reads the final metrics, saves the final checkpoint, evaluates and builds the ``Summary``.
-What differs between the strategies is the runner's:
+The loop is the only writer of RUNNING, PAUSED and STOPPING; the training process's end
+(launch/process.py) writes DONE, RECOVERING and FAILED. What differs between the strategies
+is the runner's:
 
 - ``ScheduledRunner`` (scheduled.py, ``--strategy async``): schedules packed calls of the
   step program on a ``ClusterCoordinator``, keeps a bounded number in flight, watches for
@@ -38,8 +40,8 @@ from psctl.coordinator.training.summary import Summary, accuracy_of
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.control.service import JobControl
     from psctl.coordinator.job import Job
     from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.model import TrainState
@@ -108,8 +110,8 @@ class Runner(Protocol):
         """The loop raised: stop any watcher."""
 
     def finish(self) -> None:
-        """After the loop, before the final checkpoint and evaluation: STOPPING, and what
-        the strategy does at the end (async: every call lands, the workers are joined)."""
+        """After the loop (STOPPING), before the final checkpoint and evaluation: what the
+        strategy does at the end (async: every call lands, the workers are joined)."""
 
 
 class TrainingLoop:
@@ -177,6 +179,9 @@ class TrainingLoop:
             )
         elif not self.control.stop_requested.is_set():
             self.run()
+        self.control.set_state(
+            State.STOPPING, "finishing in-flight steps, final checkpoint and eval"
+        )
         self.runner.finish()
 
     def run(self) -> None:

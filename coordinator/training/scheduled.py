@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
 from psctl.coordinator.training.loop import Turn
@@ -22,8 +21,8 @@ from psctl.coordinator.training.programs import StepProgram
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.control.service import JobControl
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +110,7 @@ class ScheduledRunner:
         self._done.set()
 
     def finish(self) -> None:
-        """After the loop: STOPPING, every call landed (or given up), join the workers."""
-        self.control.set_state(
-            State.STOPPING, "finishing in-flight steps, final checkpoint and eval"
-        )
+        """After the loop (STOPPING): every call landed (or given up), join the workers."""
         self.settle()
         self._done.set()
         self.hooks.before_join()

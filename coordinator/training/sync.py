@@ -7,8 +7,9 @@ cadenced actions (status, checkpoints), the ``Checkpointer`` and the final evalu
 differs is the loop: no ClusterCoordinator, every worker steps together, so each call opens
 with one small all-reduce in which the workers agree on what to do (the chief's steps per
 call and pause, anyone's stop). Worker 0 is the chief: it alone checkpoints (same layout as
-the parameter-server mode), publishes status and metrics, and evaluates. A restart restores on the chief
-and broadcasts the state to the others, so only the chief needs the checkpoint directory.
+the parameter-server mode), publishes status and metrics, and evaluates. A restart restores
+on the chief and broadcasts the state to the others, so only the chief needs the checkpoint
+directory.
 
 A collective that fails or times out (a worker died, froze or restarted) cannot be retried
 in this process: ``PeerLost`` ends it with EXIT_RESTART on every worker, and the
@@ -27,7 +28,6 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
-from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import PeerLost, Unreachable, describe
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
@@ -43,8 +43,8 @@ from psctl.coordinator.training.summary import Summary
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.control.service import JobControl
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class CollectiveRunner:
         """No watcher to stop."""
 
     def finish(self) -> None:
-        self.control.set_state(State.STOPPING, "final checkpoint and eval")
+        """Nothing in flight to land, nothing to join."""
 
 
 class ChiefEvalEvery:

@@ -38,8 +38,8 @@ from psctl.coordinator.training.summary import Summary
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
+    from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
-    from psctl.coordinator.control.service import JobControl
 
 log = logging.getLogger(__name__)
 

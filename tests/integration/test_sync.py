@@ -101,8 +101,8 @@ def test_sync_local_epochs_accuracy_status_and_pause(workdir):
 
 @pytest.mark.timeout(240)
 def test_sync_checkpoints_are_read_by_async_mode_and_evaluate(run_cli, workdir, tmp_path):
-    """One checkpoint layout: the parameter-server mode goes on from a sync run's checkpoint, sync mode from
-    that async one, and `psctl evaluate` reads them."""
+    """One checkpoint layout: the parameter-server mode goes on from a sync run's
+    checkpoint, sync mode from that one, and `psctl evaluate` reads them."""
     checkpoints = tmp_path / "checkpoints"
     common = ["--checkpoint-dir", str(checkpoints), "--control-address", "127.0.0.1:0"]
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.control.metrics import CoordinatorMetrics
-from psctl.coordinator.control.service import JobControl
 from psctl.coordinator.failures import Failure, RestartFromCheckpoint, classify
 from psctl.coordinator.training.actions import PublishStatus
 from psctl.coordinator.training.publish import Publisher
@@ -63,7 +63,7 @@ def test_a_finite_loss_is_published():
     status(SimpleNamespace(completed=100))  # type: ignore[arg-type]
     assert registry.get_sample_value("psctl_train_loss") == 0.25
     assert registry.get_sample_value("psctl_global_step") == 100
-    assert control.snapshot().loss == 0.25
+    assert control.view().board.loss == 0.25
 
 
 @pytest.mark.parametrize("loss", [math.nan, math.inf])
@@ -75,5 +75,5 @@ def test_a_non_finite_loss_is_published_then_ends_the_process(loss: float):
     exported = registry.get_sample_value("psctl_train_loss")
     assert exported is not None and not math.isfinite(exported)
     assert registry.get_sample_value("psctl_global_step") == 400
-    shown = control.snapshot().loss
+    shown = control.view().board.loss
     assert not math.isfinite(shown)

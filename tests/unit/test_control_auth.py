@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.control.client import ControlError, Target, call
+from psctl.coordinator.control.job_state import JobControl, TaskInfo
 from psctl.coordinator.control.security import (
     EXIT_NOT_ALLOWED,
     MAX_STREAMS,
@@ -30,8 +31,6 @@ from psctl.coordinator.control.security import (
 )
 from psctl.coordinator.control.service import (
     ControlServer,
-    JobControl,
-    TaskInfo,
     start_control_server,
     stop_control_server,
 )

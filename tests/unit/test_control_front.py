@@ -15,11 +15,10 @@ import pytest
 
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.front import ControlFront, launch_control
+from psctl.coordinator.control.job_state import JobControl, JobView, TaskInfo
 from psctl.coordinator.control.security import ControlSecurity, Tokens, bearer
 from psctl.coordinator.control.service import (
     ControlServer,
-    JobControl,
-    TaskInfo,
     start_control_server,
     stop_control_server,
 )
@@ -164,14 +163,14 @@ def test_streams_are_served_from_one_poller(front: ControlFront) -> None:
     until(lambda: status(front).global_step == 7)
     time.sleep(0.3)  # the poller has seen it too
     calls = 0
-    snapshot = control.snapshot
+    view = control.view
 
-    def counted() -> control_pb2.Status:
+    def counted() -> JobView:
         nonlocal calls
         calls += 1
-        return snapshot()
+        return view()
 
-    control.snapshot = counted  # type: ignore[method-assign]
+    control.view = counted  # type: ignore[method-assign]
     streams = [
         stub(front)("WatchStatus", control_pb2.WatchStatusRequest(interval_seconds=0.1), 30)
         for _ in range(20)

@@ -15,8 +15,8 @@ import pytest
 from psctl.cluster.spec import Address
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.control.client import explicit_health_addresses
+from psctl.coordinator.control.job_state import JobControl, Rejected
 from psctl.coordinator.control.metrics import STATES
-from psctl.coordinator.control.service import JobControl, Rejected
 from psctl.coordinator.control.state import (
     ACTIVITIES,
     ACTIVITY_HOST_STATES,
@@ -100,7 +100,7 @@ def test_every_allowed_transition_is_accepted(old: State, new: State):
     control = control_in(old)
     control.set_state(new, "why")
     assert control.state is new
-    assert control.snapshot().message == "why"
+    assert control.view().board.message == "why"
 
 
 @pytest.mark.parametrize(("old", "new"), FORBIDDEN, ids=lambda s: s.name)
@@ -115,7 +115,7 @@ def test_every_other_transition_is_refused(old: State, new: State):
     assert (err.value.old, err.value.new) == (old, new)
     assert isinstance(err.value, ValueError)
     assert control.state is old
-    assert control.snapshot().message == "before"
+    assert control.view().board.message == "before"
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_the_same_state_again_is_no_transition_and_sets_the_message():
     control.set_state(State.RUNNING)
     control.set_state(State.RUNNING, "again")
     assert control.state is State.RUNNING
-    assert control.snapshot().message == "again"
+    assert control.view().board.message == "again"
     assert seen == ["running", "running"]
 
 
@@ -176,7 +176,7 @@ def test_checkpointing_is_never_set_only_reported():
             control_in(state).set_state(State.CHECKPOINTING)
     control = control_in(State.RUNNING)
     with control.activity("checkpointing"):
-        assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
+        assert control.view().state.value == control_pb2.JOB_STATE_CHECKPOINTING
         control.set_state(State.PAUSED, "paused by request")  # the loop moves on meanwhile
     assert control.state is State.PAUSED
 
@@ -237,10 +237,10 @@ def test_an_activity_is_reported_over_its_host_state(host: State):
     control.begin_activity("checkpointing")
     assert control.state is host
     assert control.reported_state is State.CHECKPOINTING
-    assert control.snapshot().state == control_pb2.JOB_STATE_CHECKPOINTING
+    assert control.view().state.value == control_pb2.JOB_STATE_CHECKPOINTING
     control.end_activity("checkpointing")
     assert control.reported_state is host
-    assert control.snapshot().state == host.value
+    assert control.view().state.value == host.value
     assert seen == ["checkpointing", host.name.lower()]
 
 
@@ -253,7 +253,7 @@ def test_other_states_are_reported_as_they_are_during_an_activity(state: State):
     control = control_in(state)
     with control.activity("checkpointing"):
         assert control.reported_state is state
-        assert control.snapshot().state == state.value
+        assert control.view().state.value == state.value
 
 
 def test_the_state_moves_under_a_running_activity():
@@ -266,7 +266,7 @@ def test_the_state_moves_under_a_running_activity():
     control.set_state(State.STOPPING)
     control.end_activity("checkpointing")
     assert control.reported_state is State.STOPPING
-    assert control.snapshot().message == ""
+    assert control.view().board.message == ""
     control.finish(State.DONE)
     assert seen == ["checkpointing", "checkpointing", "checkpointing", "stopping", "done"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from psctl.coordinator.control.service import JobControl
+from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.training.loop import TrainingLoop
@@ -163,8 +163,7 @@ def run_loop(
         actions=actions or [],
         hooks=hooks,
     )
-    loop.run()
-    runner.finish()
+    loop.train(0, steps_per_execution=k)  # the run, STOPPING, the runner's end (join)
     return runner, program, control, loop
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import free_ports
-from psctl.coordinator.control.service import TaskInfo
+from psctl.coordinator.control.job_state import TaskInfo
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     CALL_DECISIONS,
@@ -335,6 +335,16 @@ def test_non_finite_restarts_at_once(caplog: pytest.LogCaptureFixture) -> None:
     ]
     assert fake.sleeps == []
     assert "restarting the training process from the latest checkpoint" in caplog.text
+
+
+def test_servers_not_there_in_time_fail_the_job_with_exit_69(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    control, fake = FakeControl(), FakeTime()
+    err = Unreachable("not every worker joined within 5s (--connect-timeout): a:1, b:2")
+    assert _end(err, control, fake) == EXIT_UNAVAILABLE
+    assert control.calls == [("finish", State.FAILED, str(err))]
+    assert capsys.readouterr().err.strip() == f"psctl: error: {err}; giving up (exit 69)"
 
 
 @pytest.mark.parametrize(

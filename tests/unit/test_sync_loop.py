@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from psctl.coordinator.control.service import JobControl
+from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.control.state import State
 from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer

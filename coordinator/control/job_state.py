@@ -1,0 +1,358 @@
+"""The job's state in one plain object: its life-cycle state and the transitions allowed
+(state.py), the progress board, the tasks and their health, and the operators' pending
+requests. The training loop writes it and polls it; the Control service (service.py) only
+reads its view and files requests, translating both to and from the protos; the health
+checks (health_poll.py) report into it. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from psctl.coordinator.control.state import (
+    ACTIVITIES,
+    ACTIVITY_HOST_STATES,
+    CHECKPOINT_STATES,
+    FINAL_STATES,
+    SCHEDULING_STATES,
+    InvalidTransition,
+    State,
+    check_transition,
+)
+
+log = logging.getLogger(__name__)
+
+# A task's health as its checks see it (the proto's TaskHealth names, TASK_HEALTH_ left off).
+SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN = "SERVING", "NOT_SERVING", "UNREACHABLE", "UNKNOWN"
+HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
+
+
+class Rejected(Exception):
+    """A request that does not fit the job's state (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    type: str
+    index: int
+    address: str
+    health_address: str = ""
+    metrics_url: str = ""
+    pid: int = 0
+
+
+@dataclass
+class Board:
+    """What GetStatus reports; written by the training loop under JobControl's lock."""
+
+    global_step: int = 0
+    steps_per_second: float = 0.0
+    examples_per_second: float = 0.0
+    loss: float = float("nan")
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_step: int = 0
+    checkpoint_path: str = ""
+    checkpoint_step: int = 0
+    checkpoint_time: float = 0.0
+    message: str = ""
+
+
+class CheckpointRequest:
+    """Filed by an RPC thread, fulfilled by the training loop."""
+
+    def __init__(self) -> None:
+        self.future: futures.Future[tuple[str, int]] = futures.Future()
+
+
+class JobControl:
+    """The job's state, progress board, task health and pending operator requests.
+
+    ``state`` is the life-cycle state (``set_state`` moves it along ``TRANSITIONS``);
+    ``reported_state`` is what GetStatus and the ``on_state`` callback see: the state, or
+    CHECKPOINTING while a "checkpointing" activity runs beside RUNNING, PAUSED or STOPPING.
+    """
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        target_steps: int,
+        steps_per_execution: int,
+        tasks: list[TaskInfo],
+        can_checkpoint: bool,
+        on_state: Callable[[str], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.target_steps = target_steps
+        self.steps_per_execution = steps_per_execution
+        self.can_checkpoint = can_checkpoint
+        self.tasks = tasks  # replaced whole (set_tasks), never changed in place
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._state = State.STARTING
+        self._activities: dict[str, int] = {}
+        self._board = Board()
+        self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
+        self._failures: dict[tuple[str, int], int] = {}
+        self._pause_requested = False
+        self._checkpoints: list[CheckpointRequest] = []
+        self.stop_requested = threading.Event()
+        self._on_state = on_state  # e.g. the coordinator_state metric
+        # Held while the callback runs, so that the last call reports the latest state.
+        self._notify_lock = threading.Lock()
+        self.on_task_failure: Callable[[str], None] | None = None
+        self.on_recovery: Callable[[], None] | None = None
+        self.recoveries = 0
+
+    # -- the training loop's side --------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The life-cycle state (never CHECKPOINTING because of an activity)."""
+        with self._lock:
+            return self._state
+
+    @property
+    def reported_state(self) -> State:
+        """The state GetStatus, Pause/Resume/Stop and ``on_state`` report."""
+        with self._lock:
+            return self._reported()
+
+    def _reported(self) -> State:  # under self._lock
+        if self._state in ACTIVITY_HOST_STATES:
+            for name, shown in ACTIVITIES.items():
+                if self._activities.get(name):
+                    return shown
+        return self._state
+
+    def set_state(self, state: State, message: str = "") -> None:
+        """Move to ``state`` and set the status message.
+
+        The same state again only sets the message. A transition ``TRANSITIONS`` does not
+        allow is logged and raises ``InvalidTransition``; state and message stay as they
+        were.
+        """
+        with self._lock:
+            old = self._state
+            try:
+                check_transition(old, state)
+            except InvalidTransition as err:
+                log.error("%s", err)
+                raise
+            if old is not state:
+                log.debug("state %s -> %s", old.name, state.name)
+            self._state = state
+            self._board.message = message
+        self._notify()
+
+    def begin_activity(self, name: str) -> None:
+        """Start ``name`` (a key of ``ACTIVITIES``, e.g. "checkpointing") beside the current
+        state: while any such activity runs in RUNNING, PAUSED or STOPPING, the reported
+        state is the activity's (CHECKPOINTING) and ``state`` does not change. Activities
+        nest: each begin needs its end_activity."""
+        self._check_activity(name)
+        with self._lock:
+            self._activities[name] = self._activities.get(name, 0) + 1
+        self._notify()
+
+    def end_activity(self, name: str) -> None:
+        """End one ``begin_activity(name)``. An end without a begin is logged, not raised:
+        it runs in ``finally`` blocks, where it must not hide the real error."""
+        self._check_activity(name)
+        with self._lock:
+            running = self._activities.get(name, 0)
+            if running <= 0:
+                log.error("end_activity(%r) without begin_activity", name)
+                return
+            self._activities[name] = running - 1
+        self._notify()
+
+    @contextmanager
+    def activity(self, name: str) -> Iterator[None]:
+        """``with control.activity("checkpointing"): save()``."""
+        self.begin_activity(name)
+        try:
+            yield
+        finally:
+            self.end_activity(name)
+
+    @staticmethod
+    def _check_activity(name: str) -> None:
+        if name not in ACTIVITIES:
+            raise ValueError(f"unknown activity {name!r}; one of {sorted(ACTIVITIES)}")
+
+    def _notify(self) -> None:
+        if self._on_state is None:
+            return
+        with self._notify_lock:
+            self._on_state(self.reported_state.name.lower())
+
+    def set_message(self, message: str) -> None:
+        with self._lock:
+            self._board.message = message
+
+    @property
+    def pause_requested(self) -> bool:
+        with self._lock:
+            return self._pause_requested
+
+    def update(self, **values: Any) -> None:
+        with self._lock:
+            self._board = replace(self._board, **values)
+
+    def task_failed(self, task_type: str, index: int) -> None:
+        with self._lock:
+            key = (task_type, index)
+            self._failures[key] = self._failures.get(key, 0) + 1
+
+    def unhealthy_tasks(self) -> list[str]:
+        """Tasks whose last health check was not SERVING, as "type:index"."""
+        with self._lock:
+            return [f"{t}:{i}" for (t, i), h in sorted(self._health.items()) if h != SERVING]
+
+    def take_checkpoint_requests(self) -> list[CheckpointRequest]:
+        with self._lock:
+            taken, self._checkpoints = self._checkpoints, []
+            return taken
+
+    def finish(self, state: State, message: str = "") -> None:
+        """DONE or FAILED; pending checkpoint requests are answered with an error.
+
+        Finishing again with the other final state (FAILED after DONE) is logged and
+        ignored: the first outcome stands, and the caller, often an error handler, goes on.
+        Any other transition the table refuses raises ``InvalidTransition``.
+        """
+        if not state.final:
+            raise ValueError(f"finish() takes DONE or FAILED, not {state.name}")
+        current = self.state
+        if current.final and current is not state:
+            log.error("job already %s: finish(%s) ignored (%s)", current.name, state.name, message)
+            return
+        check_transition(current, state)
+        for request in self.take_checkpoint_requests():
+            request.future.set_exception(Rejected(f"the job ended ({state.name})"))
+        try:
+            self.set_state(state, message)
+        except InvalidTransition:
+            if not self.state.final:
+                raise
+            # Another thread finished the job meanwhile (set_state logged it): that stands.
+
+    # -- the operators' side (RPC threads) -----------------------------------------------
+
+    def request_pause(self) -> State:
+        return self._set_pause(True, "pause")
+
+    def request_resume(self) -> State:
+        return self._set_pause(False, "resume")
+
+    def _set_pause(self, paused: bool, verb: str) -> State:
+        with self._lock:
+            if self._state not in SCHEDULING_STATES:
+                raise Rejected(f"cannot {verb} while {self._state.name}")
+            self._pause_requested = paused
+            return self._reported()
+
+    def request_stop(self) -> State:
+        with self._lock:
+            if self._state in FINAL_STATES:
+                raise Rejected(f"the job is already {self._state.name}")
+            self.stop_requested.set()
+            return self._reported()
+
+    def request_checkpoint(self) -> CheckpointRequest:
+        with self._lock:
+            if not self.can_checkpoint:
+                raise Rejected(
+                    "the job has no checkpoint directory; restart it with --checkpoint-dir"
+                )
+            if self._state not in CHECKPOINT_STATES:
+                raise Rejected(
+                    f"cannot checkpoint while {self._state.name}; try again when "
+                    "the job is RUNNING or PAUSED"
+                )
+            request = CheckpointRequest()
+            self._checkpoints.append(request)
+            return request
+
+    def view(self) -> JobView:
+        """A consistent copy of what status reports (the Control service's GetStatus)."""
+        with self._lock:
+            return JobView(
+                job=self.job,
+                state=self._reported(),
+                board=replace(self._board),
+                target_steps=self.target_steps,
+                steps_per_execution=self.steps_per_execution,
+                uptime_seconds=time.monotonic() - self.started,
+                tasks=list(self.tasks),
+                health=dict(self._health),
+                failures=dict(self._failures),
+            )
+
+    # -- health of the cluster's tasks -----------------------------------------------------
+
+    def set_tasks(self, tasks: list[TaskInfo]) -> None:
+        """The job's tasks as now (a restarted task's new pid): status and the health
+        checks read the new list from their next look."""
+        self.tasks = list(tasks)
+
+    def set_health(self, task: TaskInfo, health: str) -> None:
+        """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py). A task
+        going from SERVING to anything else counts as a failure of that task; its return to
+        SERVING after a failure counts as a recovery (SERVING for the first time, a task
+        starting, does not)."""
+        key = (task.type, task.index)
+        with self._lock:
+            before = self._health.get(key)
+            self._health[key] = health
+            failed_before = self._failures.get(key, 0) > 0
+        if before == SERVING and health != SERVING:
+            log.warning("%s:%d is %s", task.type, task.index, health)
+            self.task_failed(task.type, task.index)
+            if self.on_task_failure is not None:
+                self.on_task_failure(task.type)
+        elif before is not None and before != SERVING and health == SERVING and failed_before:
+            log.info("%s:%d is SERVING again", task.type, task.index)
+            with self._lock:
+                self.recoveries += 1
+            if self.on_recovery is not None:
+                self.on_recovery()
+
+    def failure_counts(self) -> dict[str, int]:
+        with self._lock:
+            counts = {"worker": 0, "ps": 0}
+            for (task_type, _), n in self._failures.items():
+                counts[task_type] = counts.get(task_type, 0) + n
+            return counts
+
+    def all_ps_serving(self) -> bool:
+        with self._lock:
+            return all(
+                self._health.get((t.type, t.index)) == SERVING
+                for t in self.tasks
+                if t.type == "ps" and t.health_address
+            )
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A consistent copy of the job's state, for GetStatus."""
+
+    job: str
+    state: State
+    board: Board
+    target_steps: int
+    steps_per_execution: int
+    uptime_seconds: float
+    tasks: list[TaskInfo]
+    health: dict[tuple[str, int], str]
+    failures: dict[tuple[str, int], int]
