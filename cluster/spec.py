@@ -764,6 +764,66 @@ def resolve_task(
     return parse_tf_config(text, source="TF_CONFIG")
 
 
+# What a training process runs as, per strategy: its TF_CONFIG task type, what the cluster
+# must hold, and how an error says why.
+_TRAINING_ROLES: Mapping[str, tuple[tuple[str, ...], str, str]] = {
+    # role: (required task types, why TF_CONFIG's task type must be the role, its fix)
+    "chief": (_REQUIRED, "the coordinator runs as the chief task", "for the coordinator"),
+    "worker": (SYNC_REQUIRED, "with --strategy sync every training process is a worker", ""),
+}
+
+
+def resolve_training_task(
+    *,
+    role: str,
+    cluster_file: str | None,
+    task_index: int | None,
+    environ: Mapping[str, str],
+) -> tuple[ClusterConfig, int, str]:
+    """The one TF_CONFIG resolver of the training processes: (cluster, this process's task
+    index, where they came from) for ``role`` "chief" (``psctl train``: the coordinator;
+    the cluster must have a chief) or "worker" (``--strategy sync``: one of the workers,
+    ``--task-index``, which overrides TF_CONFIG's index). ``--cluster FILE`` wins over
+    TF_CONFIG, whose task type must be ``role``."""
+    required, why, fix_suffix = _TRAINING_ROLES[role]
+    if cluster_file:
+        cluster, source = load_cluster_file(cluster_file, required=required), cluster_file
+        if role == "chief":
+            require_chief(cluster, source=source)
+            return cluster, 0, source
+        if task_index is None:
+            raise _error(
+                "--task-index",
+                "is missing: with --cluster and --strategy sync it says which worker this is",
+                "pass --task-index N (0 is the chief)",
+            )
+        index = task_index
+    else:
+        text = _tf_config_text(environ)
+        if text is None:
+            raise _error("TF_CONFIG", "is not set", "set TF_CONFIG or pass --cluster FILE")
+        task = parse_tf_config(text.strip(), required=required)
+        if task.task_type != role:
+            raise _error(
+                "TF_CONFIG.task.type",
+                f"is {task.task_type!r}; {why}",
+                f'set task.type to "{role}"' + (f" {fix_suffix}" if fix_suffix else ""),
+            )
+        cluster, source = task.cluster, "TF_CONFIG"
+        if role == "chief":
+            return cluster, 0, source
+        index = task.task_index if task_index is None else task_index
+    if cluster.num_workers < 1:
+        raise _error(f"{source}: cluster.worker", "is missing", 'add "worker": ["host:port", ...]')
+    if not 0 <= index < cluster.num_workers:
+        raise _error(
+            "--task-index",
+            f"got {index}; {source} has {cluster.num_workers} worker(s)",
+            f"give 0 to {cluster.num_workers - 1}",
+        )
+    return cluster, index, source
+
+
 def resolve_cluster(
     *, cluster_file: str | None, environ: Mapping[str, str]
 ) -> tuple[ClusterConfig, str]:

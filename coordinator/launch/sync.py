@@ -34,11 +34,9 @@ from psctl.cluster.metrics import ProcessMetrics
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.server import bind_host
 from psctl.cluster.spec import (
-    SYNC_REQUIRED,
     ClusterConfig,
     format_table,
-    load_cluster_file,
-    parse_tf_config,
+    resolve_training_task,
 )
 from psctl.coordinator.control.front import launch_control
 from psctl.coordinator.control.job_state import JobControl, TaskInfo
@@ -78,39 +76,9 @@ def resolve_sync_cluster(
     """(cluster, this worker's index, where they came from): ``--cluster FILE`` with
     ``--task-index``, or TF_CONFIG with task type worker (``--task-index`` overrides its
     index)."""
-    if cluster_file:
-        cluster, source = load_cluster_file(cluster_file, required=SYNC_REQUIRED), cluster_file
-        if task_index is None:
-            raise ConfigError(
-                "--task-index",
-                "is missing: with --cluster and --strategy sync it says which worker this is",
-                "pass --task-index N (0 is the chief)",
-            )
-        index = task_index
-    else:
-        text = os.environ.get("TF_CONFIG", "").strip()
-        if not text:
-            raise ConfigError("TF_CONFIG", "is not set", "set TF_CONFIG or pass --cluster FILE")
-        task = parse_tf_config(text, required=SYNC_REQUIRED)
-        if task.task_type != "worker":
-            raise ConfigError(
-                "TF_CONFIG.task.type",
-                f"is {task.task_type!r}; with --strategy sync every training process is a worker",
-                'set task.type to "worker"',
-            )
-        cluster, source = task.cluster, "TF_CONFIG"
-        index = task.task_index if task_index is None else task_index
-    if cluster.num_workers < 1:
-        raise ConfigError(
-            f"{source}: cluster.worker", "is missing", 'add "worker": ["host:port", ...]'
-        )
-    if not 0 <= index < cluster.num_workers:
-        raise ConfigError(
-            "--task-index",
-            f"got {index}; {source} has {cluster.num_workers} worker(s)",
-            f"give 0 to {cluster.num_workers - 1}",
-        )
-    return cluster, index, source
+    return resolve_training_task(
+        role="worker", cluster_file=cluster_file, task_index=task_index, environ=os.environ
+    )
 
 
 def workers_only(cluster: ClusterConfig) -> ClusterConfig:

@@ -13,14 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
-from psctl.cluster.errors import ConfigError
 from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.spec import (
     ClusterConfig,
-    TaskConfig,
-    load_cluster_file,
-    parse_tf_config,
     require_chief,
+    resolve_training_task,
 )
 from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.control.security import ControlSecurity
@@ -62,21 +59,10 @@ _KEEP_ALIVE: list[object] = []
 
 def resolve_chief_cluster(cluster_file: str | None) -> tuple[ClusterConfig, str]:
     """The cluster this coordinator drives, and where it came from."""
-    if cluster_file:
-        cluster = load_cluster_file(cluster_file)
-        require_chief(cluster, source=cluster_file)
-        return cluster, cluster_file
-    text = os.environ.get("TF_CONFIG", "").strip()
-    if not text:
-        raise ConfigError("TF_CONFIG", "is not set", "set TF_CONFIG or pass --cluster FILE")
-    task: TaskConfig = parse_tf_config(text)
-    if task.task_type != "chief":
-        raise ConfigError(
-            "TF_CONFIG.task.type",
-            f"is {task.task_type!r}; the coordinator runs as the chief task",
-            'set task.type to "chief" for the coordinator',
-        )
-    return task.cluster, "TF_CONFIG"
+    cluster, _, source = resolve_training_task(
+        role="chief", cluster_file=cluster_file, task_index=None, environ=os.environ
+    )
+    return cluster, source
 
 
 def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
