@@ -225,8 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole_number,
         default=None,
         help=f"coordinator's Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0: off); "
-        "--strategy sync: this worker's (default: worker 0 the coordinator's, the others "
-        "their TF port + 2000)",
+        "--strategy sync: worker 0's",
+    )
+    train.add_argument(
+        "--worker-metrics-port",
+        type=whole_number,
+        default=None,
+        help="--strategy sync, every worker but 0: this worker's /metrics port (default: its "
+        "TF port + 2000, as a worker-server's; 0: off)",
     )
     train.add_argument(
         "--health-port",

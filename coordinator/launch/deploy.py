@@ -741,6 +741,8 @@ def render_sync(
                     if 0 in indexes
                     else "."
                 ),
+                "Each worker serves grpc.health.v1 on its TF port + 1000 and (but worker 0) "
+                "/metrics on its TF port + 2000, for the coordinator's status and Prometheus.",
                 "",
             ]
         )

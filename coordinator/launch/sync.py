@@ -117,7 +117,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     is_chief = index == 0
     address = cluster.task_address("worker", index)
     host = bind_host(None, os.environ, address.host)
-    metrics_port = worker_metrics_port(cluster, index, args.metrics_port)
+    metrics_port = worker_metrics_port(cluster, index, args)
     health_port = (
         address.port + ports.HEALTH_PORT_OFFSET if args.health_port is None else args.health_port
     )
@@ -142,9 +142,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if args.tasks_file:
         tasks = load_tasks(args.tasks_file, cluster)
     else:
-        tasks = sync_tasks(
-            cluster, index, chief_metrics_port=worker_metrics_port(cluster, 0, args.metrics_port)
-        )
+        tasks = sync_tasks(cluster, index, chief_metrics_port=worker_metrics_port(cluster, 0, args))
     control = JobControl(
         job=settings.job,
         target_steps=settings.steps,
@@ -195,14 +193,16 @@ class WorkerHealth:
             self.metrics.health.state("serving" if serving else "not_serving")
 
 
-def worker_metrics_port(cluster: ClusterConfig, index: int, flag: int | None) -> int:
-    """Worker ``index``'s /metrics port: ``--metrics-port`` when given; else worker 0 the
-    coordinator's default, every other worker its TF port + 2000 (several workers may share
-    a host, as worker-servers do)."""
-    if flag is not None:
-        return flag
+def worker_metrics_port(cluster: ClusterConfig, index: int, args: argparse.Namespace) -> int:
+    """Worker ``index``'s /metrics port: worker 0 the coordinator's (``--metrics-port``),
+    every other worker ``--worker-metrics-port``, else its TF port + 2000 (several workers
+    may share a host, as worker-servers do; the units pass every worker the coordinator's
+    ``--metrics-port``)."""
     if index == 0:
-        return DEFAULT_METRICS_PORT
+        return DEFAULT_METRICS_PORT if args.metrics_port is None else int(args.metrics_port)
+    flag = getattr(args, "worker_metrics_port", None)
+    if flag is not None:
+        return int(flag)
     port = cluster.task_address("worker", index).port + ports.METRICS_PORT_OFFSET
     return port if port < 65536 else 0
 
@@ -306,7 +306,7 @@ def worker_argv(
         str(tasks_file),
         "--control-address",
         control_address,
-        "--metrics-port",
+        "--metrics-port" if index == 0 else "--worker-metrics-port",
         str(metrics_port),
         "--health-port",
         str(health_port),
