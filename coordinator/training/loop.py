@@ -23,6 +23,7 @@ the time the loop ran minus the time it was paused, in both strategies.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -35,11 +36,15 @@ from psctl.cluster.signals import SignalRelay
 from psctl.coordinator.control.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
 from psctl.coordinator.training.checkpoints import Checkpointer
+from psctl.coordinator.training.final_eval import evaluate_final
+from psctl.coordinator.training.packing import Packer, packer_for
+from psctl.coordinator.training.programs import Runtime
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.summary import Summary, accuracy_of
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
+    from psctl.cluster.spec import ClusterConfig
     from psctl.coordinator.control.job_state import JobControl
     from psctl.coordinator.control.metrics import CoordinatorMetrics
     from psctl.coordinator.job import Job
@@ -80,6 +85,7 @@ class Runner(Protocol):
     """One strategy's way of running steps under ``TrainingLoop``."""
 
     program: Any  # the step program: target, progress_total, stopped_early(final_step)
+    packer: Packer  # the steps per call
     completed: int  # steps finished: the global step
     scheduled: int  # steps handed out (== completed where calls return when done)
 
@@ -112,6 +118,40 @@ class Runner(Protocol):
     def finish(self) -> None:
         """After the loop (STOPPING), before the final checkpoint and evaluation: what the
         strategy does at the end (async: every call lands, the workers are joined)."""
+
+
+class RunnerBase:
+    """What both runners keep: the program, the job's state (for the requests), the steps
+    per call, the metrics, the hooks, the steps finished and handed out."""
+
+    def __init__(
+        self, owner: Any, program: Any, *, start_step: int, packer: Packer | None = None
+    ) -> None:
+        """``owner``: the trainer (its ``control``, ``metrics`` and ``hooks``; and, without
+        a ``packer``, its settings and workers, for ``--steps-per-execution``)."""
+        self.owner = owner
+        self.program = program
+        self.control: JobControl = owner.control
+        self.packer = packer or packer_for(owner.settings, owner.num_workers)
+        self.metrics: CoordinatorMetrics | None = owner.metrics
+        self.hooks: LoopHooks = owner.hooks or LoopHooks()
+        self.start_step = start_step
+        self.completed = self.scheduled = start_step
+        self._steps: dict[int, Any] = {}
+
+    def request_stop(self) -> None:
+        """End the loop as a stop request does (for tools: ``LoopHooks.on_poll``)."""
+        self.control.stop_requested.set()
+
+    def steps_tensor(self, steps: int) -> Any:
+        """``steps`` as the int64 tensor a call takes, made once per value (a new Python
+        int would trace the function again)."""
+        found = self._steps.get(steps)
+        if found is None:
+            import tensorflow as tf
+
+            found = self._steps[steps] = tf.constant(steps, tf.int64)
+        return found
 
 
 class TrainingLoop:
@@ -239,57 +279,146 @@ class TrainingLoop:
             self._paused_at = None
 
 
-def make_loop(
+class TrainerBase:
+    """What both strategies' trainers are (trainer.py, sync.py) for ``run_training``: the
+    job, its settings and state, where they report, and what differs in the summary."""
+
+    job: Job
+    settings: TrainSettings
+    control: JobControl
+    publisher: Publisher
+    hooks: LoopHooks | None
+    metrics: CoordinatorMetrics | None
+    num_workers: int
+    num_ps: int  # in the summary (0 in sync mode)
+    examples_per_step: int  # a step's examples over all workers (sync: every worker's batch)
+    is_chief: bool  # the process that reports, checkpoints and evaluates
+    state: TrainState
+    checkpointer: Checkpointer
+    rt: Runtime
+
+    def __init__(
+        self,
+        job: Job,
+        cluster: ClusterConfig,
+        settings: TrainSettings,
+        control: JobControl,
+        metrics: CoordinatorMetrics | None,
+        hooks: LoopHooks | None,
+        *,
+        is_chief: bool,
+        examples_per_step: int,
+        num_ps: int,
+    ) -> None:
+        self.job, self.cluster, self.control = job, cluster, control
+        self.metrics, self.hooks = metrics, hooks
+        self.is_chief, self.examples_per_step, self.num_ps = is_chief, examples_per_step, num_ps
+        self.num_workers = cluster.num_workers
+        # Only the chief writes: checkpoints, TensorBoard and the summary.
+        self.settings = (
+            settings
+            if is_chief
+            else dataclasses.replace(settings, checkpoint_dir="", logdir="", summary_json="")
+        )
+
+    def attach_state(
+        self,
+        state: TrainState,
+        *,
+        x_spec: Any,
+        y_spec: Any,
+        strategy: Any,
+        coordinator: Any,  # None in sync mode: the step function is called in place
+        run_settings: TrainSettings,
+    ) -> None:
+        """The training state, its checkpointer, the step programs' runtime, and where the
+        run reports (status, Prometheus, TensorBoard: its writer made here, after the
+        strategy connected, which resets TensorFlow's context)."""
+        self.publisher = Publisher(
+            control=self.control,
+            metrics=self.metrics,
+            logdir=self.settings.logdir,
+            batch_size=self.examples_per_step,
+        )
+        self.state = state
+        self.checkpointer = Checkpointer(
+            state=state,
+            job=self.job,
+            settings=self.settings,
+            x_spec=x_spec,
+            y_spec=y_spec,
+            control=self.control,
+            metrics=self.metrics,
+        )
+        self.rt = Runtime(
+            job=self.job,
+            settings=run_settings,
+            strategy=strategy,
+            coordinator=coordinator,
+            num_workers=self.num_workers,
+            state=state,
+        )
+
+
+def run_training(
+    trainer: TrainerBase,
     runner: Runner,
     *,
-    settings: TrainSettings,
-    state: TrainState,
-    control: JobControl,
-    publisher: Publisher,
-    checkpointer: Checkpointer,
     start_step: int,
-    examples_per_step: int,
-    chief: bool,
+    wall_started: float,
     actions: Sequence[Action] = (),
-    hooks: LoopHooks | None = None,
-    metrics: CoordinatorMetrics | None = None,
-) -> TrainingLoop:
-    """The loop a trainer runs: on the chief (the one that reports and checkpoints) with
-    the status action and checkpoint-every before the strategy's own ``actions``."""
+    evaluate: Callable[[int, str | None], dict[str, float]] | None = None,
+) -> Summary:
+    """A run of ``trainer`` with ``runner``, the same in both strategies: the loop (with
+    the status action and checkpoint-every before the strategy's own ``actions``, on the
+    chief), then the end of the run to its ``Summary`` (``evaluate(step, checkpoint)`` on
+    the chief; by default every eval example once on this process, final_eval.py)."""
+    if evaluate is None:
+
+        def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:
+            state = trainer.state
+            return evaluate_final(
+                trainer.job, trainer.settings, state.model, state.metric_factories, step
+            )
+
     status, cadenced = None, list[Action]()
-    if chief:
+    if trainer.is_chief:
         status, cadenced = status_and_checkpoints(
-            settings,
-            state=state,
-            publisher=publisher,
-            checkpointer=checkpointer,
+            trainer.settings,
+            state=trainer.state,
+            publisher=trainer.publisher,
+            checkpointer=trainer.checkpointer,
             progress_total=runner.program.progress_total,
-            batch_size=examples_per_step,
+            batch_size=trainer.examples_per_step,
             start_step=start_step,
         )
-    return TrainingLoop(
+    loop = TrainingLoop(
         runner=runner,
-        control=control,
-        publisher=publisher,
+        control=trainer.control,
+        publisher=trainer.publisher,
         status=status,
-        checkpointer=checkpointer,
-        actions=[*cadenced, *actions] if chief else [],
-        hooks=hooks,
-        metrics=metrics,
+        checkpointer=trainer.checkpointer,
+        actions=[*cadenced, *actions] if trainer.is_chief else [],
+        hooks=trainer.hooks,
+        metrics=trainer.metrics,
+    )
+    loop.train(start_step, steps_per_execution=runner.packer.k)
+    return end_run(
+        loop,
+        trainer,
+        start_step=start_step,
+        wall_started=wall_started,
+        steps_per_execution=runner.packer.k,
+        evaluate=evaluate if trainer.is_chief else None,
     )
 
 
 def end_run(
     loop: TrainingLoop,
+    trainer: TrainerBase,
     *,
-    job: Job,
-    settings: TrainSettings,
-    state: TrainState,
     start_step: int,
     wall_started: float,
-    examples_per_step: int,
-    num_workers: int,
-    num_ps: int,
     steps_per_execution: int,
     evaluate: Callable[[int, str | None], dict[str, float]] | None,
 ) -> Summary:
@@ -297,6 +426,8 @@ def end_run(
     checkpoint and evaluation (``evaluate(step, checkpoint)``; None: not this process's to
     do, as on a sync worker other than the chief) and the run's ``Summary``."""
     train_seconds = loop.train_seconds()
+    state, settings = trainer.state, trainer.settings
+    examples_per_step = trainer.examples_per_step
     final_step = state.step()
     trained = final_step - start_step
     status = loop.status
@@ -318,7 +449,7 @@ def end_run(
     program = loop.program
     extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
     return Summary(
-        job=job.name,
+        job=trainer.job.name,
         global_step=final_step,
         start_step=start_step,
         target_steps=final_step if program.target >= OPEN_TARGET else program.target,
@@ -331,8 +462,8 @@ def end_run(
         steps_per_sec=rate,
         wall_seconds=time.monotonic() - wall_started,
         train_seconds=train_seconds,
-        num_workers=num_workers,
-        num_ps=num_ps,
+        num_workers=trainer.num_workers,
+        num_ps=trainer.num_ps,
         batch_size=settings.batch_size,
         steps_per_execution=steps_per_execution,
         checkpoint=checkpoint,

@@ -11,61 +11,43 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-import tensorflow as tf
-
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
-from psctl.coordinator.training.loop import Turn
+from psctl.coordinator.training.loop import RunnerBase, Turn
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.programs import StepProgram
-from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.job_state import JobControl
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    pass
 
 log = logging.getLogger(__name__)
 
 
-class ScheduledRunner:
+class ScheduledRunner(RunnerBase):
     """Scheduled calls on a ``ClusterCoordinator``: a ``Runner`` (loop.py)."""
 
     def __init__(
         self,
-        *,
+        owner: Any,
         program: StepProgram,
+        *,
+        start_step: int,
         coordinator: Any,  # tf.distribute.coordinator.ClusterCoordinator
-        control: JobControl,
-        packer: Packer,
         policy: FailurePolicy,
-        metrics: CoordinatorMetrics | None,
         max_in_flight: int,
         stall_timeout: float,
-        start_step: int,
-        hooks: LoopHooks | None = None,
+        packer: Packer | None = None,
     ) -> None:
-        self.program = program
+        """``owner``: the trainer (see ``RunnerBase``)."""
+        super().__init__(owner, program, start_step=start_step, packer=packer)
         self.coordinator = coordinator
-        self.control = control
-        self.packer = packer
         self.policy = policy
-        self.metrics = metrics
         self.max_in_flight = max_in_flight
-        self.hooks = hooks or LoopHooks()
-        self.start_step = start_step
-        self.scheduled = self.completed = start_step
         self.calls = CallTracker()
         self.watchdog = StallWatchdog(timeout=stall_timeout)
         self.abandoned = 0  # calls given up by the stall watchdog
-        self._constants: dict[int, Any] = {}
         self._done = threading.Event()  # the loop and its drain are over: stop watching
-        control.steps_per_execution = packer.k
-
-    # -- for tools ------------------------------------------------------------------------
-
-    def request_stop(self) -> None:
-        """End the loop as a stop request does: in-flight steps finish, then the usual end."""
-        self.control.stop_requested.set()
+        self.control.steps_per_execution = self.packer.k
 
     @property
     def stalls(self) -> int:
@@ -122,9 +104,7 @@ class ScheduledRunner:
         self.hooks.after_join()
 
     def _schedule(self, steps: int) -> None:
-        num = self._constants.get(steps)
-        if num is None:
-            num = self._constants[steps] = tf.constant(steps, tf.int64)
+        num = self.steps_tensor(steps)
         self.hooks.before_schedule(steps)
         # program.iterator: --epochs may start a new one (make-up passes, epochs.py)
         remote = self.coordinator.schedule(self.program.function, args=(self.program.iterator, num))

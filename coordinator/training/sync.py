@@ -32,11 +32,9 @@ from psctl.coordinator.failures import PeerLost, Unreachable, describe
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
-from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.final_eval import evaluate_final
-from psctl.coordinator.training.loop import Turn, end_run, make_loop
+from psctl.coordinator.training.loop import RunnerBase, TrainerBase, Turn, run_training
 from psctl.coordinator.training.model import TrainState, scalar
-from psctl.coordinator.training.packing import Packer, packer_for
 from psctl.coordinator.training.programs import DefaultProgram, Runtime, shard_for
 from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.summary import Summary
@@ -193,37 +191,24 @@ class SyncProgram(DefaultProgram):
         return iter(self.rt.strategy.distribute_datasets_from_function(lambda _: self.dataset))
 
 
-class CollectiveRunner:
+class CollectiveRunner(RunnerBase):
     """Collective steps under ``MultiWorkerMirroredStrategy``: a ``Runner`` (loop.py) that
     every worker runs in step with the others; ``completed`` is the global step (the same
     on every worker). Each turn opens with one all-gather in which the workers agree on
     anyone's stop, the chief's pause and the chief's steps per call. Nothing is in flight
     between turns, so there is nothing to drain or give up, and no stall watchdog: a lost
-    or frozen peer fails the collectives instead (``PeerLost``)."""
+    or frozen peer fails the collectives instead (``PeerLost``). Its owner (``SyncTrainer``)
+    gives the agreement and whether this worker is the chief."""
 
     stalls = 0
 
-    def __init__(
-        self,
-        *,
-        program: SyncProgram,
-        agreement: Agreement,
-        control: JobControl,
-        packer: Packer,
-        metrics: CoordinatorMetrics | None,
-        is_chief: bool,
-        start_step: int,
-        hooks: LoopHooks | None = None,
-    ) -> None:
-        self.program = program
-        self.agreement = agreement
-        self.control = control
-        self.packer = packer
-        self.metrics = metrics
-        self.is_chief = is_chief
-        self.hooks = hooks or LoopHooks()
-        self.completed = self.scheduled = start_step
-        self._constants: dict[int, Any] = {}
+    @property
+    def agreement(self) -> Agreement:
+        return self.owner.agreement  # type: ignore[no-any-return]
+
+    @property
+    def is_chief(self) -> bool:
+        return bool(self.owner.is_chief)
 
     def start(self) -> None:
         self.program.start(lambda: None)
@@ -244,12 +229,10 @@ class CollectiveRunner:
         return Turn(stop=stop > 0, pause=pause > 0, steps_per_call=max(1, int(k)))
 
     def wants_more(self) -> bool:
-        return self.completed < self.program.target
+        return bool(self.completed < self.program.target)
 
     def run_call(self, steps: int) -> None:
-        num = self._constants.get(steps)
-        if num is None:
-            num = self._constants[steps] = tf.constant(steps, tf.int64)
+        num = self.steps_tensor(steps)
         self.hooks.before_schedule(steps)
         seconds = float(self.program.function(self.program.iterator, num))
         self.hooks.after_schedule(steps)
@@ -311,7 +294,7 @@ class ChiefEvalEvery:
             self.publisher.evaluation(values, step=step)
 
 
-class SyncTrainer:
+class SyncTrainer(TrainerBase):
     """One worker's part of a synchronous job, on a strategy from ``sync_strategy`` (made
     before the job is loaded): builds the state and the data, and runs ``TrainingLoop``
     over a ``CollectiveRunner`` to a ``Summary``."""
@@ -328,26 +311,16 @@ class SyncTrainer:
         metrics: CoordinatorMetrics | None = None,
         hooks: LoopHooks | None = None,
     ) -> None:
-        self.job = job
-        self.cluster = cluster
-        self.hooks = hooks
+        # Worker 0 is the chief; a step reads a batch on every worker; no ps.
+        super().__init__(
+            job, cluster, settings, control, metrics, hooks,
+            is_chief=index == 0, examples_per_step=settings.batch_size * cluster.num_workers,
+            num_ps=0,
+        )  # fmt: skip
         self.index = index
-        self.is_chief = index == 0
-        self.num_workers = cluster.num_workers
-        self.control = control
-        self.metrics = metrics
-        # Only the chief writes: checkpoints, TensorBoard and the summary.
-        self.settings = settings if self.is_chief else _quiet(settings)
+        self.global_batch = self.examples_per_step
         self.strategy = strategy
         self.agreement = Agreement(self.strategy)
-        # A step reads a batch on every worker.
-        self.global_batch = settings.batch_size * self.num_workers
-        self.publisher = Publisher(
-            control=control,
-            metrics=metrics,
-            logdir=self.settings.logdir,
-            batch_size=self.global_batch,
-        )
         self.dataset, self.steps_per_epoch = self._dataset()
         x_spec, y_spec = self.dataset.element_spec[:2]
         with self.strategy.scope():
@@ -362,22 +335,13 @@ class SyncTrainer:
                 name="train_mean_sums",
                 aggregation=tf.VariableAggregation.SUM,
             )
-        self.checkpointer = Checkpointer(
-            state=self.state,
-            job=job,
-            settings=self.settings,
+        self.attach_state(
+            self.state,
             x_spec=x_spec,
             y_spec=y_spec,
-            control=control,
-            metrics=metrics,
-        )
-        self.rt = Runtime(
-            job=job,
-            settings=settings,
             strategy=self.strategy,
             coordinator=None,
-            num_workers=self.num_workers,
-            state=self.state,
+            run_settings=settings,
         )
 
     def _dataset(self) -> tuple[Any, int]:
@@ -438,59 +402,15 @@ class SyncTrainer:
         program = SyncProgram(
             self.rt, index=self.index, dataset=self.dataset, steps_per_epoch=self.steps_per_epoch
         )
-        packer = packer_for(s, self.num_workers)
         actions: list[Action] = []
         if self.is_chief and s.eval_every:
             actions.append(
                 ChiefEvalEvery(self.job, s, state, self.publisher, start_step=start_step)
             )
-        runner = CollectiveRunner(
-            program=program,
-            agreement=self.agreement,
-            control=self.control,
-            packer=packer,
-            metrics=self.metrics,
-            is_chief=self.is_chief,
-            start_step=start_step,
-            hooks=self.hooks,
-        )
-        loop = make_loop(
-            runner,
-            settings=s,
-            state=state,
-            control=self.control,
-            publisher=self.publisher,
-            checkpointer=self.checkpointer,
-            start_step=start_step,
-            examples_per_step=self.global_batch,
-            chief=self.is_chief,  # the chief alone reports, checkpoints and evaluates
-            actions=actions,
-            hooks=self.hooks,
-            metrics=self.metrics,
-        )
-        loop.train(start_step, steps_per_execution=packer.k)
-
-        def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:
-            return evaluate_final(self.job, s, state.model, state.metric_factories, step)
-
-        summary = end_run(
-            loop,
-            job=self.job,
-            settings=s,
-            state=state,
-            start_step=start_step,
-            wall_started=wall_started,
-            examples_per_step=self.global_batch,
-            num_workers=self.num_workers,
-            num_ps=0,
-            steps_per_execution=packer.k,
-            evaluate=evaluate if self.is_chief else None,
+        runner = CollectiveRunner(self, program, start_step=start_step)
+        summary = run_training(
+            self, runner, start_step=start_step, wall_started=wall_started, actions=actions
         )
         if not self.is_chief:
             log.info("worker %d done at global step %d", self.index, summary.global_step)
         return summary
-
-
-def _quiet(settings: TrainSettings) -> TrainSettings:
-    """A non-chief worker's settings: it writes no checkpoint, TensorBoard or summary."""
-    return dataclasses.replace(settings, checkpoint_dir="", logdir="", summary_json="")

@@ -18,20 +18,16 @@ from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, EvalEvery
-from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.epochs import EpochProgram
 from psctl.coordinator.training.final_eval import evaluate_elsewhere, evaluate_final
 from psctl.coordinator.training.inline_eval import InlineEval
-from psctl.coordinator.training.loop import end_run, make_loop
+from psctl.coordinator.training.loop import TrainerBase, run_training
 from psctl.coordinator.training.model import TrainState
-from psctl.coordinator.training.packing import packer_for
 from psctl.coordinator.training.programs import (
     DefaultProgram,
     LocalStepProgram,
-    Runtime,
     StepProgram,
 )
-from psctl.coordinator.training.publish import Publisher
 from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.coordinator.training.strategy import connect
 from psctl.coordinator.training.summary import Summary
@@ -44,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(TrainerBase):
     """Builds the strategy, the model on the ps tasks, and runs the loop."""
 
     def __init__(
@@ -59,19 +55,14 @@ class Trainer:
         hooks: LoopHooks | None = None,
         policy: FailurePolicy | None = None,
     ) -> None:
-        self.job = job
-        self.cluster = cluster
-        self.settings = settings
-        self.control = control
-        self.metrics = metrics
+        # The coordinator reports, checkpoints and evaluates; a call's steps read a batch each.
+        super().__init__(
+            job, cluster, settings, control, metrics, hooks,
+            is_chief=True, examples_per_step=settings.batch_size, num_ps=cluster.num_ps,
+        )  # fmt: skip
         self.data_dispatcher = data_dispatcher
-        self.hooks = hooks
         self.policy = policy or FailurePolicy()
-        self.num_workers = cluster.num_workers
         self.strategy, self.coordinator = connect(cluster, settings)
-        self.publisher = Publisher(
-            control=control, metrics=metrics, logdir=settings.logdir, batch_size=settings.batch_size
-        )
         s = settings
         # The element spec, from a dataset built here but never iterated, tells the
         # model's input shape and which accuracy fits the labels.
@@ -81,22 +72,13 @@ class Trainer:
         x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
         with self.strategy.scope():
             self.state = TrainState(job, x_spec, y_spec, settings=s, strategy=self.strategy)
-        self.checkpointer = Checkpointer(
-            state=self.state,
-            job=job,
-            settings=settings,
+        self.attach_state(
+            self.state,
             x_spec=x_spec,
             y_spec=y_spec,
-            control=control,
-            metrics=metrics,
-        )
-        self.rt = Runtime(
-            job=job,
-            settings=settings,
             strategy=self.strategy,
             coordinator=self.coordinator,
-            num_workers=self.num_workers,
-            state=self.state,
+            run_settings=settings,
         )
         self.program: StepProgram | None = None  # kept: its iterators must never be collected
 
@@ -131,34 +113,15 @@ class Trainer:
                 self.rt, self.publisher, self.policy, every=s.eval_every, start_step=start_step
             )
             actions.append(EvalEvery(evals))
-        packer = packer_for(s, self.num_workers)
         runner = ScheduledRunner(
-            program=program,
+            self,
+            program,
+            start_step=start_step,
             coordinator=self.coordinator,
-            control=self.control,
-            packer=packer,
             policy=self.policy,
-            metrics=self.metrics,
             max_in_flight=s.max_in_flight or IN_FLIGHT_PER_WORKER * self.num_workers,
             stall_timeout=s.stall_timeout,
-            start_step=start_step,
-            hooks=self.hooks,
         )
-        loop = make_loop(
-            runner,
-            settings=s,
-            state=state,
-            control=self.control,
-            publisher=self.publisher,
-            checkpointer=self.checkpointer,
-            start_step=start_step,
-            examples_per_step=s.batch_size,
-            chief=True,
-            actions=actions,
-            hooks=self.hooks,
-            metrics=self.metrics,
-        )
-        loop.train(start_step, steps_per_execution=packer.k)
 
         def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:
             if evals is not None:
@@ -167,16 +130,7 @@ class Trainer:
                 return evaluate_elsewhere(s, checkpoint)
             return evaluate_final(self.job, s, state.model, state.metric_factories, step)
 
-        return end_run(
-            loop,
-            job=self.job,
-            settings=s,
-            state=state,
-            start_step=start_step,
-            wall_started=wall_started,
-            examples_per_step=s.batch_size,
-            num_workers=self.num_workers,
-            num_ps=self.cluster.num_ps,
-            steps_per_execution=packer.k,
+        return run_training(
+            self, runner, start_step=start_step, wall_started=wall_started, actions=actions,
             evaluate=evaluate,
-        )
+        )  # fmt: skip

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -143,16 +144,14 @@ def run_loop(
     control = control or new_control(target=target, k=k)
     quiet = Quiet()
     runner = ScheduledRunner(
-        program=program,
-        coordinator=coordinator,
-        control=control,
+        SimpleNamespace(control=control, metrics=None, hooks=hooks),
+        program,
         packer=Packer(fixed=k, num_workers=2),
+        start_step=0,
+        coordinator=coordinator,
         policy=FailurePolicy(),
-        metrics=None,
         max_in_flight=4,
         stall_timeout=stall_timeout,
-        start_step=0,
-        hooks=hooks,
     )
     loop = TrainingLoop(
         runner=runner,

@@ -4,6 +4,7 @@ worker processes: tests/integration/test_sync.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from psctl.coordinator.control.job_state import JobControl
@@ -64,15 +65,10 @@ def make_loop(others: list[list[float]], *, chief: bool, k: int = 5) -> tuple[Sy
     )
     program = Program()
     agreement = ScriptedAgreement(others)
-    runner = CollectiveRunner(
-        program=program,  # type: ignore[arg-type]
-        agreement=agreement,  # type: ignore[arg-type]
-        control=control,
-        packer=Packer(fixed=k),
-        metrics=None,
-        is_chief=chief,
-        start_step=0,
+    owner = SimpleNamespace(
+        control=control, metrics=None, hooks=None, agreement=agreement, is_chief=chief
     )
+    runner = CollectiveRunner(owner, program, packer=Packer(fixed=k), start_step=0)
     loop = SyncLoop(
         runner=runner,
         control=control,
