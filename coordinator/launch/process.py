@@ -29,9 +29,11 @@ from psctl.cluster.spec import Address, ClusterConfig
 from psctl.coordinator.control.front import launch_control
 from psctl.coordinator.control.job_state import JobControl, TaskInfo
 from psctl.coordinator.control.security import ControlSecurity
+from psctl.coordinator.control.service import start_control_server, stop_control_server
 from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
+    Failure,
     FailurePolicy,
     Scope,
     classify,
@@ -47,6 +49,7 @@ from psctl.coordinator.launch.supervisor import (
     forward_stop_signals,
 )
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.summary import Summary, print_summary, write_summary
 
 if TYPE_CHECKING:
     from psctl.cluster.metrics import ProcessMetrics
@@ -98,9 +101,79 @@ def end_on_error(
     raise err
 
 
-def complete(control: JobControl, metrics: CoordinatorMetrics | None) -> int:
-    """The training process's end after a run that finished: DONE, and (so that no alert
-    takes this exit for a crash) the final state scraped once; exit 0."""
+def run_training_process(
+    args: argparse.Namespace,
+    settings: TrainSettings,
+    *,
+    tasks: list[TaskInfo],
+    counters: Counters,
+    metrics: CoordinatorMetrics | None,
+    serve_control: bool,
+    run: Callable[[JobControl, FailurePolicy], int],
+    at_exit: Callable[[], None] = lambda: None,
+) -> int:
+    """A training process, whatever the strategy, around ``run(control, policy)``: the
+    job's state (its tasks followed in ``--tasks-file``, its failures and recoveries on
+    /metrics), the Control API when this process serves it (``serve_control``: the
+    coordinator, sync mode's worker 0), and the end of a run that raised as the policy
+    decides (``end_on_error``); ``at_exit`` runs last, whatever happened."""
+    failures = FailurePolicy()
+    control = JobControl(
+        job=settings.job,
+        target_steps=settings.steps,
+        steps_per_execution=settings.steps_per_execution,
+        tasks=tasks,
+        can_checkpoint=serve_control and bool(settings.checkpoint_dir),
+        on_state=metrics.set_state if metrics else None,
+    )
+    control.recoveries = counters.restarts
+    follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
+    if metrics is not None:
+        control.on_task_failure = metrics.task_failure
+        control.on_recovery = metrics.recovery
+    server = None
+    if serve_control:
+        server = start_control_server(
+            control, args.control_address, ControlSecurity.from_args(args, os.environ)
+        )
+    try:
+        return run(control, failures)
+    except BaseException as err:
+        if classify(err) is Failure.NON_FINITE:
+            count_nonfinite(counters, metrics)
+        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
+    finally:
+        at_exit()
+        if server is not None:
+            stop_control_server(server)
+
+
+def complete(
+    summary: Summary,
+    *,
+    settings: TrainSettings,
+    control: JobControl,
+    counters: Counters,
+    metrics: CoordinatorMetrics | None,
+    report: bool = True,
+) -> int:
+    """The training process's end after a run that finished: the summary with what this
+    process and its supervisor counted, printed and written (``report``: the chief's to
+    do), DONE, and (so that no alert takes this exit for a crash) the final state scraped
+    once; exit 0."""
+    if report:
+        failures = control.failure_counts()
+        summary.restarts = counters.restarts
+        # psctl local counts the servers it restarted; this process counts what its health
+        # checks saw since it started. Both may see one failure: take the larger.
+        summary.ps_failures = max(counters.ps_failures, failures.get("ps", 0))
+        summary.worker_failures = max(counters.worker_failures, failures.get("worker", 0))
+        summary.coordinator_failures = counters.coordinator_failures
+        summary.recoveries = control.recoveries
+        print_summary(summary)
+        if settings.summary_json:
+            write_summary(summary, settings.summary_json)
+            log.info("summary written to %s", settings.summary_json)
     control.finish(State.DONE)
     if metrics is not None:
         metrics.wait_until_scraped()

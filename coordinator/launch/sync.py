@@ -41,19 +41,14 @@ from psctl.cluster.spec import (
 from psctl.coordinator.control.front import launch_control
 from psctl.coordinator.control.job_state import JobControl, TaskInfo
 from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import start_control_server, stop_control_server
 from psctl.coordinator.failures import (
-    Failure,
     FailurePolicy,
-    classify,
 )
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.launch.process import (
     complete,
-    count_nonfinite,
-    end_on_error,
-    follow_tasks_file,
     load_tasks,
+    run_training_process,
     start_metrics,
     start_worker_metrics,
     supervise_train,
@@ -61,6 +56,7 @@ from psctl.coordinator.launch.process import (
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
+from psctl.coordinator.training.summary import Summary
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -112,7 +108,6 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if (os.cpu_count() or 1) < cluster.num_workers + 2:
         tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
 
-    failures = FailurePolicy()
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     is_chief = index == 0
     address = cluster.task_address("worker", index)
@@ -143,36 +138,30 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         tasks = load_tasks(args.tasks_file, cluster)
     else:
         tasks = sync_tasks(cluster, index, chief_metrics_port=worker_metrics_port(cluster, 0, args))
-    control = JobControl(
-        job=settings.job,
-        target_steps=settings.steps,
-        steps_per_execution=settings.steps_per_execution,
-        tasks=tasks,
-        can_checkpoint=is_chief and bool(settings.checkpoint_dir),
-        on_state=metrics.set_state if metrics else None,
-    )
-    control.recoveries = counters.restarts
-    follow_tasks_file(args.tasks_file, control)  # a restarted worker's new pid
-    if metrics is not None:
-        control.on_task_failure = metrics.task_failure
-        control.on_recovery = metrics.recovery
     # SERVING from when this worker joined the group until it is done, as a server's.
     health = WorkerHealth(host=host, port=health_port, metrics=process_metrics)
-    server = None
-    if is_chief:
-        server = start_control_server(
-            control, args.control_address, ControlSecurity.from_args(args, os.environ)
+
+    def run(control: JobControl, failures: FailurePolicy) -> int:
+        summary = _train(cluster, index, settings, control, metrics, args, health)
+        return complete(
+            summary,
+            settings=settings,
+            control=control,
+            counters=counters,
+            metrics=metrics,
+            report=is_chief,
         )
-    try:
-        return _train(cluster, index, settings, control, metrics, counters, args, health)
-    except BaseException as err:
-        if classify(err) is Failure.NON_FINITE:
-            count_nonfinite(counters, metrics)
-        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
-    finally:
-        health.set_serving(False)
-        if server is not None:
-            stop_control_server(server)
+
+    return run_training_process(
+        args,
+        settings,
+        tasks=tasks,
+        counters=counters,
+        metrics=metrics,
+        serve_control=is_chief,
+        run=run,
+        at_exit=lambda: health.set_serving(False),
+    )
 
 
 class WorkerHealth:
@@ -229,13 +218,11 @@ def _train(
     settings: TrainSettings,
     control: JobControl,
     metrics: CoordinatorMetrics | None,
-    counters: Counters,
     args: argparse.Namespace,
     health: WorkerHealth | None = None,
-) -> int:
+) -> Summary:
     from psctl.coordinator.job import load_job
     from psctl.coordinator.training.loop import install_stop_signals
-    from psctl.coordinator.training.summary import print_summary, write_summary
     from psctl.coordinator.training.sync import SyncTrainer, sync_strategy
 
     install_stop_signals(control)
@@ -266,17 +253,7 @@ def _train(
         metrics=metrics,
     )
     _KEEP_ALIVE.append(trainer)  # never collected: the process ends by os._exit
-    summary = trainer.run()
-    if index == 0:
-        summary.restarts = counters.restarts
-        summary.worker_failures = counters.worker_failures
-        summary.coordinator_failures = counters.coordinator_failures
-        summary.recoveries = control.recoveries
-        print_summary(summary)
-        if settings.summary_json:
-            write_summary(summary, settings.summary_json)
-            log.info("summary written to %s", settings.summary_json)
-    return complete(control, metrics)
+    return trainer.run()
 
 
 # -- psctl local --strategy sync -------------------------------------------------------

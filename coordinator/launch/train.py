@@ -20,10 +20,7 @@ from psctl.cluster.spec import (
     resolve_training_task,
 )
 from psctl.coordinator.control.job_state import JobControl
-from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import start_control_server, stop_control_server
 from psctl.coordinator.failures import (
-    Failure,
     FailurePolicy,
     Scope,
     Unreachable,
@@ -32,10 +29,8 @@ from psctl.coordinator.failures import (
 )
 from psctl.coordinator.launch.process import (
     complete,
-    count_nonfinite,
-    end_on_error,
-    follow_tasks_file,
     load_tasks,
+    run_training_process,
     start_metrics,
     supervise_train,
 )
@@ -48,6 +43,7 @@ from psctl.coordinator.settings import (
     show_steps_per_execution,
 )
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
+from psctl.coordinator.training.summary import Summary
 
 if TYPE_CHECKING:
     from psctl.coordinator.control.metrics import CoordinatorMetrics
@@ -114,13 +110,12 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
     ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
-    failures = FailurePolicy()
     try:
         wait_for_tf_ports(cluster, timeout=args.connect_timeout)
     except Unreachable as err:
         # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
         # systemd nor Kubernetes starts the job again (docs/operations.md).
-        status = exit_status(failures.decide(classify(err), scope=Scope.PROCESS))
+        status = exit_status(FailurePolicy().decide(classify(err), scope=Scope.PROCESS))
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
         return status
 
@@ -132,32 +127,22 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     metrics = start_metrics(metrics_port, settings, cluster, counters)
-    control = JobControl(
-        job=settings.job,
-        target_steps=settings.steps,
-        steps_per_execution=settings.steps_per_execution,
-        tasks=load_tasks(args.tasks_file, cluster),
-        can_checkpoint=bool(settings.checkpoint_dir),
-        on_state=metrics.set_state if metrics else None,
-    )
-    control.recoveries = counters.restarts
-    follow_tasks_file(args.tasks_file, control)  # a restarted server's new pid
-    if metrics is not None:
-        control.on_task_failure = metrics.task_failure
-        control.on_recovery = metrics.recovery
-    server = start_control_server(
-        control, args.control_address, ControlSecurity.from_args(args, os.environ)
-    )
-    try:
-        return _train(
-            job, cluster, source, settings, control, metrics, counters, dispatcher, failures
+
+    def run(control: JobControl, failures: FailurePolicy) -> int:
+        summary = _train(job, cluster, source, settings, control, metrics, dispatcher, failures)
+        return complete(
+            summary, settings=settings, control=control, counters=counters, metrics=metrics
         )
-    except BaseException as err:
-        if classify(err) is Failure.NON_FINITE:
-            count_nonfinite(counters, metrics)
-        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
-    finally:
-        stop_control_server(server)
+
+    return run_training_process(
+        args,
+        settings,
+        tasks=load_tasks(args.tasks_file, cluster),
+        counters=counters,
+        metrics=metrics,
+        serve_control=True,
+        run=run,
+    )
 
 
 def _train(
@@ -167,12 +152,10 @@ def _train(
     settings: TrainSettings,
     control: JobControl,
     metrics: CoordinatorMetrics | None,
-    counters: Counters,
-    dispatcher: str | None = None,
-    policy: FailurePolicy | None = None,
-) -> int:
+    dispatcher: str | None,
+    policy: FailurePolicy,
+) -> Summary:
     from psctl.coordinator.training.loop import install_stop_signals
-    from psctl.coordinator.training.summary import print_summary, write_summary
     from psctl.coordinator.training.trainer import Trainer
 
     install_stop_signals(control)
@@ -198,17 +181,4 @@ def _train(
     # Never collected before the process exits: destroying its per-worker resources sends
     # ops to every worker and waits on a frozen one (seen). The process ends by os._exit.
     _KEEP_ALIVE.append(trainer)
-    summary = trainer.run()
-    failures = control.failure_counts()
-    summary.restarts = counters.restarts
-    # psctl local counts the servers it restarted; this process counts what its health
-    # checks saw since it started. Both may see one failure: take the larger.
-    summary.ps_failures = max(counters.ps_failures, failures.get("ps", 0))
-    summary.worker_failures = max(counters.worker_failures, failures.get("worker", 0))
-    summary.coordinator_failures = counters.coordinator_failures
-    summary.recoveries = control.recoveries
-    print_summary(summary)
-    if settings.summary_json:
-        write_summary(summary, settings.summary_json)
-        log.info("summary written to %s", settings.summary_json)
-    return complete(control, metrics)
+    return trainer.run()
