@@ -1,5 +1,5 @@
 """Flags of `psctl deploy render` and `psctl deploy check`. What they do is
-coordinator/launch/deploy.py's (no TensorFlow there)."""
+coordinator/deploy/'s (no TensorFlow there)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     # Imported here: every other command (`psctl status` most of all) starts faster.
-    from psctl.coordinator.launch.deploy import cmd_check, cmd_render
+    from psctl.coordinator.deploy.check import cmd_check
+    from psctl.coordinator.deploy.render import cmd_render
 
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "render": cmd_render,

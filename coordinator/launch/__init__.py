@@ -1,1 +1,1 @@
-"""Starting processes: the training process, its supervisor, local clusters, systemd units."""
+"""Starting processes: the training process, its supervisor, local clusters."""

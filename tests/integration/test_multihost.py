@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.procs import die_with_parent
-from psctl.coordinator.launch import deploy
+from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT
 from tests.conftest import cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (
     SERVERS,
@@ -198,7 +198,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             PSCTL_LOG_EVERY="2",
             HOME=str(state_dir),
         )
-        token = deploy.CONTROL_TOKEN_FILE.replace(deploy.STATE_DIR, str(state_dir), 1)
+        token = CONTROL_TOKEN_FILE.replace(STATE_DIR, str(state_dir), 1)
         CONTROL_ENV["PSCTL_CONTROL_TOKEN_FILE"] = token
         argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
         assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
@@ -316,7 +316,7 @@ def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
     try:
         for host, index in workers.items():
             shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
-            unit = parse_unit((out / HOSTS[host] / deploy.SYNC_UNIT).read_text())
+            unit = parse_unit((out / HOSTS[host] / SYNC_UNIT).read_text())
             states[host] = Path(tempfile.mkdtemp(prefix=f"psctl-sync-{host}", dir="/var/lib"))
             os.chown(states[host], NOBODY, NOBODY)
             env = {**BASE_ENV, **service_env(unit, str(index), host_path(lab, host))}

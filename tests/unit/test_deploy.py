@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster import server as server_cli
-from psctl.cluster.errors import EXIT_CONFIG
+from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.coordinator.cli import main as cli
+from psctl.coordinator.deploy.plan import COORDINATOR_UNIT, REFERENCE_BIN_DIR, STATE_DIR
+from psctl.coordinator.deploy.render import host_dir, render
+from psctl.coordinator.deploy.units import PLACEHOLDER, fill, reference_files
 from psctl.coordinator.failures import EXIT_RESTART, EXIT_STATUS, EXIT_USAGE, FINAL_EXIT_STATUSES
-from psctl.coordinator.launch import deploy
 from tests.conftest import REPO, require_tool
 from tests.integration.netns_hosts import (
     Unit,
@@ -76,7 +78,7 @@ def rendered(tmp_path: Path) -> Path:
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(CLUSTER))
     out = tmp_path / "out"
-    deploy.render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR)
+    render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR)
     return out
 
 
@@ -130,7 +132,7 @@ def test_env_files_name_the_cluster_file_and_every_tasks_ports(rendered: Path):
             "PSCTL_METRICS_PORT": str(tf_port + METRICS_PORT_OFFSET),
         }
     coordinator = read_env_file(rendered / "10.0.0.1" / "coordinator.env")
-    assert coordinator["PSCTL_CHECKPOINT_DIR"].startswith(deploy.STATE_DIR + "/")
+    assert coordinator["PSCTL_CHECKPOINT_DIR"].startswith(STATE_DIR + "/")
     assert coordinator["PSCTL_CONTROL_ADDRESS"] == cli.DEFAULT_CONTROL_ADDRESS
     assert coordinator["PSCTL_COORDINATOR_METRICS_PORT"] == str(cli.DEFAULT_METRICS_PORT)
 
@@ -138,7 +140,7 @@ def test_env_files_name_the_cluster_file_and_every_tasks_ports(rendered: Path):
 def test_a_health_section_in_the_cluster_file_sets_the_health_port(tmp_path: Path):
     body = {**CLUSTER, "health": {"ps": ["10.0.0.2:9000"]}}
     (tmp_path / "c.json").write_text(json.dumps(body))
-    deploy.render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "out", bin_dir=BIN_DIR)
+    render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "out", bin_dir=BIN_DIR)
     env = read_env_file(tmp_path / "out" / "10.0.0.2" / "ps-0.env")
     assert env["PSCTL_HEALTH_PORT"] == "9000"
     assert read_env_file(tmp_path / "out" / "10.0.0.3" / "ps-1.env")["PSCTL_HEALTH_PORT"] == "3222"
@@ -238,7 +240,7 @@ def test_systemd_analyze_verify_passes_on_every_rendered_unit(rendered: Path):
             task = re.fullmatch(r"(ps|worker)-(\d+)\.env", name)
             if task:  # an instance of its template
                 names.append(f"psctl-{task[1]}@{task[2]}.service")
-            elif name == deploy.COORDINATOR_UNIT:
+            elif name == COORDINATOR_UNIT:
                 names.append(name)
         verify(rendered / host, names)
 
@@ -284,17 +286,25 @@ def test_units_expose_little_by_systemd_analyze_security(
 
 def test_deploy_systemd_is_the_renderer_output(tmp_path: Path):
     """deploy/systemd/ is rendered for /opt/psctl/venv
-    (python -m psctl.coordinator.launch.deploy)."""
-    for name, content in deploy.reference_files().items():
+    (python -m psctl.coordinator.deploy.render)."""
+    for name, content in reference_files().items():
         assert (SYSTEMD_DIR / name).read_text() == content, (
-            f"deploy/systemd/{name} is stale: run python -m psctl.coordinator.launch.deploy"
+            f"deploy/systemd/{name} is stale: run python -m psctl.coordinator.deploy.render"
         )
     # The same units verify once their binaries exist (here: this checkout's).
-    for name in deploy.reference_files():
-        text = (SYSTEMD_DIR / name).read_text().replace(deploy.REFERENCE_BIN_DIR, BIN_DIR)
+    for name in reference_files():
+        text = (SYSTEMD_DIR / name).read_text().replace(REFERENCE_BIN_DIR, BIN_DIR)
         (tmp_path / name).write_text(text)
     names = ["psctl-ps@0.service", "psctl-worker@0.service", "psctl-coordinator.service"]
     verify(tmp_path, [*names, "psctl-sync@0.service", "psctl.target"])
+
+
+def test_a_template_placeholder_without_a_value_is_an_error():
+    with pytest.raises(ValueError, match=r"^templates/target\.in: no value for @target@$"):
+        fill("target.in")
+    # A value is not searched for placeholders: it lands as it is.
+    assert "@state_dir@.service" in fill("target.in", target="@state_dir@.service")
+    assert not [n for n, c in reference_files().items() if PLACEHOLDER.search(c)]
 
 
 def test_render_refuses_a_non_empty_out_and_a_relative_bin_dir(tmp_path: Path, capsys):
@@ -314,7 +324,7 @@ def test_render_refuses_ports_that_collide_on_one_host(tmp_path: Path):
     body = {"cluster": {"chief": ["h0:2222"], "ps": ["h1:2222"], "worker": ["h1:3222"]}}
     (tmp_path / "c.json").write_text(json.dumps(body))
     with pytest.raises(Exception, match=r"host h1: worker:0 TF port 3222 is also the ps:0 health"):
-        deploy.render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR)
+        render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR)
 
 
 def test_psctl_deploy_does_not_import_tensorflow(tmp_path: Path):
@@ -351,8 +361,8 @@ def test_render_refuses_host_names_that_leave_out(tmp_path: Path, capsys):
     assert err.count("\n") == 1 and '".." is not a valid host name' in err, err
     assert files_under(tmp_path) == {"c.json"}
     for host in ("..", ".", "", "a/b", "a\\b", " h"):
-        with pytest.raises(deploy.ConfigError, match="cannot name a directory of --out"):
-            deploy._host_dir(out, host)
+        with pytest.raises(ConfigError, match="cannot name a directory of --out"):
+            host_dir(out, host)
 
 
 def test_render_does_not_write_through_links_out_of_out(tmp_path: Path):
@@ -361,12 +371,12 @@ def test_render_does_not_write_through_links_out_of_out(tmp_path: Path):
     out.mkdir()
     elsewhere.mkdir()
     (out / "10.0.0.4").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(deploy.ConfigError, match=r"^--out: .*10\.0\.0\.4 leads to .*elsewhere"):
-        deploy.render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+    with pytest.raises(ConfigError, match=r"^--out: .*10\.0\.0\.4 leads to .*elsewhere"):
+        render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
     (out / "10.0.0.4").unlink()
     (out / "README.md").symlink_to(elsewhere / "README.md")
-    with pytest.raises(deploy.ConfigError, match=r"README\.md leads to"):
-        deploy.render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+    with pytest.raises(ConfigError, match=r"README\.md leads to"):
+        render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
     assert files_under(elsewhere) == set()
 
 
@@ -374,9 +384,7 @@ def test_one_host_spelt_two_ways_is_one_directory(tmp_path: Path):
     body = {"cluster": {"chief": ["[::1]:2222"], "ps": ["[::0:1]:2223"], "worker": ["W:2224"]}}
     body["cluster"]["evaluator"] = ["w:2230"]
     (tmp_path / "c.json").write_text(json.dumps(body))
-    plans = deploy.render(
-        cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR
-    )
+    plans = render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR)
     assert [(p.host, p.chief_port, [s.name for s in p.servers]) for p in plans] == [
         ("::1", 2222, ["ps:0"]),
         ("W", None, ["worker:0"]),

@@ -31,8 +31,8 @@ from psctl.cluster.spec import (
 )
 from psctl.control.v1 import control_pb2
 from psctl.coordinator import data
+from psctl.coordinator.deploy.render import render
 from psctl.coordinator.job import DataContext
-from psctl.coordinator.launch import deploy
 from psctl.coordinator.settings import TrainSettings, env_name, resolve_settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -387,7 +387,7 @@ def test_render_writes_under_out_or_raises_a_config_error(names: list[str]) -> N
         (base / "c.json").write_text(json.dumps({"cluster": body}))
         out = base / "out"
         try:
-            plans = deploy.render(
+            plans = render(
                 cluster_file=str(base / "c.json"), out=out, bin_dir="/opt/psctl/venv/bin"
             )
         except ConfigError as err:

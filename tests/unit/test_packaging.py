@@ -224,6 +224,7 @@ def test_wheel_holds_only_psctl(wheel: zipfile.ZipFile):
         "psctl/py.typed",
         "psctl/job.py",
         "psctl/coordinator/cli/main.py",
+        "psctl/coordinator/deploy/templates/server.service.in",
         "psctl/control/v1/control_pb2.py",
         "psctl/control/v1/control.proto",
         "psctl/jobs/mlp.py",

@@ -143,7 +143,8 @@ def test_auto_shard_policy_data_shards_the_batches():
 
 
 def test_deploy_render_sync_writes_a_training_unit_per_worker_host(tmp_path):
-    from psctl.coordinator.launch.deploy import SYNC_UNIT, render_sync
+    from psctl.coordinator.deploy.plan import SYNC_UNIT
+    from psctl.coordinator.deploy.render import render_sync
 
     cluster = {"ps": ["10.0.0.1:2222"], "worker": ["10.0.0.2:2222", "10.0.0.3:2222"]}
     path = write(tmp_path / "c.json", {"cluster": cluster})

@@ -1,0 +1,58 @@
+"""`psctl deploy check`: every server's health service and TF port, tried from here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from psctl.cluster.errors import EXIT_UNAVAILABLE
+from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.coordinator.deploy.plan import plan_hosts
+
+
+def _tcp_open(host: str, port: int, timeout: float) -> str:
+    """A TCP connection to host:port within ``timeout`` seconds: "open", or why it failed."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return "open"
+    except TimeoutError:
+        return "timeout"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`psctl health`'s table of every health service, then every server's TF port tried
+    from here (the coordinator host needs them all)."""
+    from psctl.cluster.spec import resolve_cluster
+    from psctl.coordinator.control.client import cmd_health, explicit_health_addresses
+
+    cluster, _ = resolve_cluster(cluster_file=args.cluster, environ=os.environ)
+    plans = plan_hosts(cluster, explicit_health_addresses(args.cluster))
+    health = cmd_health(
+        argparse.Namespace(
+            cluster=args.cluster, health_port_offset=HEALTH_PORT_OFFSET, timeout=args.timeout
+        )
+    )
+    rows = [("HOST", "TASK", "TF PORT (from here)")]
+    closed = 0
+    servers = [s for p in plans for s in p.servers]
+    for s in servers:
+        state = _tcp_open(s.host, s.tf_port, args.timeout)
+        closed += state != "open"
+        rows.append((s.host, s.name, f"{s.tf_port} {state}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    hosts = sum(1 for p in plans if p.servers)
+    if closed == 0 and health == 0:
+        print(f"up: all {len(servers)} servers on {hosts} hosts SERVING, every TF port open")
+        return 0
+    problems = [] if health == 0 else ["not every server is SERVING"]
+    if closed:
+        problems.append(f"{closed} TF port(s) not reachable from here")
+    print(f"not ready: {'; '.join(problems)}")
+    return EXIT_UNAVAILABLE

@@ -1,0 +1,190 @@
+"""The systemd units and env files `psctl deploy render` writes, filled from templates/.
+
+A template's ``@key@`` placeholders (never systemd's own ``${VAR}`` or ``%i``) are filled
+in one pass; a placeholder alone on its line stands for a block of lines (the hardening,
+`psctl train`'s command line).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from importlib import resources
+
+from psctl.coordinator.deploy.plan import (
+    CONTROL_ADDRESS,
+    CONTROL_TOKEN_FILE,
+    COORDINATOR_METRICS_PORT,
+    COORDINATOR_UNIT,
+    REFERENCE_BIN_DIR,
+    SERVER_ROLES,
+    STATE_DIR,
+    SYNC_UNIT,
+    TARGET,
+    ServerTask,
+    unit_name,
+)
+from psctl.coordinator.failures import EXIT_USAGE, FINAL_EXIT_STATUSES
+from psctl.coordinator.settings import DEFAULT_CONFIG_DIR, DEFAULTS
+
+PLACEHOLDER = re.compile(r"@([a-z][a-z0-9_]*)@")
+# The names every template may use.
+_NAMES = {
+    "target": TARGET,
+    "coordinator_unit": COORDINATOR_UNIT,
+    "state_dir": STATE_DIR,
+    "control_token_file": CONTROL_TOKEN_FILE,
+    "exit_usage": EXIT_USAGE,
+    # systemd restarts `psctl train` unless it ended with a final status.
+    "final_statuses": " ".join(str(s) for s in FINAL_EXIT_STATUSES),
+}
+_PRIVATE_DEVICES = "PrivateDevices=yes"
+_WORKER_DEVICES = "# No PrivateDevices=: a worker may use GPUs (/dev/nvidia*), which it would hide."
+
+
+@functools.cache
+def template(name: str) -> str:
+    """templates/NAME as shipped in the package."""
+    path = resources.files("psctl.coordinator.deploy") / "templates" / name
+    return path.read_text(encoding="utf-8")
+
+
+def fill(name: str, **values: object) -> str:
+    """templates/NAME with every ``@key@`` replaced by ``values[key]``, in one pass (a value
+    is never searched for placeholders); ValueError when one has no value."""
+    text = template(name)
+    missing = sorted({key for key in PLACEHOLDER.findall(text) if key not in values})
+    if missing:
+        raise ValueError(f"templates/{name}: no value for @{'@, @'.join(missing)}@")
+    return PLACEHOLDER.sub(lambda m: str(values[m[1]]), text)
+
+
+def fill_block(name: str, **values: object) -> str:
+    """fill() without the last newline: the lines that stand for one ``@key@`` line."""
+    return fill(name, **values).removesuffix("\n")
+
+
+def _hardening(devices: str) -> str:
+    return fill_block("hardening.in", devices=devices)
+
+
+def _server_unit(role: str, *, bin_dir: str, config_dir: str) -> str:
+    return fill(
+        "server.service.in",
+        **_NAMES,
+        role=role,
+        first_instance=unit_name(role).replace("@", "@0"),
+        bin_dir=bin_dir,
+        config_dir=config_dir,
+        hardening=_hardening(_WORKER_DEVICES if role == "worker" else _PRIVATE_DEVICES),
+    )
+
+
+# The units that run `psctl train`: their template, env file, the flags between
+# `psctl train` and its ports, and the hardening's device line.
+_TRAIN_UNITS = {
+    COORDINATOR_UNIT: (
+        "coordinator.service.in",
+        "coordinator.env",
+        "--cluster ${PSCTL_CLUSTER}",
+        _PRIVATE_DEVICES,
+    ),
+    SYNC_UNIT: (
+        "sync.service.in",
+        "sync.env",
+        "--strategy sync --cluster ${PSCTL_CLUSTER} --task-index %i",
+        _WORKER_DEVICES,
+    ),
+}
+
+
+def _train_unit(unit: str, *, bin_dir: str, config_dir: str) -> str:
+    """The coordinator's unit or a sync worker's: its template around the environment files
+    and command line every `psctl train` unit shares (templates/train-exec.in)."""
+    name, env_file, args, devices = _TRAIN_UNITS[unit]
+    train = fill_block(
+        "train-exec.in", bin_dir=bin_dir, config_dir=config_dir, env_file=env_file, args=args
+    )
+    return fill(
+        name,
+        **_NAMES,
+        first_instance=unit.replace("@", "@0"),
+        train_exec=train,
+        hardening=_hardening(devices),
+    )
+
+
+def sync_unit(*, bin_dir: str, config_dir: str) -> str:
+    """``--strategy sync``: the training unit of one worker, its instance the index."""
+    return _train_unit(SYNC_UNIT, bin_dir=bin_dir, config_dir=config_dir)
+
+
+def target_unit() -> str:
+    """psctl.target: what every psctl unit of a host is WantedBy= and PartOf=."""
+    return fill("target.in", **_NAMES)
+
+
+def unit_files(
+    *, bin_dir: str, config_dir: str, roles: Sequence[str] = SERVER_ROLES
+) -> dict[str, str]:
+    """The server templates for ``roles``, the coordinator unit and the target, by name."""
+    files = {unit_name(r): _server_unit(r, bin_dir=bin_dir, config_dir=config_dir) for r in roles}
+    files[COORDINATOR_UNIT] = _train_unit(COORDINATOR_UNIT, bin_dir=bin_dir, config_dir=config_dir)
+    files[TARGET] = target_unit()
+    return files
+
+
+# ---------------------------------------------------------------- env files
+
+
+def host_env(*, config_dir: str, host: str | None = None) -> str:
+    """psctl.env: the cluster file and settings of every psctl unit on ``host`` (an example
+    address in the reference rendering)."""
+    return fill("host.env.in", config_dir=config_dir, bind=host if host is not None else "10.0.0.2")
+
+
+def task_env(task: ServerTask) -> str:
+    """<type>-<index>.env: one server's health and metrics ports."""
+    return fill(
+        "task.env.in",
+        task=task.name,
+        address=task.address,
+        unit=task.unit,
+        health_port=task.health_port,
+        metrics_port=task.metrics_port,
+    )
+
+
+def _train_env(unit: str) -> str:
+    return fill(
+        "train.env.in",
+        **_NAMES,
+        unit=unit,
+        job=DEFAULTS.job,
+        steps=DEFAULTS.steps,
+        control_address=CONTROL_ADDRESS,
+        default_config_dir=DEFAULT_CONFIG_DIR,
+        coordinator_metrics_port=COORDINATOR_METRICS_PORT,
+    )
+
+
+def coordinator_env() -> str:
+    """coordinator.env: the training settings of the coordinator unit."""
+    return _train_env(COORDINATOR_UNIT)
+
+
+def sync_env() -> str:
+    """The training settings of a sync worker: the coordinator's, read by every worker
+    (only worker 0 serves the control API and metrics and writes checkpoints)."""
+    return _train_env(SYNC_UNIT)
+
+
+def reference_files() -> dict[str, str]:
+    """deploy/systemd/: the units and env files as rendered for /opt/psctl/venv."""
+    files = unit_files(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
+    files["psctl.env"] = host_env(config_dir=DEFAULT_CONFIG_DIR)
+    files["coordinator.env"] = coordinator_env()
+    files[SYNC_UNIT] = sync_unit(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
+    files["sync.env"] = sync_env()
+    return files
