@@ -33,9 +33,9 @@ import grpc
 
 from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.client import ControlError, Target, call
-from psctl.coordinator.control.stubs import control_stub
 from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.operations.client import ControlError, Target, call
+from psctl.coordinator.operations.stubs import control_stub
 
 TARGET_MEDIAN, TARGET_P99 = 0.3, 1.0  # seconds, for `psctl status` with the streams open
 

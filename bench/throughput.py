@@ -120,7 +120,7 @@ def _new_trainer(
 ) -> Any:
     """``Trainer`` as ``psctl train`` builds it (a ``JobControl``, ``metrics=`` wired to the
     control's state when given), with the bench's ``hooks``."""
-    from psctl.coordinator.control.job_state import JobControl
+    from psctl.coordinator.operations.job_state import JobControl
     from psctl.coordinator.training.trainer import Trainer
 
     control = JobControl(
@@ -413,7 +413,7 @@ def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
 
     from psctl.cluster.metrics import serve_metrics
     from psctl.cluster.spec import load_cluster_file
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
     cluster = load_cluster_file(args.cluster)
     registry = CollectorRegistry()

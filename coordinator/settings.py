@@ -34,12 +34,14 @@ OTHER_ENV = {
     "PSCTL_CONTROL_ADDRESS": "the coordinator unit's --control-address (coordinator.env)",
     "PSCTL_COORDINATOR_METRICS_PORT": "the coordinator unit's --metrics-port (coordinator.env)",
     # The control API's credentials (flags of psctl local / train and the client commands).
-    "PSCTL_CONTROL_TOKEN_FILE": "--control-token-file (coordinator/control/security.py)",
-    "PSCTL_CONTROL_READ_TOKEN_FILE": "--control-read-token-file (coordinator/control/security.py)",
-    "PSCTL_CONTROL_TLS_CERT": "--control-tls-cert (coordinator/control/security.py)",
-    "PSCTL_CONTROL_TLS_KEY": "--control-tls-key (coordinator/control/security.py)",
-    "PSCTL_CONTROL_TLS_CA": "--control-tls-ca (coordinator/control/security.py)",
-    "PSCTL_INSECURE_CONTROL": "--insecure-control (coordinator/control/security.py)",
+    "PSCTL_CONTROL_TOKEN_FILE": "--control-token-file (coordinator/operations/security.py)",
+    "PSCTL_CONTROL_READ_TOKEN_FILE": (
+        "--control-read-token-file (coordinator/operations/security.py)"
+    ),
+    "PSCTL_CONTROL_TLS_CERT": "--control-tls-cert (coordinator/operations/security.py)",
+    "PSCTL_CONTROL_TLS_KEY": "--control-tls-key (coordinator/operations/security.py)",
+    "PSCTL_CONTROL_TLS_CA": "--control-tls-ca (coordinator/operations/security.py)",
+    "PSCTL_INSECURE_CONTROL": "--insecure-control (coordinator/operations/security.py)",
     "PSCTL_METRICS_TLS_CERT": "/metrics over HTTPS: its certificate (cluster/metrics.py)",
     "PSCTL_METRICS_TLS_KEY": "/metrics over HTTPS: the certificate's key (cluster/metrics.py)",
     "PSCTL_HEALTH_TLS_CERT": "a server's health over TLS: its certificate (cluster/health.py)",

@@ -1,5 +1,5 @@
 """Flags of `psctl status / watch / checkpoint / pause / resume / stop` and `psctl health`.
-What they do is coordinator/control/client.py's (no TensorFlow there)."""
+What they do is coordinator/operations/client.py's (no TensorFlow there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from psctl.cluster.ports import HEALTH_PORT_OFFSET
 from psctl.coordinator.cli.numbers import decimal, whole_number
-from psctl.coordinator.control.client import (
+from psctl.coordinator.operations.client import (
     cmd_checkpoint,
     cmd_health,
     cmd_pause,
@@ -18,7 +18,7 @@ from psctl.coordinator.control.client import (
     cmd_stop,
     cmd_watch,
 )
-from psctl.coordinator.control.security import ENV
+from psctl.coordinator.operations.security import ENV
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS
 
 

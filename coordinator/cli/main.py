@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from psctl.cluster.dataservice import dispatcher_address
     from psctl.cluster.spec import check_config, format_table
-    from psctl.coordinator.control.client import explicit_health_addresses
+    from psctl.coordinator.operations.client import explicit_health_addresses
 
     cluster, source, task = check_config(cluster_file=args.file, environ=os.environ)
     # The file's optional sections too: the tf.data service and the health addresses.
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run one command; every error a user can meet ends in one line and its status."""
-    from psctl.coordinator.control.client import ControlError
+    from psctl.coordinator.operations.client import ControlError
 
     try:
         check_ranges(args)

@@ -80,7 +80,7 @@ def render(
     force: bool = False,
 ) -> list[HostPlan]:
     """Write OUT/README.md and OUT/<host>/ for every host of the cluster; returns the plan."""
-    from psctl.coordinator.control.client import explicit_health_addresses
+    from psctl.coordinator.operations.client import explicit_health_addresses
 
     bin_dir = _absolute_dir(bin_dir, "--bin-dir")
     config_dir = _absolute_dir(config_dir, "--config-dir")

@@ -28,8 +28,6 @@ from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import Address, ClusterConfig, format_table
-from psctl.coordinator.control.front import launch_control
-from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,
@@ -40,6 +38,8 @@ from psctl.coordinator.launch.supervisor import (
     forward_stop_signals,
 )
 from psctl.coordinator.launch.sync import local_sync_main
+from psctl.coordinator.operations.front import launch_control
+from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import resolve_settings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 

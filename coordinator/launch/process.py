@@ -26,11 +26,6 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.logs import forward_stderr
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import Address, ClusterConfig
-from psctl.coordinator.control.front import launch_control
-from psctl.coordinator.control.job_state import JobControl, TaskInfo
-from psctl.coordinator.control.security import ControlSecurity
-from psctl.coordinator.control.service import start_control_server, stop_control_server
-from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     Decision,
     Failure,
@@ -48,12 +43,17 @@ from psctl.coordinator.launch.supervisor import (
     TrainingSupervisor,
     forward_stop_signals,
 )
+from psctl.coordinator.operations.front import launch_control
+from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.security import ControlSecurity
+from psctl.coordinator.operations.service import start_control_server, stop_control_server
+from psctl.coordinator.operations.state import State
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.summary import Summary, print_summary, write_summary
 
 if TYPE_CHECKING:
     from psctl.cluster.metrics import ProcessMetrics
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
 
@@ -294,7 +294,7 @@ def start_metrics(
         return None
     from prometheus_client import CollectorRegistry
 
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
     ports.check_port_free(port, field="--metrics-port")
     registry = CollectorRegistry()

@@ -38,9 +38,6 @@ from psctl.cluster.spec import (
     format_table,
     resolve_training_task,
 )
-from psctl.coordinator.control.front import launch_control
-from psctl.coordinator.control.job_state import JobControl, TaskInfo
-from psctl.coordinator.control.security import ControlSecurity
 from psctl.coordinator.failures import (
     FailurePolicy,
 )
@@ -54,12 +51,15 @@ from psctl.coordinator.launch.process import (
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+from psctl.coordinator.operations.front import launch_control
+from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 from psctl.coordinator.training.summary import Summary
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.sync")
 _KEEP_ALIVE: list[object] = []

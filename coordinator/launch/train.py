@@ -19,7 +19,6 @@ from psctl.cluster.spec import (
     require_chief,
     resolve_training_task,
 )
-from psctl.coordinator.control.job_state import JobControl
 from psctl.coordinator.failures import (
     FailurePolicy,
     Scope,
@@ -36,6 +35,7 @@ from psctl.coordinator.launch.process import (
 )
 from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.launch.sync import sync_train_main
+from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,
@@ -46,8 +46,8 @@ from psctl.coordinator.training.checkpoint_files import check_output_dirs
 from psctl.coordinator.training.summary import Summary
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
     from psctl.coordinator.job import Job
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
 _KEEP_ALIVE: list[object] = []

@@ -39,8 +39,8 @@ from psctl.coordinator.training.model import JobModel, TrainState
 from psctl.coordinator.training.tables import Table
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.job_state import JobControl
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.job_state import JobControl
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.signals import SignalRelay
-from psctl.coordinator.control.state import State
+from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
 from psctl.coordinator.training.checkpoints import Checkpointer
 from psctl.coordinator.training.final_eval import evaluate_final
@@ -45,9 +45,9 @@ from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
     from psctl.cluster.spec import ClusterConfig
-    from psctl.coordinator.control.job_state import JobControl
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
     from psctl.coordinator.job import Job
+    from psctl.coordinator.operations.job_state import JobControl
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
     from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.model import TrainState
 

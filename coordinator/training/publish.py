@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from psctl.coordinator.training.tensorboard import ScalarWriter
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.job_state import JobControl
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.job_state import JobControl
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 
 class Publisher:

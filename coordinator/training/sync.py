@@ -41,8 +41,8 @@ from psctl.coordinator.training.summary import Summary
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
-    from psctl.coordinator.control.job_state import JobControl
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
+    from psctl.coordinator.operations.job_state import JobControl
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 

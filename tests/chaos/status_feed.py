@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.client import ControlError, call, status_dict
+from psctl.coordinator.operations.client import ControlError, call, status_dict
 
 
 def status(address: str) -> dict | None:

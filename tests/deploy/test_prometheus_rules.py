@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry
 
-from psctl.coordinator.control.metrics import CoordinatorMetrics
+from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from tests.conftest import REPO, require_tool
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2
 
 from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.client import Target, call
-from psctl.coordinator.control.security import EXIT_NOT_ALLOWED, token_paths
+from psctl.coordinator.operations.client import Target, call
+from psctl.coordinator.operations.security import EXIT_NOT_ALLOWED, token_paths
 from tests.conftest import (
     child_env,
     control_cli,

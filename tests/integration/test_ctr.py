@@ -15,7 +15,7 @@ import pytest
 
 from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.client import ControlError, call, status_dict
+from psctl.coordinator.operations.client import ControlError, call, status_dict
 from tests.conftest import REPO, child_env, kill_if_running, local_argv, psctl_argv, read_json
 
 pytestmark = pytest.mark.integration

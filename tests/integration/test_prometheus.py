@@ -27,7 +27,7 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
 from psctl.cluster.ports import free_ports
-from psctl.coordinator.control.metrics import CoordinatorMetrics
+from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from tests.conftest import REPO, child_env, kill_if_running, psctl_argv, require_tool
 from tests.deploy.test_prometheus_rules import ALERTS as ALERT_NAMES
 from tests.deploy.test_prometheus_rules import DASHBOARD, PROMETHEUS_DIR

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from psctl.coordinator.control.job_state import JobControl
-from psctl.coordinator.control.metrics import CoordinatorMetrics
 from psctl.coordinator.failures import Failure, RestartFromCheckpoint, classify
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from psctl.coordinator.training.actions import PublishStatus
 from psctl.coordinator.training.publish import Publisher
 

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.control.client import ControlError, Target, call
-from psctl.coordinator.control.job_state import JobControl, TaskInfo
-from psctl.coordinator.control.security import (
+from psctl.coordinator.operations.client import ControlError, Target, call
+from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,
     MAX_STREAMS,
     ControlSecurity,
@@ -29,12 +29,12 @@ from psctl.coordinator.control.security import (
     address_key,
     token_paths,
 )
-from psctl.coordinator.control.service import (
+from psctl.coordinator.operations.service import (
     ControlServer,
     start_control_server,
     stop_control_server,
 )
-from psctl.coordinator.control.state import State
+from psctl.coordinator.operations.state import State
 from tests.conftest import child_env, psctl_argv
 
 pytestmark = pytest.mark.timeout(60)
@@ -396,7 +396,7 @@ def test_control_env_names_are_known():
             "PSCTL_INSECURE_CONTROL": "1",
         }
     )
-    assert sys.modules["psctl.coordinator.control.security"]
+    assert sys.modules["psctl.coordinator.operations.security"]
 
 
 @pytest.mark.parametrize("value", ["maybe", "2", "on please"])

@@ -14,16 +14,16 @@ import grpc
 import pytest
 
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.front import ControlFront, launch_control
-from psctl.coordinator.control.job_state import JobControl, JobView, TaskInfo
-from psctl.coordinator.control.security import ControlSecurity, Tokens, bearer
-from psctl.coordinator.control.service import (
+from psctl.coordinator.operations.front import ControlFront, launch_control
+from psctl.coordinator.operations.job_state import JobControl, JobView, TaskInfo
+from psctl.coordinator.operations.security import ControlSecurity, Tokens, bearer
+from psctl.coordinator.operations.service import (
     ControlServer,
     start_control_server,
     stop_control_server,
 )
-from psctl.coordinator.control.state import State
-from psctl.coordinator.control.stubs import control_stub
+from psctl.coordinator.operations.state import State
+from psctl.coordinator.operations.stubs import control_stub
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,10 +14,10 @@ import pytest
 
 from psctl.cluster.spec import Address
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.client import explicit_health_addresses
-from psctl.coordinator.control.job_state import JobControl, Rejected
-from psctl.coordinator.control.metrics import STATES
-from psctl.coordinator.control.state import (
+from psctl.coordinator.operations.client import explicit_health_addresses
+from psctl.coordinator.operations.job_state import JobControl, Rejected
+from psctl.coordinator.operations.metrics import STATES
+from psctl.coordinator.operations.state import (
     ACTIVITIES,
     ACTIVITY_HOST_STATES,
     FINAL_STATES,

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from psctl.coordinator.control.job_state import JobControl
-from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import FailurePolicy
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.scheduled import ScheduledRunner

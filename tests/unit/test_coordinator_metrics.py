@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from psctl.coordinator.control.metrics import STATES, CoordinatorMetrics
+from psctl.coordinator.operations.metrics import STATES, CoordinatorMetrics
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,8 +19,6 @@ import pytest
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import free_ports
-from psctl.coordinator.control.job_state import TaskInfo
-from psctl.coordinator.control.state import State
 from psctl.coordinator.failures import (
     CALL_DECISIONS,
     EXIT_GAVE_UP,
@@ -45,6 +43,8 @@ from psctl.coordinator.failures import (
 )
 from psctl.coordinator.launch import process
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+from psctl.coordinator.operations.job_state import TaskInfo
+from psctl.coordinator.operations.state import State
 from tests.conftest import child_env, psctl_argv
 from tests.fakes import FakeOpError
 

@@ -87,8 +87,8 @@ def test_the_next_training_process_gets_the_non_finite_count():
 def test_a_non_finite_loss_is_counted_and_left_for_the_supervisor(tmp_path: Path):
     from prometheus_client import CollectorRegistry
 
-    from psctl.coordinator.control.metrics import CoordinatorMetrics
     from psctl.coordinator.launch.process import count_nonfinite
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
     registry = CollectorRegistry()
     metrics = CoordinatorMetrics(

@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from psctl.coordinator.control.job_state import JobControl
-from psctl.coordinator.control.state import State
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.loop import TrainingLoop
 from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.sync import CollectiveRunner

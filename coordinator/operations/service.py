@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import split_host_port
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.control.health_poll import poll_health_forever
-from psctl.coordinator.control.job_state import UNKNOWN, JobControl, Rejected
-from psctl.coordinator.control.security import (
+from psctl.coordinator.operations.health_poll import poll_health_forever
+from psctl.coordinator.operations.job_state import UNKNOWN, JobControl, Rejected
+from psctl.coordinator.operations.security import (
     MAX_STREAMS,
     UNARY_THREADS,
     AuthInterceptor,
@@ -33,8 +33,8 @@ from psctl.coordinator.control.security import (
     Tokens,
     is_private_socket,
 )
-from psctl.coordinator.control.state import FINAL_STATES, State
-from psctl.coordinator.control.stubs import add_control_servicer
+from psctl.coordinator.operations.state import FINAL_STATES, State
+from psctl.coordinator.operations.stubs import add_control_servicer
 
 __all__ = [
     "ControlServer",

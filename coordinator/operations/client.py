@@ -17,14 +17,14 @@ import grpc
 from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.spec import Address, resolve_cluster
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.control.security import (
+from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,
     ControlSecurity,
     bearer,
     is_denied,
     token_paths,
 )
-from psctl.coordinator.control.stubs import control_stub
+from psctl.coordinator.operations.stubs import control_stub
 
 RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
 

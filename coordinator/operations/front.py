@@ -36,15 +36,15 @@ from typing import Any
 import grpc
 
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.control.security import (
+from psctl.coordinator.operations.security import (
     ControlSecurity,
     Tokens,
     bearer,
     publish_for_launch,
 )
-from psctl.coordinator.control.service import ControlServer, stream_status
-from psctl.coordinator.control.state import FINAL_STATES, State
-from psctl.coordinator.control.stubs import control_stub
+from psctl.coordinator.operations.service import ControlServer, stream_status
+from psctl.coordinator.operations.state import FINAL_STATES, State
+from psctl.coordinator.operations.stubs import control_stub
 
 log = logging.getLogger(__name__)
 

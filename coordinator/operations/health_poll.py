@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from psctl.cluster import health as health_check
-from psctl.coordinator.control.job_state import HEALTH, SERVING, UNKNOWN, JobControl
+from psctl.coordinator.operations.job_state import HEALTH, SERVING, UNKNOWN, JobControl
 
 HEALTH_POLL_SECONDS = 2.0
 

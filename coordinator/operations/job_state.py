@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from psctl.coordinator.control.state import (
+from psctl.coordinator.operations.state import (
     ACTIVITIES,
     ACTIVITY_HOST_STATES,
     CHECKPOINT_STATES,
