@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from psctl.cluster.address import Address, split_host_port
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import Address, split_host_port
 
 log = logging.getLogger(__name__)
 

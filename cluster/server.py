@@ -24,7 +24,8 @@ from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
 from psctl.cluster.requirements import require_tensorflow
 from psctl.cluster.signals import SignalRelay
-from psctl.cluster.spec import TaskConfig, resolve_task
+from psctl.cluster.spec import TaskConfig
+from psctl.cluster.tf_config import resolve_task
 
 # The names only: psctl.cluster.metrics imports prometheus_client, deferred to serve().
 TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_METRICS_TLS_CERT", "PSCTL_METRICS_TLS_KEY"

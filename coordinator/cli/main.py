@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from psctl.cluster.dataservice import dispatcher_address
-    from psctl.cluster.spec import check_config, format_table
+    from psctl.cluster.spec import format_table
+    from psctl.cluster.tf_config import check_config
     from psctl.coordinator.operations.client import explicit_health_addresses
 
     cluster, source, task = check_config(cluster_file=args.file, environ=os.environ)

@@ -27,7 +27,7 @@ def _tcp_open(host: str, port: int, timeout: float) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     """`psctl health`'s table of every health service, then every server's TF port tried
     from here (the coordinator host needs them all)."""
-    from psctl.cluster.spec import resolve_cluster
+    from psctl.cluster.tf_config import resolve_cluster
     from psctl.coordinator.operations.client import cmd_health, explicit_health_addresses
 
     cluster, _ = resolve_cluster(cluster_file=args.cluster, environ=os.environ)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from psctl.cluster.address import Address, canonical_host
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
-from psctl.cluster.spec import Address, ClusterConfig, canonical_host
+from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT
 
 REFERENCE_BIN_DIR = "/opt/psctl/venv/bin"

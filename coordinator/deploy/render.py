@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from psctl.cluster.address import canonical_host
 from psctl.cluster.errors import ConfigError, echo
-from psctl.cluster.spec import SYNC_REQUIRED, canonical_host, load_cluster_file, require_chief
+from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file, require_chief
 from psctl.coordinator.deploy.plan import (
     COORDINATOR_UNIT,
     SYNC_UNIT,

@@ -24,10 +24,11 @@ from types import FrameType
 from typing import Any
 
 from psctl.cluster import health, ports
+from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
-from psctl.cluster.spec import Address, ClusterConfig, format_table
+from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.supervisor import (
     Counters,

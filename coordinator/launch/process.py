@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
+from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.logs import forward_stderr
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
-from psctl.cluster.spec import Address, ClusterConfig
+from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.failures import (
     Decision,
     Failure,

@@ -33,11 +33,8 @@ from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.metrics import ProcessMetrics
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.server import bind_host
-from psctl.cluster.spec import (
-    ClusterConfig,
-    format_table,
-    resolve_training_task,
-)
+from psctl.cluster.spec import ClusterConfig, format_table
+from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
     FailurePolicy,
 )

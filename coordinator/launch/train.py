@@ -14,11 +14,8 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.logs import tensorflow_import_quietly
-from psctl.cluster.spec import (
-    ClusterConfig,
-    require_chief,
-    resolve_training_task,
-)
+from psctl.cluster.spec import ClusterConfig, require_chief
+from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
     FailurePolicy,
     Scope,

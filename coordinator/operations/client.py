@@ -14,8 +14,9 @@ from typing import Any, TextIO
 
 import grpc
 
+from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
-from psctl.cluster.spec import Address, resolve_cluster
+from psctl.cluster.tf_config import resolve_cluster
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,

@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
+from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import split_host_port
 
 CONTROL_SERVICE = "/psctl.control.v1.Control/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"

@@ -19,8 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import split_host_port
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.health_poll import poll_health_forever
 from psctl.coordinator.operations.job_state import UNKNOWN, JobControl, Rejected

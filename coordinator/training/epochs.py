@@ -31,9 +31,9 @@ from typing import Any
 import tensorflow as tf
 
 from psctl.cluster import ports
+from psctl.cluster.address import split_host_port
 from psctl.cluster.dataservice import require_dispatcher
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import split_host_port
 from psctl.coordinator.training.graph_ops import seconds_since
 from psctl.coordinator.training.loop import OPEN_TARGET
 from psctl.coordinator.training.programs import Runtime, make_replica_step

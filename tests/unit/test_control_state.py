@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster.spec import Address
+from psctl.cluster.address import Address
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.client import explicit_health_addresses
 from psctl.coordinator.operations.job_state import JobControl, Rejected

@@ -19,16 +19,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from psctl.cluster.address import Address, canonical_host
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.spec import (
-    TASK_TYPES,
-    Address,
-    ClusterConfig,
-    canonical_host,
-    check_config,
-    parse_cluster,
-    parse_cluster_json,
-)
+from psctl.cluster.spec import TASK_TYPES, ClusterConfig, parse_cluster, parse_cluster_json
+from psctl.cluster.tf_config import check_config
 from psctl.control.v1 import control_pb2
 from psctl.coordinator import data
 from psctl.coordinator.deploy.render import render

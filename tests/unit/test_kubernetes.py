@@ -29,7 +29,7 @@ import yaml
 
 from psctl.cluster import server as server_cli
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
-from psctl.cluster.spec import parse_tf_config
+from psctl.cluster.tf_config import parse_tf_config
 from psctl.coordinator import failures, settings
 from psctl.coordinator.cli import main as cli
 from psctl.coordinator.launch import train

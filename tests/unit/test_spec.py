@@ -1,4 +1,5 @@
-"""Unit tests for cluster.spec: TF_CONFIG / cluster file parsing, validation and display."""
+"""Unit tests for cluster.address, cluster.spec and cluster.tf_config: TF_CONFIG / cluster file
+parsing, validation and display."""
 
 from __future__ import annotations
 
@@ -10,24 +11,19 @@ from typing import Any
 
 import pytest
 
+from psctl.cluster.address import Address, canonical_host, split_host_port
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import (
     TASK_TYPES,
-    Address,
     ClusterConfig,
     TaskConfig,
-    canonical_host,
-    check_config,
     format_table,
     load_cluster_file,
     parse_cluster,
     parse_cluster_json,
-    parse_tf_config,
     require_chief,
-    resolve_cluster,
-    resolve_task,
-    split_host_port,
 )
+from psctl.cluster.tf_config import check_config, parse_tf_config, resolve_cluster, resolve_task
 from tests.conftest import child_env, psctl_argv
 
 CLUSTER: dict[str, list[str]] = {
