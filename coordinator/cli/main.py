@@ -281,14 +281,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     require_tensorflow()
-    from psctl.coordinator.launch.train import train_main
+    from psctl.coordinator.launch.strategy import train_main
 
     return train_main(args, train_flag_values(args))
 
 
 def cmd_local(args: argparse.Namespace) -> int:
     require_tensorflow()
-    from psctl.coordinator.launch.local import local_main
+    from psctl.coordinator.launch.strategy import local_main
 
     return local_main(args, train_flag_values(args))
 

@@ -38,11 +38,9 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
-from psctl.coordinator.launch.sync import local_sync_main
 from psctl.coordinator.operations.front import launch_control
 from psctl.coordinator.operations.security import ControlSecurity
-from psctl.coordinator.settings import resolve_settings
-from psctl.coordinator.training.checkpoint_files import check_output_dirs
+from psctl.coordinator.settings import TrainSettings
 
 log = logging.getLogger("psctl.local")
 
@@ -380,7 +378,10 @@ def train_argv(
     return argv + run_settings_argv(args, flags)
 
 
-def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+def prepare_local(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """`psctl local` in either strategy, before any process starts: its work dir, the run
+    settings' defaults there (checkpoints, TensorBoard), and the control address checked
+    (port 0: a free one; ``args.control_address`` is set to it)."""
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     flags = dict(flags)
     if not flags.get("checkpoint_dir") and not os.environ.get("PSCTL_CHECKPOINT_DIR"):
@@ -394,10 +395,13 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         ports.check_port_free(control.port, host=control.host, field="--control-address")
     args.control_address = str(control)
     ControlSecurity.from_args(args, os.environ).check_server(args.control_address)
-    settings = resolve_settings(flags=flags, config_file=args.config)  # bad input: fail now
-    check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # before any server
-    if settings.strategy == "sync":
-        return local_sync_main(args, flags, workdir, job_name=settings.job)  # no servers
+    return workdir, flags
+
+
+def local_ps_main(
+    args: argparse.Namespace, flags: dict[str, Any], workdir: Path, settings: TrainSettings
+) -> int:
+    """`psctl local` in the parameter-server mode: ps and worker servers, a coordinator."""
     local = LocalCluster(
         num_ps=args.ps,
         num_workers=args.workers,

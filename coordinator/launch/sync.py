@@ -447,7 +447,7 @@ def _starter(argv: list[str], log_path: Path | None, *, on_start: Callable[[int]
 
 
 def local_sync_main(
-    args: argparse.Namespace, flags: dict[str, Any], workdir: Path, *, job_name: str = ""
+    args: argparse.Namespace, flags: dict[str, Any], workdir: Path, settings: TrainSettings
 ) -> int:
     """`psctl local --strategy sync`: ``--workers`` training processes, no servers."""
     if args.ps != 1:  # only the default is quietly ignored
@@ -470,7 +470,7 @@ def local_sync_main(
     old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        with launch_control(args.control_address, security, job=job_name) as (front, security):
+        with launch_control(args.control_address, security, job=settings.job) as (front, security):
             job.control_address = front.backend_address
             front.on_stop = job.control_stop
             try:

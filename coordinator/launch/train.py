@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
@@ -31,12 +31,10 @@ from psctl.coordinator.launch.process import (
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters
-from psctl.coordinator.launch.sync import sync_train_main
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,
-    resolve_settings,
     show_steps_per_execution,
 )
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
@@ -91,10 +89,8 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
-    settings = resolve_settings(flags=flags, config_file=args.config)
-    if settings.strategy == "sync":
-        return sync_train_main(args, settings)  # every worker trains
+def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
+    """`psctl train` in the parameter-server mode: the coordinator, supervised."""
     cluster, source = resolve_chief_cluster(args.cluster)
     check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # not after training
     dispatcher = None

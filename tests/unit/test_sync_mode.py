@@ -167,3 +167,10 @@ def test_deploy_render_sync_writes_a_training_unit_per_worker_host(tmp_path):
     assert "worker-server" not in unit
     assert "systemctl start psctl-sync@1.service" in (out / "10.0.0.3" / "README.md").read_text()
     assert "chief" in (out / "10.0.0.2" / "README.md").read_text()
+
+
+def test_every_strategy_has_its_launchers_in_the_one_dispatch_table():
+    from psctl.coordinator.launch.strategy import LAUNCHERS
+    from psctl.coordinator.settings import STRATEGIES
+
+    assert sorted(LAUNCHERS) == sorted(STRATEGIES)

@@ -1,0 +1,47 @@
+"""The one place a run's strategy is chosen: `psctl train` and `psctl local` resolve their
+run settings here and hand over to the launchers of ``--strategy`` (parameter servers:
+train.py and local.py; sync: sync.py). Nothing else in launch/ branches on the strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psctl.coordinator.launch.local import local_ps_main, prepare_local
+from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
+from psctl.coordinator.launch.train import ps_train_main
+from psctl.coordinator.settings import TrainSettings, resolve_settings
+from psctl.coordinator.training.checkpoint_files import check_output_dirs
+
+
+@dataclass(frozen=True)
+class Launchers:
+    """What a strategy runs for each command."""
+
+    train: Callable[[argparse.Namespace, TrainSettings], int]  # psctl train
+    local: Callable[[argparse.Namespace, dict[str, Any], Path, TrainSettings], int]
+
+
+LAUNCHERS: dict[str, Launchers] = {
+    "async": Launchers(train=ps_train_main, local=local_ps_main),
+    "sync": Launchers(train=sync_train_main, local=local_sync_main),
+}
+
+
+def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+    """`psctl train`: the coordinator (async) or this worker's training process (sync)."""
+    settings = resolve_settings(flags=flags, config_file=args.config)
+    return LAUNCHERS[settings.strategy].train(args, settings)
+
+
+def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+    """`psctl local`: a whole cluster (async) or every worker's training process (sync) on
+    this machine; bad settings and output paths fail before any process starts."""
+    workdir, flags = prepare_local(args, flags)
+    settings = resolve_settings(flags=flags, config_file=args.config)
+    check_output_dirs(settings.checkpoint_dir, settings.summary_json)
+    return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)
