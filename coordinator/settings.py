@@ -64,6 +64,9 @@ IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per wor
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
 DEFAULT_CONTROL_ADDRESS = "127.0.0.1:7070"
 DEFAULT_CONFIG_DIR = "/etc/psctl"  # `psctl deploy`: env files and cluster.json on hosts
+# The coordinator unit's state directory (StateDirectory=psctl; also its HOME, where its
+# job tokens land): docs/deploy.md.
+SERVICE_STATE_DIR = "/var/lib/psctl"
 DEFAULT_METRICS_PORT = 9940
 
 # Bounds. The Control API reports steps as protobuf int64 and steps per execution as int32
@@ -88,12 +91,15 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "max_shards": (1, INT32_MAX),
     "min_shard_bytes": (1, INT64_MAX),
     "max_in_flight": (0, INT32_MAX),  # 0: IN_FLIGHT_PER_WORKER per worker
+    "max_restarts": (0, INT32_MAX),
 }
 # Finite float settings: name -> (above this, at most this).
 _FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "local_scale": (0.0, 1e6),
     "log_every": (0.0, MAX_SECONDS),
     "stall_timeout": (0.0, MAX_SECONDS),
+    "connect_timeout": (0.0, MAX_SECONDS),
+    "recovery_timeout": (0.0, MAX_SECONDS),
 }
 # An integer or a decimal number as a flag or PSCTL_* value: ASCII only (int() and float()
 # would also take other scripts' digits, "1_000", "inf" and surrounding Unicode spaces).
@@ -173,6 +179,10 @@ class TrainSettings:
     label_column: str = "label"
     eval_every: int = 0  # >0: distributed evaluation on the workers every N steps
     epochs: int = 0  # >0: train this many passes over the data through the tf.data service
+    # The training process's supervision (launchers: psctl train and psctl local).
+    connect_timeout: float = 120.0  # seconds to wait for every server, then exit 69
+    max_restarts: int = 10  # restarts of the training process within 10 minutes
+    recovery_timeout: float = 300.0  # seconds to wait for failed ps tasks before a restart
 
     def __post_init__(self) -> None:
         check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)

@@ -119,6 +119,21 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
     ("--train-data", "training files (glob) for the job, e.g. 'data/train-*.csv'"),
     ("--eval-data", "evaluation files (glob) for the job"),
     ("--label-column", f"CSV label column {default_help('label_column')}"),
+    (
+        "--connect-timeout",
+        "seconds to wait for every server's TF port (sync: for every worker), then exit 69 "
+        + default_help("connect_timeout", _seconds),
+    ),
+    (
+        "--max-restarts",
+        "restarts of the training process within 10 minutes before the job FAILS "
+        + default_help("max_restarts"),
+    ),
+    (
+        "--recovery-timeout",
+        "seconds to wait for failed ps tasks before restarting anyway "
+        + default_help("recovery_timeout", _seconds),
+    ),
 ]
 
 
@@ -128,22 +143,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, text in TRAIN_FLAGS:
         group.add_argument(flag, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
-
-
-def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-restarts",
-        type=whole_number,
-        default=10,
-        help="restarts of the training process within 10 minutes before the job FAILS "
-        "(default %(default)s)",
-    )
-    parser.add_argument(
-        "--recovery-timeout",
-        type=decimal,
-        default=300.0,
-        help="seconds to wait for failed ps tasks before restarting anyway (default %(default)g)",
-    )
 
 
 def add_control_address(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for every server to be SERVING (default %(default)g)",
     )
     add_control_address(local)
-    add_recovery_arguments(local)
     add_train_arguments(local)
 
     train = sub.add_parser(
@@ -218,7 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     # The supervisor runs the training process as `train ... --once`, telling it what it saw.
     train.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--supervisor-counters", help=argparse.SUPPRESS)
-    add_recovery_arguments(train)
     add_control_address(train)
     train.add_argument(
         "--metrics-port",
@@ -240,12 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--strategy sync: this worker's grpc.health.v1 port, SERVING while it trains "
         "(default: its TF port + 1000, as a worker-server's; 0: off)",
-    )
-    train.add_argument(
-        "--connect-timeout",
-        type=decimal,
-        default=120.0,
-        help="seconds to wait for every server's TF port, then exit 69 (default %(default)g)",
     )
     add_train_arguments(train)
 

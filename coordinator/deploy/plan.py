@@ -10,11 +10,15 @@ from psctl.cluster.address import Address, canonical_host
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
 from psctl.cluster.spec import ClusterConfig
-from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS, DEFAULT_METRICS_PORT
+from psctl.coordinator.settings import (
+    DEFAULT_CONTROL_ADDRESS,
+    DEFAULT_METRICS_PORT,
+    SERVICE_STATE_DIR,
+)
 
 REFERENCE_BIN_DIR = "/opt/psctl/venv/bin"
 UNIT_DIR = "/etc/systemd/system"
-STATE_DIR = "/var/lib/psctl"  # StateDirectory=psctl
+STATE_DIR = SERVICE_STATE_DIR  # StateDirectory=psctl; the unit's HOME
 SERVER_ROLES = ("ps", "worker")
 # The coordinator's own ports: `psctl train`'s defaults.
 COORDINATOR_METRICS_PORT = DEFAULT_METRICS_PORT

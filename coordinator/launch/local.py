@@ -370,8 +370,6 @@ def train_argv(
         control_address or args.control_address,
         "--metrics-port",
         str(local.coordinator_metrics_port),
-        "--recovery-timeout",
-        str(args.recovery_timeout),
         "--once",
         *(security.as_argv() if security else []),
     )
@@ -445,7 +443,7 @@ def local_ps_main(
 
             supervisor = TrainingSupervisor(
                 start,
-                policy=RestartPolicy(max_restarts=args.max_restarts),
+                policy=RestartPolicy(max_restarts=settings.max_restarts),
                 tick=local.restart_failed_servers,
                 counters=local.counters,
             )

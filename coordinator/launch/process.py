@@ -142,7 +142,7 @@ def run_training_process(
     except BaseException as err:
         if classify(err) is Failure.NON_FINITE:
             count_nonfinite(counters, metrics)
-        return end_on_error(err, control, failures, recovery_timeout=args.recovery_timeout)
+        return end_on_error(err, control, failures, recovery_timeout=settings.recovery_timeout)
     finally:
         at_exit()
         if server is not None:
@@ -249,7 +249,16 @@ class TrainingProcess(subprocess.Popen[bytes]):
         return code
 
 
-def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job: str = "") -> int:
+NO_CHECKPOINTS = (
+    "no --checkpoint-dir: no checkpoint is written, so a lost ps task, a restart of the "
+    "training process or of this command starts the job again from step 0; give "
+    "--checkpoint-dir DIR (PSCTL_CHECKPOINT_DIR) to keep its progress"
+)
+
+
+def supervise_train(
+    args: argparse.Namespace, settings: TrainSettings, *, serve_control: bool = True
+) -> int:
     """`psctl train` without --once: run the training process under the restart policy,
     serving the job's control address (``serve_control``; not on sync mode's workers > 0)."""
     control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
@@ -261,7 +270,9 @@ def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job
     with contextlib.ExitStack() as stack:
         address = str(control)
         if serve_control:
-            front, security = stack.enter_context(launch_control(str(control), security, job=job))
+            front, security = stack.enter_context(
+                launch_control(str(control), security, job=settings.job)
+            )
             address = front.backend_address
         argv = psctl_argv(
             *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
@@ -273,7 +284,11 @@ def supervise_train(args: argparse.Namespace, *, serve_control: bool = True, job
                 [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
             )
 
-        supervisor = TrainingSupervisor(start, policy=RestartPolicy(max_restarts=args.max_restarts))
+        if serve_control and not settings.checkpoint_dir:  # once, not at every restart
+            log.warning("%s", NO_CHECKPOINTS)
+        supervisor = TrainingSupervisor(
+            start, policy=RestartPolicy(max_restarts=settings.max_restarts)
+        )
         if serve_control:
             front.on_stop = supervisor.control_stop
         with forward_stop_signals(supervisor):

@@ -84,7 +84,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if index == 0:  # the only one that writes them
         check_output_dirs(settings.checkpoint_dir, settings.summary_json)
     if not args.once:
-        return supervise_train(args, serve_control=index == 0, job=settings.job)
+        return supervise_train(args, settings, serve_control=index == 0)
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     cluster = workers_only(full)
     if full.num_ps and index == 0:
@@ -234,7 +234,7 @@ def _train(
     )
     # Before the job is loaded: a job that runs TensorFlow ops when imported would set up
     # the eager context before the strategy could configure collectives (seen: ctr).
-    strategy = sync_strategy(cluster, index, connect_timeout=args.connect_timeout)
+    strategy = sync_strategy(cluster, index, connect_timeout=settings.connect_timeout)
     if health is not None:
         health.set_serving(True)
     # Again: TensorFlow's coordination service (started with the strategy) takes SIGTERM
@@ -284,8 +284,6 @@ def worker_argv(
         str(metrics_port),
         "--health-port",
         str(health_port),
-        "--recovery-timeout",
-        str(args.recovery_timeout),
         "--once",
         *(security.as_argv() if security and index == 0 else []),
     )
@@ -351,6 +349,8 @@ class LocalSyncJob:
         flags: dict[str, Any],
         args: argparse.Namespace,
         security: ControlSecurity | None = None,
+        *,
+        max_restarts: int,
     ) -> None:
         self.write_files()
         for index in range(self.cluster.num_workers):
@@ -368,7 +368,7 @@ class LocalSyncJob:
             log_path = None if index == 0 else self.workdir / "logs" / f"worker-{index}.log"
             supervisor = TrainingSupervisor(
                 _starter(argv, log_path, on_start=partial(self._started, index)),
-                policy=RestartPolicy(max_restarts=args.max_restarts),
+                policy=RestartPolicy(max_restarts=max_restarts),
             )
             self.supervisors.append(supervisor)
             thread = threading.Thread(
@@ -474,7 +474,7 @@ def local_sync_main(
             job.control_address = front.backend_address
             front.on_stop = job.control_stop
             try:
-                job.start(flags, args, security)
+                job.start(flags, args, security, max_restarts=settings.max_restarts)
                 return job.wait()
             finally:
                 job.stop()

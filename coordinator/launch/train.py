@@ -99,12 +99,12 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
         )
     if not args.once:
-        return supervise_train(args, job=settings.job)
+        return supervise_train(args, settings)
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
     ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
     try:
-        wait_for_tf_ports(cluster, timeout=args.connect_timeout)
+        wait_for_tf_ports(cluster, timeout=settings.connect_timeout)
     except Unreachable as err:
         # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
         # systemd nor Kubernetes starts the job again (docs/operations.md).

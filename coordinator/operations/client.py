@@ -23,6 +23,7 @@ from psctl.coordinator.operations.security import (
     ControlSecurity,
     bearer,
     is_denied,
+    service_runtime_dir,
     token_paths,
 )
 from psctl.coordinator.operations.stubs import control_stub
@@ -73,8 +74,9 @@ def _describe(err: grpc.RpcError, address: str, target: Target | None = None) ->
         if target is not None and target.token is None and not target.security.token_file:
             control, _ = token_paths(address)
             hint = (
-                f" (no token of this user's for the address in {control.parent}: run as the "
-                "job's user, or pass --control-token-file)"
+                f" (no token of this user's for the address in {control.parent}, nor the "
+                f"coordinator unit's in {service_runtime_dir()}: run as the job's user or as "
+                "root on the coordinator's host, or pass --control-token-file)"
             )
         return ControlError(
             f"the coordinator at {address} refused the call ({code.name}): {details}{hint}",

@@ -25,6 +25,7 @@ import grpc
 
 from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.settings import SERVICE_STATE_DIR
 
 CONTROL_SERVICE = "/psctl.control.v1.Control/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -57,6 +58,13 @@ ENV = {
 
 
 # -- token files -----------------------------------------------------------------------
+
+
+def service_runtime_dir() -> Path:
+    """The coordinator unit's token directory: its HOME is its state directory. A client
+    with no token of its own for an address also looks there, so that root on the
+    coordinator's host reaches the unit's job as deploy.md says."""
+    return Path(SERVICE_STATE_DIR) / ".local" / "state" / "psctl"
 
 
 def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -98,9 +106,12 @@ def is_private_socket(address: str) -> bool:
     return address.startswith("unix:")
 
 
-def token_paths(address: str, environ: Mapping[str, str] | None = None) -> tuple[Path, Path]:
-    """The (control token, read-only token) files of the job on ``address``."""
-    base = runtime_dir(environ) / address_key(address)
+def token_paths(
+    address: str, environ: Mapping[str, str] | None = None, *, directory: Path | None = None
+) -> tuple[Path, Path]:
+    """The (control token, read-only token) files of the job on ``address``, in this
+    user's runtime directory (or ``directory``)."""
+    base = (directory or runtime_dir(environ)) / address_key(address)
     return base.with_name(base.name + ".token"), base.with_name(base.name + ".read.token")
 
 
@@ -316,10 +327,12 @@ class ControlSecurity:
 
     def client_token(self, address: str) -> str | None:
         """The token a client sends: --control-token-file, else the job's control token
-        file in this user's runtime directory, else its read-only one."""
+        file in this user's runtime directory, else its read-only one; else the same in
+        the coordinator unit's (readable by root, and by the unit's own user)."""
         if self.token_file:
             return read_token(self.token_file, field="--control-token-file")
-        for path in token_paths(address):
+        paths = (*token_paths(address), *token_paths(address, directory=service_runtime_dir()))
+        for path in paths:
             try:
                 return path.read_text().strip() or None
             except OSError:

@@ -92,6 +92,31 @@ def test_train_with_worker_tf_config_is_a_config_error():
 
 
 @pytest.mark.timeout(60)
+def test_train_takes_its_connect_timeout_from_the_environment_and_warns_without_checkpoints(
+    tmp_path: Path,
+):
+    """Under systemd every run setting is PSCTL_*: a 1 s --connect-timeout from the env file
+    ends a job whose servers never listen with exit 69 at once; and a job with no
+    --checkpoint-dir says, once, what that costs."""
+    from psctl.cluster.ports import free_ports
+
+    chief, ps, worker = free_ports(3)
+    path = tmp_path / "cluster.json"
+    cluster = {"chief": [f"127.0.0.1:{chief}"], "ps": [f"127.0.0.1:{ps}"]}
+    path.write_text(json.dumps({"cluster": {**cluster, "worker": [f"127.0.0.1:{worker}"]}}))
+    started = time.monotonic()
+    proc = run(
+        "train", "--cluster", str(path), "--control-address", "127.0.0.1:0",
+        env=child_env(PSCTL_CONNECT_TIMEOUT="1"),
+    )  # fmt: skip
+    assert proc.returncode == 69, proc.stderr
+    assert time.monotonic() - started < 20
+    assert "servers not reachable after 1s (--connect-timeout)" in proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "no --checkpoint-dir" in line]
+    assert len(warnings) == 1 and "starts the job again from step 0" in warnings[0]
+
+
+@pytest.mark.timeout(60)
 def test_help_is_fast_and_does_not_import_tensorflow():
     started = time.monotonic()
     proc = subprocess.run(

@@ -141,6 +141,24 @@ def test_token_files_are_private_and_found_by_address(runtime: Path):
     assert not read.exists()
 
 
+def test_without_a_token_of_its_own_the_client_takes_the_coordinator_units(
+    runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Root on the coordinator's host (deploy.md): the unit writes its token under its state
+    directory (its HOME), not in root's runtime directory; the client finds it there."""
+    from psctl.coordinator.operations import security
+
+    monkeypatch.setattr(security, "SERVICE_STATE_DIR", str(tmp_path / "var-lib-psctl"))
+    unit_dir = security.service_runtime_dir()
+    unit_dir.mkdir(parents=True, mode=0o700)
+    control, _ = token_paths("127.0.0.1:7072", directory=unit_dir)
+    control.write_text("the-units-token\n")
+    assert Target.of("127.0.0.1:7072").token == "the-units-token"
+    # This user's own token for the address comes first.
+    PublishedTokens("127.0.0.1:7072", Tokens("mine", "mine-read"))
+    assert Target.of("127.0.0.1:7072").token == "mine"
+
+
 def test_another_uid_cannot_read_the_token(runtime: Path, tmp_path: Path):
     published = PublishedTokens("127.0.0.1:7072", Tokens.generate())
     assert stat.S_IMODE(published.control_path.stat().st_mode) == 0o600

@@ -408,9 +408,11 @@ def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
         (["local", "--workers", "0"], "psctl: error: --workers: got 0; give a whole number"),
         (["local", "--ps", str(10**20)], "psctl: error: --ps: got 100000000000000000000;"),
         (["local", "--start-timeout", "nan"], "psctl: error: --start-timeout: got nan;"),
-        (["train", "--connect-timeout", "inf"], "psctl: error: --connect-timeout: got inf;"),
-        (["train", "--connect-timeout", "-5"], "psctl: error: --connect-timeout: got -5;"),
-        (["train", "--recovery-timeout", "0"], "psctl: error: --recovery-timeout: got 0;"),
+        # Run settings (also PSCTL_* and [train] keys): checked as the other settings.
+        (["train", "--connect-timeout", "inf"], "psctl: error: --connect-timeout: 'inf' is not"),
+        (["train", "--connect-timeout", "1_0"], "psctl: error: --connect-timeout: '1_0' is not"),
+        (["train", "--connect-timeout", "-5"], "psctl: error: --connect-timeout: got -5"),
+        (["train", "--recovery-timeout", "0"], "psctl: error: --recovery-timeout: got 0"),
         (["train", "--max-restarts", "-1"], "psctl: error: --max-restarts: got -1;"),
         (["train", "--metrics-port", "70000"], "psctl: error: --metrics-port: got 70000;"),
         (["stop", "--timeout", "nan"], "psctl: error: --timeout: got nan;"),
@@ -437,7 +439,6 @@ def test_launcher_flags_out_of_range_are_one_line_and_78(capsys, argv: list[str]
         ["train", "--stpes", "2"],
         ["local", "--workers", "1_0"],
         ["local", "--workers", "\u0662"],
-        ["train", "--connect-timeout", "1_0"],
         ["train", "--task-index", "x" * 5000],
         ["stop", "--timeout", "1_0"],
         ["watch", "--count", "\u0663"],
@@ -473,3 +474,13 @@ def test_evaluate_takes_run_settings_as_training_does(argv: list[str], line: str
             flags=flag_values(args, (flag for flag, _ in SHARED_FLAGS)), config_file=None
         )
     assert str(err.value).startswith(line), err.value
+
+
+def test_supervision_flags_are_settings_under_systemd_too():
+    """--connect-timeout, --max-restarts and --recovery-timeout are run settings: a unit's
+    env file sets them as PSCTL_* (deploy.md), a --config file as [train] keys."""
+    env = {"PSCTL_CONNECT_TIMEOUT": "5", "PSCTL_MAX_RESTARTS": "3", "PSCTL_RECOVERY_TIMEOUT": "9"}
+    s = resolve_settings(flags={}, config_file=None, environ=env)
+    assert (s.connect_timeout, s.max_restarts, s.recovery_timeout) == (5.0, 3, 9.0)
+    with pytest.raises(ConfigError, match="PSCTL_MAX_RESTARTS: got -1"):
+        resolve_settings(flags={}, config_file=None, environ={"PSCTL_MAX_RESTARTS": "-1"})
