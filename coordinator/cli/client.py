@@ -22,18 +22,22 @@ from psctl.coordinator.operations.security import ENV
 from psctl.coordinator.settings import DEFAULT_CONTROL_ADDRESS
 
 
-def add_address(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_address(parser: argparse.ArgumentParser, *, acts: bool = False) -> argparse.ArgumentParser:
+    """``--address`` and the credentials of a client command; ``acts``: it changes the job
+    (checkpoint, pause, resume, stop), which a read-only token may not."""
     parser.add_argument(
         "--address",
         default=DEFAULT_CONTROL_ADDRESS,
         metavar="HOST:PORT",
         help=f"coordinator's control address (default {DEFAULT_CONTROL_ADDRESS})",
     )
-    add_control_security(parser, server=False)
+    add_control_security(parser, server=False, acts=acts)
     return parser
 
 
-def add_control_security(parser: argparse.ArgumentParser, *, server: bool) -> None:
+def add_control_security(
+    parser: argparse.ArgumentParser, *, server: bool, acts: bool = False
+) -> None:
     """The control API's credential flags (docs/security.md); each has a PSCTL_* variable.
     ``server``: the coordinator's (psctl local / train), else a client command's."""
     group = parser.add_argument_group(
@@ -46,6 +50,8 @@ def add_control_security(parser: argparse.ArgumentParser, *, server: bool) -> No
         help=(
             "the control token (every command): required off loopback "
             if server
+            else "the job's control token (a read-only token is refused) "
+            if acts
             else "the job's control or read-only token "
         )
         + f"(${ENV['token_file']})",
@@ -84,24 +90,62 @@ def add_control_security(parser: argparse.ArgumentParser, *, server: bool) -> No
 def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Register the control API's commands and `health` on the CLI's subparsers; returns
     {name: handler}."""
-    status = add_address(sub.add_parser("status", help="show the running job's status"))
+
+    def command(name: str, summary: str, description: str, *, acts: bool = False) -> Any:
+        parser = sub.add_parser(name, help=summary, description=description)
+        return add_address(parser, acts=acts)
+
+    status = command(
+        "status",
+        "show the running job's status",
+        "The running job's state, step, rates, loss and metrics, last evaluation and "
+        "checkpoint, and every task with its health, failures, pid and metrics URL.",
+    )
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    watch = add_address(sub.add_parser("watch", help="live view of the job's status"))
+    watch = command(
+        "watch",
+        "live view of the job's status",
+        "The job's status, redrawn on a terminal (one line per update when piped), until "
+        "the job ends, --count updates or --duration seconds.",
+    )
     watch.add_argument("--interval", type=decimal, default=1.0, help="seconds (0.1-60; 1)")
     watch.add_argument("--count", type=whole_number, default=0, help="stop after N updates")
     watch.add_argument("--duration", type=decimal, default=0.0, help="stop after S seconds")
-    ckpt = add_address(sub.add_parser("checkpoint", help="save a checkpoint now"))
+    ckpt = command(
+        "checkpoint",
+        "save a checkpoint now",
+        "Save a checkpoint now (RUNNING or PAUSED, with a --checkpoint-dir); prints its "
+        "path and step.",
+        acts=True,
+    )
     ckpt.add_argument("--timeout", type=decimal, default=300.0, help="seconds (default 300)")
-    add_address(sub.add_parser("pause", help="stop scheduling new steps"))
-    add_address(sub.add_parser("resume", help="go on after pause"))
-    stop = add_address(sub.add_parser("stop", help="graceful stop: checkpoint, eval, exit"))
+    command(
+        "pause",
+        "stop scheduling new steps",
+        "Stop scheduling new steps: the steps in flight finish, the job stays PAUSED (and "
+        "answers status and checkpoint) until resume.",
+        acts=True,
+    )
+    command("resume", "go on after pause", "Go on training after a pause.", acts=True)
+    stop = command(
+        "stop",
+        "graceful stop: checkpoint, eval, exit",
+        "Graceful stop: in-flight steps finish, a checkpoint and the final evaluation, the "
+        "job exits 0; waits for the coordinator to exit.",
+        acts=True,
+    )
     stop.add_argument(
         "--timeout",
         type=decimal,
         default=120.0,
         help="seconds to wait for the coordinator to exit (default 120)",
     )
-    probe = sub.add_parser("health", help="check every server's grpc health service")
+    probe = sub.add_parser(
+        "health",
+        help="check every server's grpc health service",
+        description="Check every ps and worker server's grpc.health.v1 service (like "
+        "grpc_health_probe); exits non-zero if any is not SERVING.",
+    )
     probe.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
     probe.add_argument(
         "--health-port-offset",

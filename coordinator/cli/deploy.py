@@ -65,6 +65,9 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     check_p = dsub.add_parser(
         "check",
         help="reach every server's TF port and health service; non-zero if any is not up",
+        description="From this host, check every server of the cluster: its grpc.health.v1 "
+        "service (psctl health's table) and whether its TF port accepts connections; exit "
+        "69 if any is not up.",
     )
     check_p.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
     check_p.add_argument("--timeout", type=decimal, default=2.0, help="seconds per check")

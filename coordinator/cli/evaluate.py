@@ -18,7 +18,11 @@ DEFAULT_TIMEOUT = 3600.0
 # as (flag, help): their values are settings text, checked as training's are.
 SHARED_FLAGS: list[tuple[str, str]] = [
     ("--job", f"the job that trained the checkpoints {default_help('job')}"),
-    ("--checkpoint-dir", "the training run's checkpoint directory (required)"),
+    (
+        "--checkpoint-dir",
+        "the training run's checkpoint directory (required: this flag, "
+        "PSCTL_CHECKPOINT_DIR or the --config file's [train] checkpoint_dir)",
+    ),
     ("--eval-data", "evaluation files (glob) for the job; default: the job's own"),
     ("--label-column", f"CSV label column {default_help('label_column')}"),
     ("--eval-batch-size", f"evaluation batch size {default_help('eval_batch_size')}"),

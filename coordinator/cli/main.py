@@ -82,7 +82,8 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
     (
         "--update-mode",
         "default: the ps optimizer updates the variables every step; local: each call runs "
-        f"--local-steps steps on the worker and pushes the change {default_help('update_mode')}",
+        f"--local-steps steps on the worker and pushes the change "
+        f"{default_help('update_mode', repr)}",
     ),
     ("--local-steps", f"--update-mode local: steps per call {default_help('local_steps')}"),
     (
@@ -99,11 +100,14 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
     ),
     ("--seed", f"seed given to dataset functions {default_help('seed')}"),
     ("--log-every", f"seconds between progress lines {default_help('log_every', _seconds)}"),
-    ("--max-shards", "partition each large variable into up to N shards over the ps"),
+    (
+        "--max-shards",
+        "split each embedding table of at least --min-shard-bytes into up to N shards over "
+        "the ps tasks, with sparse updates (nothing else is split) " + default_help("max_shards"),
+    ),
     (
         "--min-shard-bytes",
-        "smallest variable shard when partitioning "
-        + default_help("min_shard_bytes", lambda n: f"{n >> 10} KiB"),
+        "smallest table shard " + default_help("min_shard_bytes", lambda n: f"{n >> 10} KiB"),
     ),
     (
         "--max-in-flight",
@@ -243,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check-config",
         help="validate a cluster file (or $TF_CONFIG) and print it as a table",
+        description="Validate a cluster file (or $TF_CONFIG, with its task) and print its "
+        "tasks as a table; a mistake is one line naming the field, exit 78.",
     )
     check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
     CLIENT_COMMANDS.update(add_client_commands(sub))

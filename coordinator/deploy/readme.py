@@ -129,7 +129,14 @@ def index_readme(plans: Sequence[HostPlan], *, source: str, coordinator_host: st
         "|---|---|",
     ]
     lines += [f"| {p.host} | {p.task_names} |" for p in plans]
-    lines.append("")
+    lines += [
+        "",
+        "For Prometheus: `prometheus.yml` here scrapes every process's /metrics from the",
+        "file_sd targets beside it (`prometheus-coordinator.json`, `prometheus-ps.json`,",
+        "`prometheus-worker.json`); copy them to the Prometheus host, or merge its",
+        "scrape_configs into yours (alert rules: deploy/prometheus/alerts.yml).",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from psctl.coordinator.deploy.plan import (
     plan_hosts,
     unit_name,
 )
+from psctl.coordinator.deploy.prometheus import prometheus_files, sync_prometheus_files
 from psctl.coordinator.deploy.readme import host_readme, index_readme, sync_readme
 from psctl.coordinator.deploy.units import (
     coordinator_env,
@@ -115,7 +116,10 @@ def render(
     _write_dir(
         out,
         out,
-        {"README.md": index_readme(plans, source=cluster_file, coordinator_host=chief_host)},
+        {
+            "README.md": index_readme(plans, source=cluster_file, coordinator_host=chief_host),
+            **prometheus_files(cluster, plans),
+        },
     )
     return plans
 
@@ -150,6 +154,7 @@ def render_sync(
             TARGET: target_unit(),
         }
         _write_dir(out, host_dir(out, host), files)
+    _write_dir(out, out, sync_prometheus_files(cluster))
     return plans
 
 

@@ -155,3 +155,43 @@ def test_dashboard_uses_a_datasource_variable():
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["async", "sync"])
+def test_deploy_render_writes_prometheus_targets_of_every_process(tmp_path, strategy):
+    """`psctl deploy render`: a scrape config promtool accepts, with file_sd targets at
+    every process's /metrics (the servers' TF port + 2000; the coordinator's 9940)."""
+    import json
+
+    from psctl.coordinator.deploy.render import render, render_sync
+
+    cluster = tmp_path / "cluster.json"
+    hosts = {"chief": ["10.0.0.1:2222"], "ps": ["10.0.0.2:2222"]}
+    hosts["worker"] = ["10.0.0.3:2222", "10.0.0.4:2223"]
+    cluster.write_text(json.dumps({"cluster": hosts}))
+    out = tmp_path / "out"
+    options = {"cluster_file": str(cluster), "out": out, "bin_dir": "/opt/psctl/venv/bin"}
+    if strategy == "sync":
+        render_sync(**options, config_dir="/etc/psctl", force=False)
+    else:
+        render(**options)
+    output = promtool("check", "config", str(out / "prometheus.yml"))
+    assert "SUCCESS" in output and "WARNING" not in output, output
+
+    def targets(role: str) -> list[tuple[str, str, str]]:
+        entries = json.loads((out / f"prometheus-{role}.json").read_text())
+        return [
+            (e["targets"][0], e["labels"]["task_type"], e["labels"]["task_index"]) for e in entries
+        ]
+
+    if strategy == "async":
+        assert targets("coordinator") == [("10.0.0.1:9940", "chief", "0")]
+        assert targets("ps") == [("10.0.0.2:4222", "ps", "0")]
+        assert targets("worker") == [
+            ("10.0.0.3:4222", "worker", "0"),
+            ("10.0.0.4:4223", "worker", "1"),
+        ]
+    else:  # worker 0 is the coordinator; the ps task is unused
+        assert targets("coordinator") == [("10.0.0.3:9940", "chief", "0")]
+        assert targets("ps") == [] and targets("worker") == [("10.0.0.4:4223", "worker", "1")]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +132,24 @@ def test_help_is_fast_and_does_not_import_tensorflow():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=child_env()
     )
     assert probe.stdout.strip() == "False"
+
+
+def _subparsers(parser: Any, prefix: str = "psctl") -> list[tuple[str, Any]]:
+    found = []
+    for action in parser._actions:  # argparse keeps its subparsers only there
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(f"{prefix} {name}", sub), *_subparsers(sub, f"{prefix} {name}")]
+    return found
+
+
+def test_every_command_says_what_it_does_and_every_default_reads_sensibly():
+    from psctl.coordinator.cli.main import build_parser
+
+    commands = _subparsers(build_parser())
+    assert len(commands) >= 15
+    for name, parser in commands:
+        assert parser.description, f"{name} --help has no description"
+        text = parser.format_help()
+        for odd in ("(default None)", "(default default)", "(default )", "default: None"):
+            assert odd not in text, f"{name} --help: {odd}"

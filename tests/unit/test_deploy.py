@@ -80,6 +80,10 @@ def rendered(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR)
     return out
+# OUT's own files: the index README and the Prometheus scrape config with its targets.
+TOP_FILES = ["README.md", "prometheus.yml"] + [
+    f"prometheus-{role}.json" for role in ("coordinator", "ps", "worker")
+]
 
 
 def unit(path: Path) -> Unit:
@@ -107,7 +111,7 @@ def verify(directory: Path, names: list[str]) -> None:
 
 
 def test_one_directory_per_host_with_its_units_env_files_and_readme(rendered: Path):
-    assert sorted(p.name for p in rendered.iterdir()) == sorted([*HOST_FILES, "README.md"])
+    assert sorted(p.name for p in rendered.iterdir()) == sorted([*HOST_FILES, *TOP_FILES])
     for host, files in HOST_FILES.items():
         assert {p.name for p in (rendered / host).iterdir()} == files | COMMON_FILES, host
         assert json.loads((rendered / host / "cluster.json").read_text()) == CLUSTER
@@ -389,4 +393,4 @@ def test_one_host_spelt_two_ways_is_one_directory(tmp_path: Path):
         ("::1", 2222, ["ps:0"]),
         ("W", None, ["worker:0"]),
     ]
-    assert {p.name for p in (tmp_path / "o").iterdir()} == {"::1", "W", "README.md"}
+    assert {p.name for p in (tmp_path / "o").iterdir()} == {"::1", "W", *TOP_FILES}
