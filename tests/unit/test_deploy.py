@@ -80,6 +80,8 @@ def rendered(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR)
     return out
+
+
 # OUT's own files: the index README and the Prometheus scrape config with its targets.
 TOP_FILES = ["README.md", "prometheus.yml"] + [
     f"prometheus-{role}.json" for role in ("coordinator", "ps", "worker")
