@@ -30,6 +30,10 @@ from psctl.coordinator.job import DataContext
 from psctl.coordinator.settings import TrainSettings, env_name, resolve_settings
 
 pytestmark = pytest.mark.timeout(120)
+# OUT's own files beside the host directories: the index README, the Prometheus targets.
+OUT_FILES = {"README.md", "prometheus.yml"} | {
+    f"prometheus-{role}.json" for role in ("coordinator", "ps", "worker")
+}
 
 
 def fuzz(examples: int) -> Any:
@@ -392,4 +396,4 @@ def test_render_writes_under_out_or_raises_a_config_error(names: list[str]) -> N
         assert all(p.is_relative_to(out) and not p.is_symlink() for p in written), written
         if plans:
             event("rendered")
-            assert {p.name for p in out.iterdir()} == {p.host for p in plans} | {"README.md"}
+            assert {p.name for p in out.iterdir()} == {p.host for p in plans} | OUT_FILES

@@ -41,6 +41,12 @@ PVC = KUBE / "checkpoints-pvc.yaml"
 PDB = KUBE / "pdb.yaml"
 PODMONITOR = KUBE / "podmonitor.yaml"
 DOCKERFILE = KUBE / "Dockerfile"
+JOB_DOCKERFILE = KUBE / "Dockerfile.job"
+EVALUATE_JOB = KUBE / "evaluate-job.yaml"
+EXPORT_JOB = KUBE / "export-job.yaml"
+# The core kinds are checked against Kubernetes' own OpenAPI schemas (kubernetes-validate,
+# offline) for the oldest release the probes need (grpc probes GA) and the newest it knows.
+CORE_KINDS = {"PersistentVolumeClaim", "PodDisruptionBudget", "Job"}
 CRD_SCHEMA = REPO / "tests" / "fixtures" / "tfjob-crd-openapi-v1.9.yaml"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
@@ -146,6 +152,8 @@ def test_every_manifest_is_plain_yaml_with_psctl_labels():
         "checkpoints-pvc.yaml",
         "pdb.yaml",
         "podmonitor.yaml",
+        "evaluate-job.yaml",
+        "export-job.yaml",
     }
     kinds = set()
     for path in manifests:
@@ -156,7 +164,7 @@ def test_every_manifest_is_plain_yaml_with_psctl_labels():
             kinds.add(doc["kind"])
             assert doc["apiVersion"] and doc["metadata"]["name"], path.name
             assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "psctl", path.name
-    assert kinds == {"TFJob", "PersistentVolumeClaim", "PodDisruptionBudget", "PodMonitor"}
+    assert kinds == {"TFJob", "PersistentVolumeClaim", "PodDisruptionBudget", "PodMonitor", "Job"}
 
 
 def strict(schema: Any) -> Any:
@@ -694,3 +702,62 @@ def test_dockerfile_copies_enough_to_build_the_package(tmp_path):
     assert {n.split("/")[0] for n in names if not n.startswith("psctl-")} == {"psctl"}
     for script in ("psctl", "ps-server", "worker-server"):
         assert re.search(rf"^{script} = ", scripts, re.M), script
+
+
+@pytest.mark.parametrize("version", ["1.27", "latest"])
+def test_core_manifests_are_valid_kubernetes_objects(version: str):
+    """What `kubectl apply --dry-run=server` would check of the core objects, offline:
+    every field known, every type right (strict: no unknown fields)."""
+    import kubernetes_validate
+
+    release = kubernetes_validate.latest_version() if version == "latest" else version
+    checked = set()
+    for path in sorted(KUBE.glob("*.yaml")):
+        for doc in documents(path):
+            if doc["kind"] in CORE_KINDS:
+                kubernetes_validate.validate(doc, release, strict=True)  # raises if not
+                checked.add(doc["kind"])
+    assert checked == CORE_KINDS
+
+
+def test_no_istio_sidecar_in_any_psctl_pod():
+    """Kubeflow's TFJob docs: Istio's sidecar must stay out of a TFJob's pods."""
+    templates = [spec["template"] for spec in replica_specs().values()]
+    templates += [one(path)["spec"]["template"] for path in (EVALUATE_JOB, EXPORT_JOB)]
+    for template in templates:
+        annotations = template["metadata"].get("annotations", {})
+        assert annotations.get("sidecar.istio.io/inject") == "false", template["metadata"]
+
+
+def test_the_evaluator_and_the_export_read_the_chiefs_checkpoints_from_a_shared_volume():
+    claim = one(PVC)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on other nodes too
+    chief = cli.build_parser().parse_args(
+        [*container("Chief")["command"][1:], *container("Chief")["args"]]
+    )
+    for path, command, writes in ((EVALUATE_JOB, "evaluate", False), (EXPORT_JOB, "export", True)):
+        job = one(path)
+        spec = job["spec"]["template"]["spec"]
+        [c] = spec["containers"]
+        assert c["image"] == container("Chief")["image"]
+        args = cli.build_parser().parse_args([*c["command"][1:], *c["args"]])
+        assert args.command == command
+        assert args.checkpoint_dir == chief.checkpoint_dir and args.job == chief.job
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        [state] = [m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/psctl"]
+        volume = volumes[state["name"]]["persistentVolumeClaim"]
+        assert volume["claimName"] == claim["metadata"]["name"]
+        assert state["readOnly"] is (not writes) and volume["readOnly"] is (not writes)
+        if writes:
+            assert args.out.startswith("/var/lib/psctl/")
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert spec["enableServiceLinks"] is False and env_of(c)["HOME"] == "/tmp"
+
+
+def test_a_users_job_goes_into_an_image_made_from_psctls():
+    text = JOB_DOCKERFILE.read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert lines[0] == f"ARG BASE={container('Chief')['image']}"
+    assert "FROM ${BASE}" in lines and "COPY ${JOB} /opt/psctl/jobs/" in lines
+    # The documented --job path is one psctl loads as a file.
+    assert "--job /opt/psctl/jobs/my_job.py" in text
