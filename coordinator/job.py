@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 REQUIRED = ("create_model", "dataset_fn")
 # What a compiled model can give instead (its compile() arguments).
 FROM_COMPILE = ("create_optimizer", "loss_fn")
+# Optional, together: the served model's raw inputs and their features (docs/serving.md).
+SERVING = ("serving_inputs", "serving_features")
 BUILTIN_PACKAGE = "psctl.jobs"
 
 
@@ -107,6 +109,11 @@ class Job:
     eval_dataset_fn: Callable[[DataContext], Any] | None
     metrics: Sequence[Any]
     module: ModuleType
+    # Optional, for `psctl export`: the raw request the served model takes
+    # (``serving_inputs()``: named TensorSpecs) and how it becomes the model's features
+    # inside the graph (``serving_features(inputs)``), e.g. the hashing a file reader does.
+    serving_inputs: Callable[[], Any] | None = None
+    serving_features: Callable[[Any], Any] | None = None
 
 
 def _import_module(spec: str) -> ModuleType:
@@ -160,6 +167,17 @@ def load_job(spec: str) -> Job:
     metrics = getattr(module, "metrics", None)
     if metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence)):
         raise ConfigError(f"--job {spec}", "metrics must be a list", 'e.g. metrics = ["accuracy"]')
+    serving = {name: getattr(module, name, None) for name in SERVING}
+    given_serving = [name for name, fn in serving.items() if fn is not None]
+    incomplete = len(given_serving) < len(SERVING) or not all(map(callable, serving.values()))
+    if given_serving and incomplete:
+        raise ConfigError(
+            f"--job {spec}",
+            "defines " + " and ".join(given_serving) + ", but the export needs both "
+            "serving_inputs() and serving_features(inputs) as functions",
+            "define both (see docs/serving.md), or neither",
+        )
+    extra = {name: serving[name] for name in SERVING}
     given = {name: getattr(module, name, None) for name in FROM_COMPILE}
     needed = [name for name, fn in given.items() if not callable(fn)]
     if not needed and metrics is not None:
@@ -172,6 +190,7 @@ def load_job(spec: str) -> Job:
             eval_dataset_fn=eval_fn,
             metrics=list(metrics),
             module=module,
+            **extra,
         )
     compiled = FromCompile(spec, module.create_model, needed=needed)
     return Job(
@@ -185,6 +204,7 @@ def load_job(spec: str) -> Job:
         eval_dataset_fn=eval_fn,
         metrics=list(metrics) if metrics is not None else compiled.metrics,
         module=module,
+        **extra,
     )
 
 

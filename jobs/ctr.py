@@ -325,6 +325,22 @@ def create_model() -> keras.Model:
     return keras.Model(features, logit, name="ctr")
 
 
+def serving_inputs() -> dict[str, tf.TensorSpec]:
+    """What the exported model takes (docs/serving.md): a Criteo line's fields as they are,
+    13 integer counts (a missing one: 0) and 26 hexadecimal ids (a missing one: "")."""
+    return {
+        "dense": tf.TensorSpec([None, NUM_DENSE], tf.int64, name="dense"),
+        "categorical": tf.TensorSpec([None, NUM_SPARSE], tf.string, name="categorical"),
+    }
+
+
+def serving_features(inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+    """The raw fields as the model's features, in the graph: the ids hashed into the table's
+    rows as the file reader and the generator do (CTR_ROWS must be the training run's)."""
+    rows = criteo.hash_ids(inputs["categorical"], config().rows)
+    return tf.concat([inputs["dense"], rows], axis=1)
+
+
 def create_optimizer() -> keras.optimizers.Optimizer:
     if config().optimizer == "adagrad":
         return keras.optimizers.Adagrad(learning_rate=0.1)

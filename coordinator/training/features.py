@@ -256,9 +256,20 @@ def feature_names(model: Any, x_spec: Any, *, job: str) -> list[str]:
     else:
         names = [
             path if not path.split("/")[-1].isdigit() else f"{SINGLE_INPUT}/{path}"
-            for path, _ in tf.nest.flatten_with_joined_string_paths(x_spec)
+            for path in _leaf_paths(x_spec)
         ]
     names = [name.replace("/", "_") for name in names]
     if len(names) != len(tf.nest.flatten(x_spec)) or len(set(names)) != len(names):
         names = [f"{SINGLE_INPUT}_{i}" for i in range(len(tf.nest.flatten(x_spec)))]
     return names
+
+
+def _leaf_paths(spec: Any, prefix: str = "") -> list[str]:
+    """Every leaf's path ("user/id", "0"), in ``tf.nest``'s order (dict keys sorted)."""
+    if isinstance(spec, Mapping):
+        items = [(str(k), spec[k]) for k in sorted(spec, key=str)]
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        items = [(str(i), v) for i, v in enumerate(spec)]
+    else:
+        return [prefix]
+    return [path for key, value in items for path in _leaf_paths(value, _path(prefix, key))]

@@ -12,6 +12,7 @@ is ``outputs``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,19 +42,27 @@ def _features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any, str]:
     return tf.nest.map_structure(open_batch, x_spec), y_spec, source
 
 
-def serving_module(model: Any, features: Any, names: list[str]) -> Any:
+def serving_module(
+    model: Any,
+    features: Any,
+    names: list[str],
+    preprocess: Callable[[Any], Any] | None = None,
+) -> Any:
     """A ``tf.Module`` holding the model and its ``serve`` function, traced for
     ``features``' spec: one input per leaf of the features, under ``names`` (``features``
     for a model of one input; the ``keras.Input`` names for named inputs), and
-    ``{"outputs": ...}`` out."""
+    ``{"outputs": ...}`` out. ``preprocess``: the job's ``serving_features``, when the
+    request is the job's ``serving_inputs()`` rather than the dataset's features."""
     leaves = tf.nest.flatten(features)
     signature = [
-        tf.TensorSpec(leaf.shape, leaf.dtype, name=name)
+        tf.TensorSpec([None, *leaf.shape[1:]], leaf.dtype, name=name)
         for leaf, name in zip(leaves, names, strict=True)
     ]
 
     def serve(*tensors: Any) -> dict[str, Any]:
         inputs = tf.nest.pack_sequence_as(features, list(tensors))
+        if preprocess is not None:
+            inputs = preprocess(inputs)
         return {"outputs": model(inputs, training=False)}
 
     module = tf.Module()
@@ -102,8 +111,13 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
         raise ConfigError(
             "--out", f"{target} exists already", "remove it, or export to another --out"
         )
-    names = feature_names(built.model, x_spec, job=job.name)
-    module = serving_module(built.model, x_spec, names)
+    if job.serving_inputs is not None:  # the job's raw request, its features made in the graph
+        request = job.serving_inputs()
+        names = feature_names(None, request, job=job.name)
+        module = serving_module(built.model, request, names, job.serving_features)
+    else:
+        names = feature_names(built.model, x_spec, job=job.name)
+        module = serving_module(built.model, x_spec, names)
     target.parent.mkdir(parents=True, exist_ok=True)
     tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
     log.info(

@@ -245,3 +245,9 @@ def test_export_signature_takes_one_input_per_keras_input_and_predicts_the_same(
 def test_one_tensor_keeps_the_features_input():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     assert feature_names(model, tf.TensorSpec([None, 4]), job="j") == ["features"]
+
+
+def test_without_declared_inputs_the_names_are_the_features_paths():
+    leaf = tf.TensorSpec([None, 2])
+    assert feature_names(None, {"b": leaf, "a": {"x": leaf}}, job="j") == ["a_x", "b"]
+    assert feature_names(None, (leaf, leaf), job="j") == ["features_0", "features_1"]
