@@ -79,4 +79,6 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
 
 
 def eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset:
-    return _examples(EXAMPLES, 4_000).batch(ctx.batch_size)
+    # Worker 0 of 1 for the final evaluation; a shard each with --eval-every.
+    data = _examples(EXAMPLES, 4_000).shard(ctx.num_workers, ctx.worker_index)
+    return data.batch(ctx.batch_size)
