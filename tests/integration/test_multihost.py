@@ -78,19 +78,13 @@ def lab() -> Iterator[NetnsLab]:
         yield hosts
 
 
-# The client commands' credential: the coordinator unit's job token, which it writes under
-# its HOME (the state directory) once the test knows where that is.
-CONTROL_ENV: dict[str, str] = {}
-
-
 def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A command as root types it on a host: no psctl credential in its environment (the
+    client finds the coordinator unit's job token under the unit's state directory)."""
+    env = {**BASE_ENV, "HOME": os.environ.get("HOME", "/root")}
+    env = {k: v for k, v in env.items() if not k.startswith("PSCTL_CONTROL_")}
     return subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**BASE_ENV, "HOME": os.environ.get("HOME", "/root"), **CONTROL_ENV},
-        stdin=subprocess.DEVNULL,
+        argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
     )
 
 
@@ -153,8 +147,11 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
     # Not in /tmp, which is private to each sandboxed service; the dynamic user sends to it.
     notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))  # short socket paths
     notify_dir.chmod(0o755)
-    # StateDirectory=psctl stands in here: writable by the dynamic user, outside /tmp.
-    state_dir = Path(tempfile.mkdtemp(prefix="psctl-mh", dir="/var/lib"))
+    # The unit's own StateDirectory=psctl (its HOME: its job token lands there), so that the
+    # client commands below are typed as deploy.md shows them, with no token flag.
+    state_dir = Path(STATE_DIR)
+    assert not state_dir.exists(), f"{state_dir} exists: remove it (this test makes its own)"
+    state_dir.mkdir(mode=0o755)
     os.chown(state_dir, NOBODY, NOBODY)
     services: dict[str, Service] = {}
     sockets: dict[str, NotifySocket] = {}
@@ -198,8 +195,6 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             PSCTL_LOG_EVERY="2",
             HOME=str(state_dir),
         )
-        token = CONTROL_TOKEN_FILE.replace(STATE_DIR, str(state_dir), 1)
-        CONTROL_ENV["PSCTL_CONTROL_TOKEN_FILE"] = token
         argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
         assert argv[:2] == [str(BIN_DIR / "psctl"), "train"]
         argv = sandboxed(unit, argv, writable=[str(state_dir)], exposed=[PYTHON_HOME, CHECKOUT])
@@ -232,6 +227,9 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         # Hold the job (in-flight steps finish on worker:0) until worker:1 is back, so that
         # the restarted server has work left to do: else 1500 steps may all be done first.
         psctl(lab, "pause")
+        # A checkpoint on request while paused, as an operator takes one (docs/deploy.md).
+        saved = psctl(lab, "checkpoint")
+        assert CONTROL_TOKEN_FILE.startswith(STATE_DIR) and str(state_dir) in saved, saved
         sockets["worker:1"].wait_for("READY", "1", count=2, timeout=150, alive=victim.alive)
         assert victim.starts == 2 and victim.exits[0] == -signal.SIGKILL, victim.exits
         assert victim.proc is not None and victim.running
@@ -271,7 +269,6 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             sock.close()
         shutil.rmtree(notify_dir, ignore_errors=True)
         shutil.rmtree(state_dir, ignore_errors=True)
-        CONTROL_ENV.clear()
         print("\n".join(marks))
         for name, service in services.items():
             print(f"--- {name} log (starts {service.starts}, exits {service.exits})")
