@@ -195,3 +195,25 @@ def test_deploy_render_writes_prometheus_targets_of_every_process(tmp_path, stra
     else:  # worker 0 is the coordinator; the ps task is unused
         assert targets("coordinator") == [("10.0.0.3:9940", "chief", "0")]
         assert targets("ps") == [] and targets("worker") == [("10.0.0.4:4223", "worker", "1")]
+
+
+@pytest.mark.timeout(60)
+def test_the_sample_targets_are_what_render_writes_for_deploy_mds_cluster(tmp_path):
+    """deploy/prometheus/targets/ holds `psctl deploy render`'s targets for the cluster file
+    that docs/deploy.md shows (so the sample and the guide name the same hosts)."""
+    import json
+    import re
+
+    from psctl.coordinator.deploy.render import render
+
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    [cluster_text] = re.findall(r"## 2\. Write the cluster file.*?```json\n(.*?)```", guide, re.S)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(cluster_text)
+    out = tmp_path / "out"
+    render(cluster_file=str(cluster), out=out, bin_dir="/opt/psctl/venv/bin")
+    for role in ("coordinator", "ps", "worker"):
+        sample = json.loads(
+            (REPO / "deploy" / "prometheus" / "targets" / f"{role}.json").read_text()
+        )
+        assert sample == json.loads((out / f"prometheus-{role}.json").read_text()), role
