@@ -36,6 +36,7 @@ import pytest
 
 from psctl.cluster.procs import die_with_parent
 from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT
+from psctl.coordinator.operations.security import ENV as CONTROL_CREDENTIALS
 from tests.conftest import cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (
     SERVERS,
@@ -82,7 +83,7 @@ def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
     """A command as root types it on a host: no psctl credential in its environment (the
     client finds the coordinator unit's job token under the unit's state directory)."""
     env = {**BASE_ENV, "HOME": os.environ.get("HOME", "/root")}
-    env = {k: v for k, v in env.items() if not k.startswith("PSCTL_CONTROL_")}
+    env = {k: v for k, v in env.items() if k not in CONTROL_CREDENTIALS.values()}
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
     )
