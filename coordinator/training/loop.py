@@ -192,10 +192,6 @@ class TrainingLoop:
     def program(self) -> Any:
         return self.runner.program
 
-    def request_stop(self) -> None:
-        """End the loop as a stop request does: in-flight steps finish, then the usual end."""
-        self.control.stop_requested.set()
-
     def train_seconds(self) -> float:
         """Seconds the loop ran, pauses left out."""
         end = self.ended if self.ended is not None else self.clock()
