@@ -111,6 +111,11 @@ class TrainState(JobModel):
     def step(self) -> int:
         return int(self.global_step.numpy())
 
+    def table_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table (by layer name): its live ``rows`` and the ``admitted`` and
+        ``evicted`` totals; empty without dynamic tables."""
+        return {}
+
     def read_train_metrics(self) -> dict[str, float]:
         """Loss and metrics over the steps since the previous read.
 

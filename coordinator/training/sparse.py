@@ -56,10 +56,96 @@ def slot_kinds(optimizer: Any) -> tuple[str, ...]:
     )
 
 
+def warn_unapplied(optimizer: Any, what: str) -> None:
+    for option in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay"):
+        if getattr(optimizer, option, None):
+            log.warning("%s is not applied to %s", option, what)
+
+
 def initial_slot_value(optimizer: Any, kind: str) -> float:
     if kind == "accumulator":
         return _hyper(optimizer, "initial_accumulator_value")
     return 0.0
+
+
+class SparseRule:
+    """The job optimizer's update rule on some rows of a table, on tensors: used for the
+    fixed tables here and for the dynamic tables (training/dynamic_updates.py)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.kinds = slot_kinds(optimizer)
+        self._rule = self._rules()[type(optimizer).__name__]
+
+    def initial(self, kind: str) -> float:
+        return initial_slot_value(self.optimizer, kind)
+
+    def learning_rate(self) -> Any:
+        return tf.cast(tf.convert_to_tensor(self.optimizer.learning_rate), tf.float32)
+
+    def __call__(
+        self, read_w: Callable[[], Any], slots: dict[str, Any], g: Any, lr: Any, step: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """(the change to add to the rows' values, their new slot values), from their
+        gradient ``g``, their slot values and ``read_w()`` (the rows' values, read only by
+        the rules that need them)."""
+        return self._rule(read_w, slots, g, lr, step)
+
+    # -- the rules: Keras 3's update_step, per row, on tensors ---------------------------
+
+    def _rules(self) -> dict[str, Callable[..., tuple[Any, dict[str, Any]]]]:
+        return {"Adam": self._adam, "Adagrad": self._adagrad, "SGD": self._sgd, "Ftrl": self._ftrl}
+
+    def _adam(
+        self, read_w: Callable[[], Any], slots: dict[str, Any], g: Any, lr: Any, step: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        opt, dtype = self.optimizer, g.dtype
+        beta_1 = tf.constant(_hyper(opt, "beta_1"), dtype)
+        beta_2 = tf.constant(_hyper(opt, "beta_2"), dtype)
+        epsilon = tf.constant(_hyper(opt, "epsilon"), dtype)
+        step = tf.cast(step, dtype)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        m, v = slots["momentum"], slots["velocity"]
+        m = m + (g - m) * (1 - beta_1)
+        v = v + (tf.square(g) - v) * (1 - beta_2)
+        return -m * alpha / (tf.sqrt(v) + epsilon), {"momentum": m, "velocity": v}
+
+    def _adagrad(
+        self, read_w: Callable[[], Any], slots: dict[str, Any], g: Any, lr: Any, step: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        epsilon = tf.constant(_hyper(self.optimizer, "epsilon"), g.dtype)
+        acc = slots["accumulator"] + tf.square(g)
+        return -lr * g / tf.sqrt(acc + epsilon), {"accumulator": acc}
+
+    def _sgd(
+        self, read_w: Callable[[], Any], slots: dict[str, Any], g: Any, lr: Any, step: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        if "momentum" not in slots:
+            return -lr * g, {}
+        momentum = tf.constant(_hyper(self.optimizer, "momentum"), g.dtype)
+        m = -g * lr + slots["momentum"] * momentum
+        delta = -g * lr + m * momentum if self.optimizer.nesterov else m
+        return delta, {"momentum": m}
+
+    def _ftrl(
+        self, read_w: Callable[[], Any], slots: dict[str, Any], g: Any, lr: Any, step: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        opt, dtype = self.optimizer, g.dtype
+        lr_power = tf.constant(_hyper(opt, "learning_rate_power"), dtype)
+        l1 = tf.constant(_hyper(opt, "l1_regularization_strength"), dtype)
+        l2 = tf.constant(_hyper(opt, "l2_regularization_strength"), dtype)
+        shrinkage = tf.constant(_hyper(opt, "l2_shrinkage_regularization_strength"), dtype)
+        beta = tf.constant(_hyper(opt, "beta"), dtype)
+        l2 = l2 + beta / (2.0 * lr)
+        w = read_w()
+        acc, lin = slots["accumulator"], slots["linear"]
+        grad_to_use = g + 2 * shrinkage * w
+        new_acc = acc + tf.square(g)
+        lin = lin + grad_to_use - (tf.pow(new_acc, -lr_power) - tf.pow(acc, -lr_power)) / lr * w
+        quadratic = tf.pow(new_acc, -lr_power) / lr + 2 * l2
+        clipped = tf.clip_by_value(lin, -l1, l1)
+        new_w = (clipped - lin) / quadratic
+        return new_w - w, {"accumulator": new_acc, "linear": lin}
 
 
 class SparseUpdater:
@@ -69,16 +155,14 @@ class SparseUpdater:
     def __init__(self, optimizer: Any, tables: Sequence[Table], strategy: Any) -> None:
         self.optimizer = optimizer
         self.tables = list(tables)
-        self.kinds = slot_kinds(optimizer)
-        for option in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay"):
-            if getattr(optimizer, option, None):
-                log.warning("%s is not applied to the sharded embedding tables", option)
+        self.rule = SparseRule(optimizer)
+        self.kinds = self.rule.kinds
+        warn_unapplied(optimizer, "the sharded embedding tables")
         for table in self.tables:
             for kind in self.kinds:
                 table.slots[kind] = [
                     self._slot(strategy, shard, kind, i) for i, shard in enumerate(table.shards)
                 ]
-        self._rule = self._rules()[type(optimizer).__name__]
 
     def _slot(self, strategy: Any, shard: Any, kind: str, index: int) -> Any:
         value = initial_slot_value(self.optimizer, kind)
@@ -101,7 +185,7 @@ class SparseUpdater:
         """One step on the rows in ``grads`` (one per shard, as ``shards``). ``step`` is the
         1-based step count of the update; by default the one the Keras optimizer's
         ``apply_gradients`` is about to use (call this before it)."""
-        lr = tf.cast(tf.convert_to_tensor(self.optimizer.learning_rate), tf.float32)
+        lr = self.rule.learning_rate()
         step = tf.cast(self.optimizer.iterations + 1 if step is None else step, tf.float32)
         grads = list(grads)
         for table in self.tables:
@@ -111,70 +195,17 @@ class SparseUpdater:
                     continue
                 rows, values = _dedupe(grad, shard)
                 slots = {kind: table.slots[kind][i] for kind in self.kinds}
-                self._rule(shard, slots, rows, values, tf.cast(lr, shard.dtype), step)
-
-    # -- the rules: Keras 3's update_step, per row ---------------------------------------
-
-    def _rules(self) -> dict[str, Callable[..., None]]:
-        return {"Adam": self._adam, "Adagrad": self._adagrad, "SGD": self._sgd, "Ftrl": self._ftrl}
-
-    def _adam(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
-        opt, dtype = self.optimizer, var.dtype
-        beta_1 = tf.constant(_hyper(opt, "beta_1"), dtype)
-        beta_2 = tf.constant(_hyper(opt, "beta_2"), dtype)
-        epsilon = tf.constant(_hyper(opt, "epsilon"), dtype)
-        step = tf.cast(step, dtype)
-        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-        m_slot, v_slot = slots["momentum"], slots["velocity"]
-        m = tf.gather(m_slot, rows)
-        v = tf.gather(v_slot, rows)
-        m = m + (g - m) * (1 - beta_1)
-        v = v + (tf.square(g) - v) * (1 - beta_2)
-        m_slot.scatter_update(tf.IndexedSlices(m, rows))
-        v_slot.scatter_update(tf.IndexedSlices(v, rows))
-        var.scatter_sub(tf.IndexedSlices(m * alpha / (tf.sqrt(v) + epsilon), rows))
-
-    def _adagrad(
-        self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any
-    ) -> None:
-        epsilon = tf.constant(_hyper(self.optimizer, "epsilon"), var.dtype)
-        accumulator = slots["accumulator"]
-        acc = tf.gather(accumulator, rows) + tf.square(g)
-        accumulator.scatter_update(tf.IndexedSlices(acc, rows))
-        var.scatter_sub(tf.IndexedSlices(lr * g / tf.sqrt(acc + epsilon), rows))
-
-    def _sgd(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
-        if "momentum" not in slots:
-            var.scatter_sub(tf.IndexedSlices(lr * g, rows))
-            return
-        momentum = tf.constant(_hyper(self.optimizer, "momentum"), var.dtype)
-        m = -g * lr + tf.gather(slots["momentum"], rows) * momentum
-        slots["momentum"].scatter_update(tf.IndexedSlices(m, rows))
-        if self.optimizer.nesterov:
-            var.scatter_add(tf.IndexedSlices(-g * lr + m * momentum, rows))
-        else:
-            var.scatter_add(tf.IndexedSlices(m, rows))
-
-    def _ftrl(self, var: Any, slots: dict[str, Any], rows: Any, g: Any, lr: Any, step: Any) -> None:
-        opt, dtype = self.optimizer, var.dtype
-        lr_power = tf.constant(_hyper(opt, "learning_rate_power"), dtype)
-        l1 = tf.constant(_hyper(opt, "l1_regularization_strength"), dtype)
-        l2 = tf.constant(_hyper(opt, "l2_regularization_strength"), dtype)
-        shrinkage = tf.constant(_hyper(opt, "l2_shrinkage_regularization_strength"), dtype)
-        beta = tf.constant(_hyper(opt, "beta"), dtype)
-        l2 = l2 + beta / (2.0 * lr)
-        accumulator, linear = slots["accumulator"], slots["linear"]
-        w = tf.gather(var, rows)
-        acc = tf.gather(accumulator, rows)
-        lin = tf.gather(linear, rows)
-        grad_to_use = g + 2 * shrinkage * w
-        new_acc = acc + tf.square(g)
-        lin = lin + grad_to_use - (tf.pow(new_acc, -lr_power) - tf.pow(acc, -lr_power)) / lr * w
-        quadratic = tf.pow(new_acc, -lr_power) / lr + 2 * l2
-        clipped = tf.clip_by_value(lin, -l1, l1)
-        linear.scatter_update(tf.IndexedSlices(lin, rows))
-        accumulator.scatter_update(tf.IndexedSlices(new_acc, rows))
-        var.scatter_update(tf.IndexedSlices((clipped - lin) / quadratic, rows))
+                before = {kind: tf.gather(slot, rows) for kind, slot in slots.items()}
+                delta, after = self.rule(
+                    lambda shard=shard, rows=rows: tf.gather(shard, rows),
+                    before,
+                    values,
+                    tf.cast(lr, shard.dtype),
+                    step,
+                )
+                for kind, value in after.items():
+                    slots[kind].scatter_update(tf.IndexedSlices(value, rows))
+                shard.scatter_add(tf.IndexedSlices(delta, rows))
 
 
 def _dedupe(grad: Any, shard: Any) -> tuple[Any, Any]:
