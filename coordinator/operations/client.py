@@ -118,7 +118,20 @@ def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     as_dict: dict[str, Any] = json_format.MessageToDict(
         status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    # By name, with numbers (proto JSON writes a list, its int64s as strings); {} if none.
+    as_dict["tables"] = {
+        t.name: {"rows": t.rows, "admitted": t.admitted, "evicted": t.evicted}
+        for t in status.tables
+    }
     return as_dict
+
+
+def format_table(table: control_pb2.Table) -> str:
+    """``table user_id: 12,345 rows, 20,000 admitted, 7,655 evicted``."""
+    return (
+        f"table {table.name}: {table.rows:,} rows, {table.admitted:,} admitted, "
+        f"{table.evicted:,} evicted"
+    )
 
 
 def _num(value: float, fmt: str = ".4f") -> str:
@@ -143,6 +156,7 @@ def format_status(status: control_pb2.Status) -> str:
         ckpt = status.last_checkpoint
         age = time.time() - ckpt.time_unix_seconds
         lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
+    lines.extend(format_table(t) for t in status.tables)
     if status.message:
         lines.append(f"note: {status.message}")
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH", "FAILURES", "PID", "METRICS")]

@@ -33,6 +33,20 @@ log = logging.getLogger(__name__)
 SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN = "SERVING", "NOT_SERVING", "UNREACHABLE", "UNKNOWN"
 HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
 
+# What the training side counts of each dynamic embedding table: its live rows, and the ids
+# admitted and rows evicted in total (restored with each checkpoint, so a restarted process
+# goes on from the checkpoint's totals).
+TABLE_COUNTS = ("rows", "admitted", "evicted")
+
+
+def table_counts(stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``stats`` (``TrainState.table_stats()``) copied, by table name, with exactly the
+    ``TABLE_COUNTS`` as ints (0 for one left out)."""
+    return {
+        str(name): {key: int(counts.get(key, 0)) for key in TABLE_COUNTS}
+        for name, counts in sorted(stats.items())
+    }
+
 
 class Rejected(Exception):
     """A request that does not fit the job's state (FAILED_PRECONDITION)."""
@@ -63,6 +77,8 @@ class Board:
     checkpoint_step: int = 0
     checkpoint_time: float = 0.0
     message: str = ""
+    # Per dynamic embedding table (by layer name): TABLE_COUNTS, as last published.
+    tables: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class CheckpointRequest:
@@ -207,6 +223,11 @@ class JobControl:
     def update(self, **values: Any) -> None:
         with self._lock:
             self._board = replace(self._board, **values)
+
+    def set_tables(self, stats: dict[str, dict[str, int]]) -> None:
+        """The dynamic embedding tables' counts as now (``table_counts``), replacing the
+        last ones whole."""
+        self.update(tables=table_counts(stats))
 
     def task_failed(self, task_type: str, index: int) -> None:
         with self._lock:

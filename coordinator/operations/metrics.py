@@ -7,8 +7,9 @@ task identity lives there only, not as labels on the series below.
 
 Naming follows Prometheus practice: base units (seconds), ``_total`` counters, histograms
 (not summaries, so quantiles aggregate across runs), and no unbounded labels: the only
-labels are the coordinator state (``state``, a fixed set) and the job's metric names (fixed
-by the job's ``metrics`` list).
+labels are the coordinator state (``state``, a fixed set), the job's metric names (fixed
+by the job's ``metrics`` list) and its dynamic embedding tables (``table``: the layers'
+names, fixed by the job's model).
 
 A job outlives its training processes (the supervisor starts a fresh one after a ps failure
 or a non-finite loss), so the counters the alerts count on (restarts, recoveries, ps
@@ -350,6 +351,33 @@ class CoordinatorMetrics:
         self._checkpoints = Counter(
             "psctl_checkpoints_total", "Checkpoints written by this process.", registry=r
         )
+
+        # -- dynamic embedding tables ----------------------------------------------------
+        # Labelled by table: nothing is exported until the first report, and a job without
+        # dynamic tables exports none of these.
+        self._table_rows = Gauge(
+            "psctl_table_rows",
+            "Live rows of a dynamic embedding table (label table), as last reported.",
+            ["table"],
+            registry=r,
+        )
+        self._table_admitted = Counter(
+            "psctl_table_admitted_total",
+            "Ids a dynamic embedding table (label table) admitted, as this process saw them "
+            "(from 0 with the tables at step 0, else from the restored totals on).",
+            ["table"],
+            registry=r,
+        )
+        self._table_evicted = Counter(
+            "psctl_table_evicted_total",
+            "Rows a dynamic embedding table (label table) evicted, as this process saw them "
+            "(from 0 with the tables at step 0, else from the restored totals on).",
+            ["table"],
+            registry=r,
+        )
+        self._table_lock = threading.Lock()
+        self._table_last: dict[str, tuple[int, int]] = {}  # table -> (admitted, evicted)
+        self._first_step: int | None = None  # the first global step this process reported
         # Last: it sees a scrape once every other collector was read.
         self._scrapes = _ScrapeWatch()
         r.register(self._scrapes)
@@ -378,7 +406,48 @@ class CoordinatorMetrics:
         self._allreduce_seconds.observe(seconds)
 
     def set_global_step(self, step: int) -> None:
+        self._note_step(step)
         self._global_step.set(step)
+
+    def _note_step(self, step: int) -> None:
+        with self._table_lock:
+            if self._first_step is None:
+                self._first_step = step
+
+    def set_table_stats(self, stats: dict[str, dict[str, int]], *, step: int) -> None:
+        """The dynamic embedding tables' counts at global step ``step``: per table (by
+        name) its live ``rows`` and its ``admitted`` and ``evicted`` totals.
+
+        ``rows`` is a gauge. The totals come from the tables, and a restarted training
+        process restores them from the checkpoint: lower than what the process before it
+        last exported, when ids came and went after that checkpoint. Exported as they are
+        (a custom collector, as ``_LatestValues``), every restart would read to Prometheus
+        as a counter reset to 0 and a jump to the restored total, which ``rate()`` and
+        ``increase()`` would count as that many new admissions. So the counters count by
+        the difference between reports, what this process saw happen, as
+        ``psctl_train_steps_total`` counts this process's steps while ``psctl_global_step``
+        holds the run's: a process that started at step 0 (its tables empty) counts from 0,
+        so its counters are the totals; one that started later (restored) counts from its
+        first report of each table, the totals before it having been counted by the
+        processes that made them. A restart is then the usual reset to 0 of a new
+        process's counters. A total lower than the last report within a process (not
+        expected: a restore starts a new process) is taken as the new base, counting
+        nothing. The run's totals themselves are in the status, the summary and
+        TensorBoard.
+        """
+        self._note_step(step)
+        with self._table_lock:
+            fresh = self._first_step == 0
+            for name, counts in sorted(stats.items()):
+                table = str(name)
+                admitted, evicted = int(counts.get("admitted", 0)), int(counts.get("evicted", 0))
+                self._table_rows.labels(table=table).set(int(counts.get("rows", 0)))
+                last = self._table_last.get(table)
+                if last is None:
+                    last = (0, 0) if fresh else (admitted, evicted)
+                self._table_admitted.labels(table=table).inc(max(0, admitted - last[0]))
+                self._table_evicted.labels(table=table).inc(max(0, evicted - last[1]))
+                self._table_last[table] = (admitted, evicted)
 
     def set_target_steps(self, steps: int) -> None:
         self._target_steps.set(steps)

@@ -77,6 +77,15 @@ def status_proto(job: JobControl) -> control_pb2.Status:
                 time_unix_seconds=board.checkpoint_time,
             )
         )
+    for name, counts in sorted(board.tables.items()):
+        status.tables.append(
+            control_pb2.Table(
+                name=name,
+                rows=counts["rows"],
+                admitted=counts["admitted"],
+                evicted=counts["evicted"],
+            )
+        )
     for task in view.tasks:
         key = (task.type, task.index)
         health = view.health.get(key, UNKNOWN)

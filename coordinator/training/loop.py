@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.signals import SignalRelay
+from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
 from psctl.coordinator.training.checkpoints import Checkpointer
@@ -418,7 +419,8 @@ def end_run(
     steps_per_execution: int,
     evaluate: Callable[[int, str | None], dict[str, float]] | None,
 ) -> Summary:
-    """After the loop (and the runner's own end): the final metrics, progress line,
+    """After the loop (and the runner's own end): the final metrics and table counts
+    (``TrainState.table_stats()``, published and in the summary), progress line,
     checkpoint and evaluation (``evaluate(step, checkpoint)``; None: not this process's to
     do, as on a sync worker other than the chief) and the run's ``Summary``."""
     train_seconds = loop.train_seconds()
@@ -430,11 +432,13 @@ def end_run(
     values = state.read_train_metrics() if trained > 0 else {}
     values = values or (status.last_values if status is not None else {})
     rate = trained / train_seconds if trained > 0 and train_seconds > 0 else 0.0
+    tables = table_counts(state.table_stats())
     checkpoint = None
     eval_values: dict[str, float] = {}
     if status is not None:
         status.progress.finish(final_step, rate * examples_per_step, values)
         loop.publisher.progress(final_step, rate, values)
+        loop.publisher.tables(final_step, tables)
     if evaluate is not None:
         checkpointer = loop.checkpointer
         if checkpointer.enabled:
@@ -467,4 +471,5 @@ def end_run(
         stalls=loop.runner.stalls,
         metrics=extra,
         eval_metrics=eval_values,
+        tables=tables,
     )

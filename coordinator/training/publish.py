@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.training.tensorboard import ScalarWriter
 
 if TYPE_CHECKING:
@@ -49,3 +50,27 @@ class Publisher:
             self.metrics.set_eval_values(values, step=step)
         if self.scalars is not None:
             self.scalars.write("eval", step, values)
+
+    def tables(self, step: int, stats: dict[str, dict[str, int]]) -> None:
+        """The dynamic embedding tables' counts at global step ``step``
+        (``TrainState.table_stats()``: per table, by layer name, its live ``rows`` and the
+        ``admitted`` and ``evicted`` totals) to the status, Prometheus (psctl_table_rows,
+        psctl_table_admitted_total, psctl_table_evicted_total, by ``table``) and TensorBoard
+        (``tables/<name>/rows``, ``.../admitted``, ``.../evicted``). Nothing without
+        tables."""
+        counts = table_counts(stats)
+        if not counts:
+            return
+        self.control.set_tables(counts)
+        if self.metrics is not None:
+            self.metrics.set_table_stats(counts, step=step)
+        if self.scalars is not None:
+            self.scalars.write(
+                "tables",
+                step,
+                {
+                    f"{name}/{key}": float(n)
+                    for name, kinds in counts.items()
+                    for key, n in kinds.items()
+                },
+            )

@@ -39,6 +39,9 @@ class Summary:
     eval_auc: float | None = None  # the job's "auc" metric in the final evaluation, if it has one
     metrics: dict[str, float] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    # Per dynamic embedding table (by layer name) at the end: its live "rows" and the
+    # "admitted" and "evicted" totals; {} without dynamic tables.
+    tables: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def accuracy_of(values: dict[str, float]) -> float | None:
