@@ -10,7 +10,10 @@ on the coordinator host sees every server SERVING; the coordinator unit's `psctl
 sandboxed too, trains the mlp job across the hosts; a worker host's server is SIGKILLed
 mid-training and started again by the test's Restart=on-failure loop (READY=1 again, at
 the same address). `psctl pause` holds the job until it is back, so it
-has steps left: it takes its share of them, and the job completes with eval accuracy >= 0.90.
+has steps left: it takes its share of them. Then `psctl stop`, typed as deploy.md shows it,
+ends the job (whose step target it would not reach for minutes): stop exits 0 once the
+coordinator is gone, the coordinator exits 0 on its own (a graceful stop, operations.md's
+exit statuses), with a final checkpoint at its last step and eval accuracy >= 0.90.
 
 Needs root (network namespaces) and `ip` (tools/ensure-systemd-tools.sh installs it). The
 /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each host's
@@ -59,7 +62,10 @@ pytestmark = pytest.mark.integration
 HOSTS = {"coord": "10.77.0.1", "ps0": "10.77.0.2", "w0": "10.77.0.3", "w1": "10.77.0.4"}
 BIN_DIR = Path(sys.executable).parent
 CONFIG_DIR = "/etc/psctl"  # the rendered default; each host sees its own through netns
-STEPS = 1500
+# A target the job does not reach in this test (about 180 steps/s here): `psctl stop` ends it
+# once it has trained STOP_AT_STEP steps.
+STEPS = 100_000
+STOP_AT_STEP = 1500
 KILL_AT_STEP = 100
 # What systemd gives a service before the unit's own environment.
 BASE_ENV = {
@@ -243,20 +249,43 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         cpu_at_ready = cpu_seconds(restarted_pid), cpu_seconds(other.pid)
         psctl(lab, "resume")
 
+        deadline = time.monotonic() + 120
+        while (step or 0) < STOP_AT_STEP:
+            assert coordinator.poll() is None, f"coordinator exited early:\n{coordinator_tail()}"
+            assert time.monotonic() < deadline, f"no step {STOP_AT_STEP}:\n{coordinator_tail()}"
+            time.sleep(0.5)
+            step = global_step(lab)
+        mark(f"training at step {step}: psctl stop")
+        # As deploy.md types it; it waits (up to its default --timeout, 120 s) until the
+        # coordinator's control API is gone.
+        stop = run(lab.exec("coord", [str(BIN_DIR / "psctl"), "stop"]), timeout=150)
+        assert stop.returncode == 0, f"psctl stop: {stop.stdout}{stop.stderr}"
+        assert "coordinator stopped" in stop.stdout, stop.stdout
+        mark(f"psctl stop: {' / '.join(stop.stdout.splitlines())}")
         try:
-            code = coordinator.wait(timeout=max(10.0, 280 - (time.monotonic() - started)))
+            code = coordinator.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the job did not finish:\n{coordinator_tail()}")
-        assert code == 0, coordinator_tail()
+            pytest.fail(f"the coordinator did not exit after psctl stop:\n{coordinator_tail()}")
+        assert code == 0, coordinator_tail()  # a graceful stop (operations.md: exit 0)
         for name, service in services.items():
             assert service.running, f"{name} is down:\n{service.log_tail()}"
         cpu_used = cpu_seconds(restarted_pid) - cpu_at_ready[0]
         cpu_other = cpu_seconds(other.pid) - cpu_at_ready[1]
         summary = json.loads((state_dir / "summary.json").read_text())
-        mark(f"job done: {summary}")
+        mark(f"job stopped: {summary}")
         mark(f"CPU since worker:1 came back: worker:1 {cpu_used:.1f}s, worker:0 {cpu_other:.1f}s")
-        assert summary["global_step"] >= STEPS
+        final_step = summary["global_step"]
+        assert STOP_AT_STEP <= final_step < STEPS and summary["stopped_early"], summary
         assert summary["eval_accuracy"] >= 0.90, summary
+        # The final checkpoint stop promises: at the last step, the newest in the directory,
+        # after the one requested while paused.
+        checkpoints = state_dir / "checkpoints"
+        assert summary["checkpoint"] == str(checkpoints / f"ckpt-{final_step}"), summary
+        assert (checkpoints / f"ckpt-{final_step}.index").is_file(), sorted(checkpoints.iterdir())
+        steps_saved = [int(p.name[5:-6]) for p in checkpoints.glob("ckpt-*.index")]
+        assert max(steps_saved) == final_step, steps_saved
+        requested = re.search(r" at step (\d+)$", saved.strip())
+        assert requested is not None and int(requested[1]) < final_step, saved
         # The restarted server took its share of the steps once back (an idle TF server
         # uses next to no CPU).
         assert cpu_used >= 0.25 * cpu_other, (cpu_used, cpu_other)
