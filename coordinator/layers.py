@@ -19,6 +19,23 @@ import tensorflow as tf
 COMBINERS = ("sum", "mean", "sqrtn")
 
 
+def pool(vectors: Any, valid: Any, combiner: str | None) -> Any:
+    """``vectors`` ``[..., n, d]`` (zeros where ``valid`` is False) pooled over ``n`` by
+    ``combiner``, padding left out of the mean; as they are without a combiner. ``valid``
+    None: no padding."""
+    if combiner is None:
+        return vectors
+    pooled = tf.reduce_sum(vectors, axis=-2)
+    if combiner == "sum":
+        return pooled
+    if valid is None:
+        count = tf.cast(tf.shape(vectors)[-2], vectors.dtype) * tf.ones_like(pooled[..., :1])
+    else:
+        count = tf.reduce_sum(tf.cast(valid, vectors.dtype), axis=-1, keepdims=True)
+    count = tf.maximum(count, 1.0)
+    return pooled / (count if combiner == "mean" else tf.sqrt(count))
+
+
 @keras.saving.register_keras_serializable(package="psctl")
 class FeatureEmbedding(keras.layers.Layer):
     """One embedding table of ``num_buckets`` rows x ``output_dim``.
@@ -93,17 +110,7 @@ class FeatureEmbedding(keras.layers.Layer):
         vectors = self.table(ids)
         if valid is not None:
             vectors = vectors * tf.cast(valid, vectors.dtype)[..., None]
-        if self.combiner is None:
-            return vectors
-        pooled = tf.reduce_sum(vectors, axis=-2)
-        if self.combiner == "sum":
-            return pooled
-        if valid is None:
-            count = tf.cast(tf.shape(ids)[-1], vectors.dtype) * tf.ones_like(pooled[..., :1])
-        else:
-            count = tf.reduce_sum(tf.cast(valid, vectors.dtype), axis=-1, keepdims=True)
-        count = tf.maximum(count, 1.0)
-        return pooled / (count if self.combiner == "mean" else tf.sqrt(count))
+        return pool(vectors, valid, self.combiner)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         shape = tuple(input_shape)

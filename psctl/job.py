@@ -4,6 +4,7 @@
     from psctl.job import data                  # CSV/TFRecord readers for --train-data
     from psctl.job import criteo                # the Criteo TSV reader (the ctr job's)
     from psctl.job import FeatureEmbedding      # hashed, pooled, shared embedding tables
+    from psctl.job import DynamicEmbedding      # tables keyed by raw ids, grow and evict
     from psctl.job import ConfigError           # a one-line error naming a setting (exit 78)
 
 Everything else under ``psctl`` is internal and may move between releases (tools that
@@ -12,7 +13,8 @@ measure the training loop have ``psctl.hooks``).
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator import criteo, data
+from psctl.coordinator.dynamic import DynamicEmbedding
 from psctl.coordinator.job import DataContext
 from psctl.coordinator.layers import FeatureEmbedding
 
-__all__ = ["ConfigError", "DataContext", "FeatureEmbedding", "criteo", "data"]
+__all__ = ["ConfigError", "DataContext", "DynamicEmbedding", "FeatureEmbedding", "criteo", "data"]

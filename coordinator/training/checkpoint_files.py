@@ -123,7 +123,6 @@ def load_checked(
     value among ``variables`` finite. ``partial``: the checkpoint may hold more than
     ``checkpoint`` asks for (export: no optimizer). Raises ``Unusable`` saying what is
     wrong; an error of the cluster (a lost task) is raised as it is."""
-    import numpy as np
     import tensorflow as tf
 
     try:
@@ -147,9 +146,17 @@ def load_checked(
             f"it lacks variables the model has (another --job?): {lines[0] if lines else ''}"
         ) from None
     for variable in variables:
-        value = variable.numpy()
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
+        if not finite(variable.numpy()):
             raise Unusable(f"{_name(variable)} holds values that are not finite")
+
+
+def finite(value: Any) -> bool:
+    """Whether an array, or each array of a tuple (a dynamic table's keys and values), holds
+    only finite numbers where it holds floats."""
+    import numpy as np
+
+    arrays = value if isinstance(value, tuple) else (value,)
+    return all(a.dtype.kind != "f" or np.isfinite(a).all() for a in arrays)
 
 
 def _name(variable: Any) -> str:

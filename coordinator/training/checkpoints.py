@@ -24,17 +24,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import (
+    finite,
     load_checked,
     restore_newest,
     set_aside_unreadable_state,
 )
+from psctl.coordinator.training.dynamic_updates import dynamic_transfers
 from psctl.coordinator.training.model import JobModel, TrainState
 from psctl.coordinator.training.tables import Table
 
@@ -156,7 +157,7 @@ class Checkpointer:
         step = self.state.step()
         values = [transfer.read() for transfer in self._transfers]
         for transfer, value in zip(self._transfers, values, strict=True):
-            if value.dtype.kind == "f" and not np.isfinite(value).all():
+            if not finite(value):
                 # Never write it: with --keep-checkpoints the good ones would be deleted.
                 raise RestartFromCheckpoint(
                     f"{transfer.name} is not finite at global step {step}: checkpoint refused"
@@ -187,11 +188,12 @@ class Checkpointer:
 @dataclass(frozen=True)
 class Transfer:
     """One variable of the checkpoint: how to read it whole from the ps, how to write it
-    back, and its copy in the coordinator's mirror (what the checkpoint holds)."""
+    back, and its copy in the coordinator's mirror (what the checkpoint holds). A dynamic
+    table's value is a (keys, values) pair."""
 
     name: str
-    read: Callable[[], np.ndarray]
-    write: Callable[[np.ndarray], None]
+    read: Callable[[], Any]
+    write: Callable[[Any], None]
     mirror: Any
 
 
@@ -231,6 +233,8 @@ def transfers(state: TrainState, mirror: JobModel) -> list[Transfer]:
                 slot,
             )
         )
+    for name, read, write, copy in dynamic_transfers(state.dynamic_layers, mirror.dynamic_layers):
+        result.append(Transfer(name, read, write, copy))
     return result
 
 

@@ -11,11 +11,18 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.dynamic import dynamic_layers, placed
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.dynamic_updates import (
+    DynamicUpdater,
+    attach_slots,
+    table_stats,
+)
 from psctl.coordinator.training.features import build_model, check_features, leaf_shape
 from psctl.coordinator.training.metric_objects import metric_factories
-from psctl.coordinator.training.sparse import SparseUpdater
+from psctl.coordinator.training.sparse import SparseRule, SparseUpdater
 from psctl.coordinator.training.tables import building
 
 
@@ -39,6 +46,10 @@ class JobModel:
             # in this scope): the model points at psctl's, so a checkpoint holds one.
             self.model.optimizer = self.optimizer
         self.optimizer.build(self.model.trainable_variables)
+        # Dynamic tables: their slots are hash tables of their own, made for this optimizer.
+        self.dynamic_layers = dynamic_layers(self.model)
+        if self.dynamic_layers:
+            attach_slots(self.dynamic_layers, SparseRule(self.optimizer))
         self.metric_factories = metric_factories(
             job.metrics, label_shape=leaf_shape(y_spec), pred_shape=leaf_shape(predictions)
         )
@@ -75,14 +86,20 @@ class TrainState(JobModel):
     strategy's scope.
 
     With ``--max-shards`` above 1, large Embedding tables are psctl tables (tables.py): not
-    Keras weights, updated by ``sparse`` with the job optimizer's rule.
+    Keras weights, updated by ``sparse`` with the job optimizer's rule. DynamicEmbedding
+    tables get one shard on every ps task, updated by ``dynamic`` (dynamic_updates.py).
     """
 
     def __init__(
         self, job: Job, x_spec: Any, y_spec: Any, *, settings: TrainSettings, strategy: Any
     ) -> None:
-        with building(settings) as plan:
+        with building(settings) as plan, placed(_ps_devices(strategy)):
             super().__init__(job, x_spec, y_spec)
+        if self.dynamic_layers:
+            _check_dynamic(settings)
+        self.dynamic = (
+            DynamicUpdater(self.optimizer, self.dynamic_layers) if self.dynamic_layers else None
+        )
         self.check_eval(job, settings)
         self.tables = plan.tables
         self.sparse = SparseUpdater(self.optimizer, plan.tables, strategy) if plan.tables else None
@@ -114,7 +131,7 @@ class TrainState(JobModel):
     def table_stats(self) -> dict[str, dict[str, int]]:
         """Per dynamic table (by layer name): its live ``rows`` and the ``admitted`` and
         ``evicted`` totals; empty without dynamic tables."""
-        return {}
+        return table_stats(self.dynamic_layers)
 
     def read_train_metrics(self) -> dict[str, float]:
         """Loss and metrics over the steps since the previous read.
@@ -139,3 +156,27 @@ class TrainState(JobModel):
         for metric in self.other_metrics:
             values[metric.name] = scalar(metric.result())
         return values
+
+
+def _ps_devices(strategy: Any) -> list[str] | None:
+    """One device per ps task under the parameter-server strategy; None elsewhere."""
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return None
+    return list(strategy.extended.parameter_devices)
+
+
+def _check_dynamic(settings: TrainSettings) -> None:
+    """Where dynamic tables cannot train: one line naming the alternative."""
+    if settings.strategy == "sync":
+        raise ConfigError(
+            "--strategy",
+            "DynamicEmbedding tables live on the ps tasks: sync mode has none",
+            "use --strategy async, or FeatureEmbedding (a fixed hashed table) in sync mode",
+        )
+    if settings.update_mode == "local":
+        raise ConfigError(
+            "--update-mode",
+            "local steps keep a copy of the variables on the worker, which a dynamic table "
+            "cannot have",
+            "use --update-mode default with DynamicEmbedding tables",
+        )

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import tensorflow as tf
 
+from psctl.coordinator.dynamic import recording
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.graph_ops import seconds_since, sum_count
@@ -66,7 +67,8 @@ def make_replica_step(
     """One training step on one batch, run under ``strategy.run`` on a worker. With
     ``replicas`` above 1 (sync mode) the optimizer sums the replicas' gradients: each
     replica's is scaled by 1/replicas, so that the update is that of their mean."""
-    model, optimizer, sparse = state.model, state.optimizer, state.sparse
+    model, optimizer, sparse, dynamic = state.model, state.optimizer, state.sparse, state.dynamic
+    global_step = state.global_step
     mean_sums, mean_metrics, other_metrics = (
         state.mean_sums,
         state.mean_metrics,
@@ -75,16 +77,21 @@ def make_replica_step(
 
     def replica_step(batch: Any) -> None:
         x, y = batch[0], batch[1]
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, recording(tape) as records:
             predictions = model(x, training=True)
             loss = tf.reduce_mean(loss_fn(y, predictions))
             if model.losses:
                 loss += tf.add_n(model.losses)
             objective = loss / replicas if replicas > 1 else loss
         dense = model.trainable_variables
-        grads = tape.gradient(objective, dense + (sparse.shards if sparse else []))
-        if sparse is not None:  # tables first: the step count is the one Keras will use
-            sparse.apply(grads[len(dense) :])
+        shards = sparse.shards if sparse else []
+        looked_up = records.vectors()
+        grads = tape.gradient(objective, dense + shards + looked_up)
+        # Tables first: the step count is the one Keras will use.
+        if sparse is not None:
+            sparse.apply(grads[len(dense) : len(dense) + len(shards)])
+        if dynamic is not None and looked_up:
+            dynamic.apply(records, grads[len(dense) + len(shards) :], global_step)
         optimizer.apply_gradients(zip(grads[: len(dense)], dense, strict=True))
         rows = [sum_count(loss)]
         rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]

@@ -15,6 +15,7 @@ created next to each shard (same ps) under the names Keras gives them ("momentum
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -197,7 +198,7 @@ class SparseUpdater:
                 slots = {kind: table.slots[kind][i] for kind in self.kinds}
                 before = {kind: tf.gather(slot, rows) for kind, slot in slots.items()}
                 delta, after = self.rule(
-                    lambda shard=shard, rows=rows: tf.gather(shard, rows),
+                    functools.partial(tf.gather, shard, rows),
                     before,
                     values,
                     tf.cast(lr, shard.dtype),

@@ -18,6 +18,7 @@ from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, EvalEvery
+from psctl.coordinator.training.dynamic_updates import Evict
 from psctl.coordinator.training.epochs import EpochProgram
 from psctl.coordinator.training.final_eval import evaluate_elsewhere, evaluate_final
 from psctl.coordinator.training.inline_eval import InlineEval
@@ -108,6 +109,10 @@ class Trainer(TrainerBase):
         program = self.program = self._program()
         actions: list[Action] = []
         evals = None
+        if state.dynamic_layers:
+            actions.append(
+                Evict(state.dynamic_layers, step=state.step, publish=self.publisher.tables)
+            )
         if s.eval_every:
             evals = InlineEval(
                 self.rt, self.publisher, self.policy, every=s.eval_every, start_step=start_step

@@ -1,0 +1,364 @@
+"""Training dynamic tables (coordinator/dynamic.py): the update after each step, eviction
+while training, the counts an operator sees, and the checkpoint transfers.
+
+- **A step** (``DynamicUpdater.apply``, in the scheduled function on a worker): the ids a
+  batch looked up, grouped per table (one layer called on several features counts each id
+  once), go to the shard that holds them; each shard's ``meta`` counts them and stamps the
+  global step; admitted ids get the job optimizer's sparse rule (sparse.py: lazy Adam,
+  Adagrad, SGD with momentum/Nesterov, Ftrl; slots per key next to it) and ids that reach
+  ``admit_after`` get their first vector.
+- **Concurrency**: a worker reads a key's vector and slots, and writes back the result of
+  its update (``insert``). Two workers updating one key at once: the last write wins (one
+  update of that key is lost), where the fixed tables add both changes (``scatter_add``).
+  Either is the asynchronous parameter server's usual staleness, and a key hot enough for
+  this to matter is updated again at once.
+- **Eviction** (``Evict``, every ``EVICT_EVERY`` seconds from the coordinator, run on each
+  ps by a function placed there: nothing leaves the ps but the counts): ids not seen for
+  ``ttl_steps`` global steps, then the least recently seen beyond ``max_rows_per_shard``.
+- **Checkpoints**: every table is read whole (each shard's ``export()``) into the
+  coordinator's mirror, a one-shard copy of the same layer, whose tables the checkpoint
+  holds; restoring re-splits the keys by ``shard_of`` over the shards there are now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import gen_lookup_ops
+
+from psctl.coordinator.dynamic import (
+    ADMITTED,
+    COUNT,
+    LAST_SEEN,
+    META_WIDTH,
+    DynamicEmbedding,
+    Lookup,
+    Records,
+    Shard,
+    split_by_shard,
+)
+from psctl.coordinator.training.sparse import SparseRule
+
+log = logging.getLogger(__name__)
+
+EVICT_EVERY = 5.0  # seconds between eviction passes while training
+PUBLISH_EVERY = 2.0  # seconds between reads of the tables' counts (status, metrics)
+
+
+def _on(device: str | None) -> Any:
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def attach_slots(layers: Sequence[DynamicEmbedding], rule: SparseRule) -> None:
+    """Give every layer's shards the slot tables of the job's optimizer."""
+    initial = {kind: rule.initial(kind) for kind in rule.kinds}
+    for layer in layers:
+        layer.ensure_slots(rule.kinds, initial)
+
+
+class DynamicUpdater:
+    """Updates the dynamic tables after a step's gradient; build it under the strategy's
+    scope, after the optimizer."""
+
+    def __init__(self, optimizer: Any, layers: Sequence[DynamicEmbedding]) -> None:
+        self.optimizer = optimizer
+        self.layers = list(layers)
+        self.rule = SparseRule(optimizer)
+        attach_slots(self.layers, self.rule)
+
+    def apply(self, records: Records, grads: Sequence[Any], global_step: Any) -> None:
+        """Update the tables ``records`` looked up, with ``grads`` (one per lookup, as
+        ``records.vectors()``); ``global_step`` is the step the ids are stamped with."""
+        lr = self.rule.learning_rate()
+        opt_step = tf.cast(self.optimizer.iterations + 1, tf.float32)
+        stamp = tf.cast(tf.convert_to_tensor(global_step), tf.int64)
+        by_layer: dict[int, list[tuple[Lookup, Any]]] = defaultdict(list)
+        for lookup, grad in zip(records.lookups, grads, strict=True):
+            by_layer[id(lookup.layer)].append((lookup, grad))
+        for pairs in by_layer.values():
+            layer = pairs[0][0].layer
+            keys, counts, vectors, grads_ = _merge(pairs, layer.output_dim)
+            positions, parts = split_by_shard(keys, len(layer.shards))
+            for shard, where, part in zip(layer.shards, positions, parts, strict=True):
+                self._update_shard(
+                    layer,
+                    shard,
+                    part,
+                    tf.gather(counts, where),
+                    tf.gather(vectors, where),
+                    tf.gather(grads_, where),
+                    stamp=stamp,
+                    lr=tf.cast(lr, vectors.dtype),
+                    opt_step=opt_step,
+                )
+
+    def _update_shard(
+        self,
+        layer: DynamicEmbedding,
+        shard: Shard,
+        keys: Any,
+        counts: Any,
+        vectors: Any,
+        grads: Any,
+        *,
+        stamp: Any,
+        lr: Any,
+        opt_step: Any,
+    ) -> None:
+        meta = tf.reshape(shard.meta.lookup(keys), [-1, META_WIDTH])
+        count = meta[:, COUNT] + counts
+        admitted = meta[:, ADMITTED] > 0
+        new = tf.logical_and(tf.logical_not(admitted), count >= layer.admit_after)
+        # The admitted ids: the optimizer's rule, on their vectors and slots.
+        keys_a = tf.boolean_mask(keys, admitted)
+        w = tf.boolean_mask(vectors, admitted)
+        g = tf.boolean_mask(grads, admitted)
+        kinds = shard.slot_kinds
+        before: dict[str, Any] = {}
+        if kinds:
+            found = tf.reshape(shard.slots.lookup(keys_a), [-1, len(kinds) * layer.output_dim])
+            stacked = tf.split(found, len(kinds), axis=1)
+            before = dict(zip(kinds, stacked, strict=True))
+        delta, after = self.rule(lambda: w, before, g, lr, opt_step)
+        shard.embeddings.insert(keys_a, w + delta)
+        if kinds:
+            shard.slots.insert(keys_a, tf.concat([after[kind] for kind in kinds], axis=1))
+        # The ids admitted now: their first vector.
+        keys_n = tf.boolean_mask(keys, new)
+        n = tf.size(keys_n)
+        shard.embeddings.insert(
+            keys_n, layer.initial_rows(n, layer.output_dim, shard.embeddings.value_dtype)
+        )
+        flag = tf.cast(tf.logical_or(admitted, new), tf.int64)
+        shard.meta.insert(keys, tf.stack([count, tf.fill(tf.shape(count), stamp), flag], 1))
+        shard.counters.assign_add(tf.stack([tf.cast(n, tf.int64), tf.constant(0, tf.int64)]))
+
+
+def _merge(pairs: list[tuple[Lookup, Any]], d: int) -> tuple[Any, Any, Any, Any]:
+    """One table's lookups in a step as one: distinct keys, summed counts and gradients,
+    and the vector each key read (the same in every lookup of the step)."""
+    if len(pairs) == 1:
+        lookup, grad = pairs[0]
+        return lookup.keys, lookup.counts, lookup.vectors, _dense(grad, lookup.vectors)
+    keys = tf.concat([lookup.keys for lookup, _ in pairs], 0)
+    counts = tf.concat([lookup.counts for lookup, _ in pairs], 0)
+    vectors = tf.concat([lookup.vectors for lookup, _ in pairs], 0)
+    grads = tf.concat([_dense(grad, lookup.vectors) for lookup, grad in pairs], 0)
+    distinct, position = tf.unique(keys)
+    n = tf.size(distinct)
+    first = tf.math.unsorted_segment_min(tf.range(tf.size(keys)), position, n)
+    return (
+        distinct,
+        tf.math.unsorted_segment_sum(counts, position, n),
+        tf.gather(vectors, first),
+        tf.math.unsorted_segment_sum(grads, position, n),
+    )
+
+
+def _dense(grad: Any, like: Any) -> Any:
+    if grad is None:  # the features were looked up but did not reach the loss
+        return tf.zeros_like(like)
+    return tf.convert_to_tensor(grad)
+
+
+# -- eviction and counts -------------------------------------------------------------------
+
+
+def _evict_shard(layer: DynamicEmbedding, shard: Shard, step: Any) -> Any:
+    """Remove the shard's ids past ``ttl_steps`` and beyond ``max_rows_per_shard`` (the
+    least recently seen first); the rows removed (admitted ids only)."""
+    keys, meta = shard.meta.export()
+    meta = tf.reshape(meta, [-1, META_WIDTH])
+    last = meta[:, LAST_SEEN]
+    admitted = meta[:, ADMITTED] > 0
+    remove = tf.zeros_like(admitted)
+    if layer.ttl_steps is not None:
+        remove = tf.logical_or(remove, last < step - layer.ttl_steps)
+    if layer.max_rows_per_shard is not None:
+        cap = layer.max_rows_per_shard
+        # Rows (admitted ids) beyond the cap, and as many counted-only ids: oldest first.
+        for group in (admitted, tf.logical_not(admitted)):
+            kept = tf.logical_and(group, tf.logical_not(remove))
+            excess = tf.maximum(tf.reduce_sum(tf.cast(kept, tf.int32)) - cap, 0)
+            age = tf.where(kept, -last, tf.fill(tf.shape(last), tf.int64.min))
+            _, oldest = tf.math.top_k(age, k=excess)
+            hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))
+            remove = tf.logical_or(remove, hits)
+    gone = tf.boolean_mask(keys, remove)
+    for table in shard.tables().values():
+        table.remove(gone)
+    evicted = tf.reduce_sum(tf.cast(tf.logical_and(remove, admitted), tf.int64))
+    shard.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
+    return evicted
+
+
+class Evictor:
+    """Eviction passes over every table with a ttl or a cap, one function per shard, run
+    on its ps (the keys and counts never leave it)."""
+
+    def __init__(self, layers: Sequence[DynamicEmbedding]) -> None:
+        self.passes: list[tuple[str | None, Any]] = []
+        for layer in layers:
+            if layer.ttl_steps is None and layer.max_rows_per_shard is None:
+                continue
+            for shard in layer.shards:
+                fn = tf.function(
+                    functools.partial(_evict_shard, layer, shard),
+                    input_signature=[tf.TensorSpec([], tf.int64)],
+                )
+                self.passes.append((shard.device, fn))
+
+    def __call__(self, step: int) -> int:
+        evicted = 0
+        for device, fn in self.passes:
+            with _on(device):
+                evicted += int(fn(tf.constant(step, tf.int64)))
+        return evicted
+
+
+def table_stats(layers: Sequence[DynamicEmbedding]) -> dict[str, dict[str, int]]:
+    """Per table: live rows, and the admitted and evicted totals (read from every ps)."""
+    stats: dict[str, dict[str, int]] = {}
+    for layer in layers:
+        rows = admitted = evicted = 0
+        for shard in layer.shards:
+            with _on(shard.device):
+                rows += int(shard.embeddings.size())
+            a, e = (int(v) for v in shard.counters.numpy())
+            admitted, evicted = admitted + a, evicted + e
+        stats[layer.name] = {"rows": rows, "admitted": admitted, "evicted": evicted}
+    return stats
+
+
+class Evict:
+    """The loop's action: the tables' counts published every ``publish_every`` seconds (the
+    first at once), and an eviction pass every ``evict_every`` seconds."""
+
+    def __init__(
+        self,
+        layers: Sequence[DynamicEmbedding],
+        *,
+        step: Any,
+        publish: Any,
+        evict_every: float = EVICT_EVERY,
+        publish_every: float = PUBLISH_EVERY,
+    ) -> None:
+        self.layers = list(layers)
+        self.evictor = Evictor(self.layers)
+        self.step = step  # () -> the global step
+        self.publish = publish  # (step, stats) -> None
+        self.evict_every = evict_every
+        self.publish_every = publish_every
+        self.last_evict = time.monotonic()
+        self.last_publish = -math.inf
+
+    def __call__(self, loop: Any) -> None:
+        now = time.monotonic()
+        if self.evictor.passes and now - self.last_evict >= self.evict_every:
+            self.last_evict = now
+            step = self.step()
+            evicted = self.evictor(step)
+            if evicted:
+                log.info("evicted %d rows at global step %d", evicted, step)
+            self.last_publish = -math.inf  # the counts after it, now
+        if now - self.last_publish >= self.publish_every:
+            self.last_publish = now
+            self.publish(self.step(), table_stats(self.layers))
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _export(table: Any, device: str | None) -> tuple[np.ndarray, np.ndarray]:
+    with _on(device):
+        keys, values = table.export()
+    return keys.numpy(), values.numpy()
+
+
+def _import(table: Any, device: str | None, keys: Any, values: Any) -> None:
+    """Replace the table's contents with ``keys`` -> ``values``."""
+    with _on(device):
+        gen_lookup_ops.lookup_table_import_v2(
+            table.resource_handle,
+            tf.constant(keys, tf.int64),
+            tf.constant(values, table.value_dtype),
+        )
+
+
+class TableMirror:
+    """A one-shard table of the checkpoint mirror, read and written as a (keys, values)
+    pair (the checkpoint's ``Transfer.mirror``)."""
+
+    def __init__(self, table: Any, name: str) -> None:
+        self.table = table
+        self.path = name
+
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        return _export(self.table, None)
+
+    def assign(self, value: tuple[np.ndarray, np.ndarray]) -> None:
+        _import(self.table, None, *value)
+
+
+@dataclass(frozen=True)
+class ShardedTable:
+    """One of a dynamic layer's tables (``embeddings``, ``meta``, ``slots``) over all its
+    shards, read whole and written back re-split."""
+
+    layer: DynamicEmbedding
+    what: str
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        parts = [_export(shard.tables()[self.what], shard.device) for shard in self.layer.shards]
+        return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
+
+    def write(self, value: tuple[np.ndarray, np.ndarray]) -> None:
+        keys, values = value
+        shards = self.layer.shards
+        positions, _ = split_by_shard(tf.constant(keys, tf.int64), len(shards))
+        for shard, where in zip(shards, positions, strict=True):
+            index = where.numpy()
+            _import(shard.tables()[self.what], shard.device, keys[index], values[index])
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A layer's admitted and evicted totals, summed over its shards; restored into the
+    first shard."""
+
+    layer: DynamicEmbedding
+
+    def read(self) -> np.ndarray:
+        total: np.ndarray = np.sum([s.counters.numpy() for s in self.layer.shards], axis=0)
+        return total
+
+    def write(self, value: np.ndarray) -> None:
+        for i, shard in enumerate(self.layer.shards):
+            shard.counters.assign(value if i == 0 else np.zeros_like(value))
+
+
+def dynamic_transfers(
+    layers: Sequence[DynamicEmbedding], mirrors: Sequence[DynamicEmbedding]
+) -> list[tuple[str, Any, Any, Any]]:
+    """(name, read, write, mirror) of every dynamic table and counter, paired with the
+    mirror's one-shard copy of the same layer."""
+    found: list[tuple[str, Any, Any, Any]] = []
+    for layer, mirror in zip(layers, mirrors, strict=True):
+        local = mirror.shards[0]
+        for what, table in local.tables().items():
+            sharded = ShardedTable(layer, what)
+            name = f"{layer.name}/{what}"
+            found.append((name, sharded.read, sharded.write, TableMirror(table, name)))
+        counters = Counters(layer)
+        found.append((f"{layer.name}/counters", counters.read, counters.write, local.counters))
+    return found
