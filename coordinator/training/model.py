@@ -91,9 +91,17 @@ class TrainState(JobModel):
     """
 
     def __init__(
-        self, job: Job, x_spec: Any, y_spec: Any, *, settings: TrainSettings, strategy: Any
+        self,
+        job: Job,
+        x_spec: Any,
+        y_spec: Any,
+        *,
+        settings: TrainSettings,
+        strategy: Any,
+        num_ps: int = 0,
     ) -> None:
-        with building(settings) as plan, placed(_ps_devices(strategy)):
+        # num_ps: the parameter-server strategy's ps tasks (0: no ps, sync mode).
+        with building(settings) as plan, placed(ps_devices(num_ps) if num_ps else None):
             super().__init__(job, x_spec, y_spec)
         if self.dynamic_layers:
             _check_dynamic(settings)
@@ -158,11 +166,9 @@ class TrainState(JobModel):
         return values
 
 
-def _ps_devices(strategy: Any) -> list[str] | None:
-    """One device per ps task under the parameter-server strategy; None elsewhere."""
-    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-        return None
-    return list(strategy.extended.parameter_devices)
+def ps_devices(num_ps: int) -> list[str]:
+    """The ps tasks' devices, where dynamic tables put one shard each."""
+    return [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(num_ps)]
 
 
 def _check_dynamic(settings: TrainSettings) -> None:

@@ -72,7 +72,9 @@ class Trainer(TrainerBase):
         )
         x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
         with self.strategy.scope():
-            self.state = TrainState(job, x_spec, y_spec, settings=s, strategy=self.strategy)
+            self.state = TrainState(
+                job, x_spec, y_spec, settings=s, strategy=self.strategy, num_ps=cluster.num_ps
+            )
         self.attach_state(
             self.state,
             x_spec=x_spec,

@@ -1,0 +1,201 @@
+"""Memory of dynamic tables (``DynamicEmbedding``): bytes per live key, and a table of
+``--keys`` (default 10M) live keys trained on 2 ps.
+
+1. **In one process** (no cluster): the three hash tables of one shard (vectors, counts and
+   last-seen steps, the optimizer's slots) filled with ``--probe-keys`` (1M) keys of
+   ``--dim`` (16) floats, for SGD (no slot), Adagrad (1) and Adam (2): the RSS growth per
+   key against the floor ``dim x 4 x (1 + slots)`` bytes (+ 24 for the count and step).
+2. **On a cluster** (``psctl local``, 2 ps + 2 workers, Adam): a job whose every example
+   brings 13 ids never seen before and 13 seen 2 steps earlier (so each key is admitted,
+   then updated and given its slots; ``admit_after=1``, no eviction) trains until the
+   table holds ``--keys`` live rows; each ps's RSS is sampled over the run (``/proc/<pid>/status``
+   of the pids ``psctl local`` lists in its ``tasks.json``). Bytes per key on the ps: the
+   growth of the two ps's RSS from their first sample, over the live rows.
+
+    .venv/bin/python bench/table_memory.py                  # 1M probe, then 10M on 2 ps
+    .venv/bin/python bench/table_memory.py --keys 1M        # a smaller cluster run
+    .venv/bin/python bench/table_memory.py --no-cluster     # the one-process probe only
+
+Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (floor F)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+IDS_PER_EXAMPLE = 26
+
+JOB = '''
+"""Every example brings {new} ids never seen before and {new} ids first seen 2 steps
+earlier, so that every key is admitted, then updated (its slots written)."""
+import keras
+import tensorflow as tf
+from psctl.job import DynamicEmbedding
+
+def create_model():
+    ids = keras.Input(({ids},), dtype="int64")
+    table = DynamicEmbedding({dim}, combiner="sum", name="ids")
+    return keras.Model(ids, keras.layers.Dense(1)(table(ids)))
+
+def create_optimizer():
+    return keras.optimizers.Adam(0.001)
+
+def loss_fn(y, logits):
+    return keras.losses.binary_crossentropy(y, logits, from_logits=True)
+
+def dataset_fn(ctx):
+    back = 2 * ctx.num_workers * ctx.batch_size  # the examples of 2 steps ago
+    def example(i):
+        new = i * {new} + tf.range({new}, dtype=tf.int64)
+        old = tf.maximum(i - back, 0) * {new} + tf.range({new}, dtype=tf.int64)
+        return tf.concat([new, old], 0), tf.cast(i % 2, tf.float32)[None]
+    start = tf.cast(ctx.worker_index, tf.int64)
+    data = tf.data.Dataset.range(start, 2**40, ctx.num_workers).map(example)
+    return data.batch(ctx.batch_size, drop_remainder=True).prefetch(2)
+'''
+
+
+def count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+PROBE = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+n, d, slots = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+table = lambda dt, width: tf.lookup.experimental.MutableHashTable(
+    tf.int64, dt, default_value=tf.zeros([width], dt))
+tables = [(table(tf.float32, d), d, tf.float32), (table(tf.int64, 3), 3, tf.int64)]
+if slots:
+    tables.append((table(tf.float32, d * slots), d * slots, tf.float32))
+base, chunk = rss(), 100_000
+for start in range(0, n, chunk):
+    keys = tf.range(start, start + chunk, dtype=tf.int64) * 7919
+    for t, width, dt in tables:
+        t.insert(keys, tf.zeros([chunk, width], dt))
+print((rss() - base) / n)
+"""
+
+
+def probe(keys: int, dim: int) -> list[dict[str, float]]:
+    rows = []
+    for name, slots in (("sgd", 0), ("adagrad", 1), ("adam", 2)):
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE, str(keys), str(dim), str(slots)],
+            capture_output=True, text=True, check=True, timeout=600,
+        )  # fmt: skip
+        per_key = float(out.stdout.split()[-1])
+        floor = dim * 4 * (1 + slots)
+        rows.append({"optimizer": name, "bytes_per_key": per_key, "floor": floor})
+        print(f"one process, {keys:,} keys, dim {dim}, {name}: {per_key:.0f} bytes/key "
+              f"(floor {floor} + 24 for count and step)", flush=True)  # fmt: skip
+    return rows
+
+
+def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]:
+    job = work / "memory_job.py"
+    new = IDS_PER_EXAMPLE // 2
+    job.write_text(textwrap.dedent(JOB.format(ids=IDS_PER_EXAMPLE, new=new, dim=dim)))
+    steps = -(-keys // (new * batch))  # global steps: both workers' together
+    summary = work / "summary.json"
+    argv = [
+        sys.executable, "-m", "psctl", "local", "--workdir", str(work / "local"),
+        "--control-address", "127.0.0.1:0", "--job", str(job), "--ps", "2",
+        "--batch-size", str(batch), "--steps", str(steps), "--steps-per-execution", "1",
+        "--summary-json", str(summary),
+    ]  # fmt: skip
+    print(f"cluster: {steps} steps of {batch} examples x {new} new ids", flush=True)
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[float, list[int]]] = []
+    pids: list[int] = []
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5 if not samples else 2.0)
+            if not pids:
+                pids = _ps_pids(work / "local" / "tasks.json")
+            try:
+                samples.append((time.monotonic() - started, [rss_bytes(p) for p in pids]))
+            except (OSError, RuntimeError):
+                pass
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode != 0:
+        raise SystemExit(f"psctl local failed ({proc.returncode}):\n{err[-3000:]}")
+    result = json.loads(summary.read_text())
+    rows = result["tables"]["ids"]["rows"]
+    sampled = [s for s in samples if s[1]]
+    first, peak = sum(sampled[0][1]), max(sum(s[1]) for s in sampled)
+    per_key = (peak - first) / rows
+    for t, values in sampled[:: max(1, len(sampled) // 8)]:
+        print(f"  {t:6.0f} s  ps RSS " + " ".join(f"{v / 2**30:.2f} GiB" for v in values))
+    return {
+        "rows": rows,
+        "steps": result["global_step"],
+        "steps_per_sec": result["steps_per_sec"],
+        "ps_rss_first_bytes": first,
+        "ps_rss_peak_bytes": peak,
+        "bytes_per_key": per_key,
+        "floor": dim * 4 * 3,
+        "wall_seconds": time.monotonic() - started,
+    }
+
+
+def _ps_pids(tasks_file: Path) -> list[int]:
+    try:
+        tasks = json.loads(tasks_file.read_text())
+    except (OSError, ValueError):
+        return []
+    return [int(task["pid"]) for task in tasks if task["type"] == "ps" and task.get("pid")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=count, default=count("10M"), help="live keys on 2 ps")
+    parser.add_argument("--probe-keys", type=count, default=count("1M"))
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=4096, help="per worker")
+    parser.add_argument("--no-cluster", action="store_true", help="the one-process probe only")
+    parser.add_argument("--out", type=Path, help="results JSON")
+    args = parser.parse_args()
+    results: dict[str, object] = {"probe": probe(args.probe_keys, args.dim)}
+    if not args.no_cluster:
+        with tempfile.TemporaryDirectory(prefix="psctl-table-memory-") as tmp:
+            run = cluster_run(args.keys, args.dim, args.batch_size, Path(tmp))
+        results["cluster"] = run
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not args.no_cluster:
+        print(f"dynamic table: {run['rows']:,} live keys on 2 ps, {run['bytes_per_key']:.0f} "
+              f"bytes/key on the ps (floor {run['floor']})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())
