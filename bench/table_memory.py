@@ -22,6 +22,7 @@ Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (floor F)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -137,10 +138,8 @@ def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]
             time.sleep(0.5 if not samples else 2.0)
             if not pids:
                 pids = _ps_pids(work / "local" / "tasks.json")
-            try:
+            with contextlib.suppress(OSError, RuntimeError):
                 samples.append((time.monotonic() - started, [rss_bytes(p) for p in pids]))
-            except (OSError, RuntimeError):
-                pass
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
