@@ -99,12 +99,15 @@ def placed(devices: list[str] | None) -> Iterator[None]:
 @dataclass
 class Lookup:
     """One call's lookup in a training step: its distinct keys, how often each occurred,
-    and the vectors read (watched by the step's tape)."""
+    the vectors read (watched by the step's tape), and the keys' ``meta`` rows and slots
+    (None without slots) read with them."""
 
     layer: DynamicEmbedding
     keys: Any
     counts: Any
     vectors: Any
+    meta: Any
+    slots: Any = None
 
 
 @dataclass
@@ -280,12 +283,34 @@ class DynamicEmbedding(keras.layers.Layer):
     def lookup(self, keys: Any) -> Any:
         """The vectors of distinct int64 ``keys`` (zeros for ids without a row), each from
         the shard that holds it."""
+        return self._lookup(keys, with_state=False)[0]
+
+    def _lookup(self, keys: Any, *, with_state: bool) -> tuple[Any, Any, Any]:
+        """(vectors, meta, slots) of distinct ``keys``; ``with_state``: also their counts
+        and slots (else None), read in the same round trip to each ps as the vectors, so
+        that the update after the step needs none of its own before it writes."""
         shards, d = self.shards, self.output_dim
+        width = d * len(shards[0].slot_kinds)
+
+        def read(shard: Shard, part: Any) -> list[Any]:
+            found = [tf.reshape(shard.embeddings.lookup(part), [-1, d])]
+            if with_state:
+                found.append(tf.reshape(shard.meta.lookup(part), [-1, META_WIDTH]))
+                if width:
+                    found.append(tf.reshape(shard.slots.lookup(part), [-1, width]))
+            return found
+
         if len(shards) == 1:
-            return tf.reshape(shards[0].embeddings.lookup(keys), [-1, d])
-        positions, parts = split_by_shard(keys, len(shards))
-        found = [shard.embeddings.lookup(part) for shard, part in zip(shards, parts, strict=True)]
-        return tf.reshape(tf.dynamic_stitch(positions, found), [-1, d])
+            found = read(shards[0], keys)
+        else:
+            positions, parts = split_by_shard(keys, len(shards))
+            per_shard = [read(shard, part) for shard, part in zip(shards, parts, strict=True)]
+            found = [
+                tf.dynamic_stitch(positions, [reads[i] for reads in per_shard])
+                for i in range(len(per_shard[0]))
+            ]
+        found += [None] * (3 - len(found))
+        return found[0], found[1], found[2]
 
     def call(self, inputs: Any) -> Any:
         keys, valid = self.keys(inputs)
@@ -294,11 +319,12 @@ class DynamicEmbedding(keras.layers.Layer):
         flat_valid = tf.reshape(valid, [-1])
         where = tf.where(flat_valid)
         distinct, index, counts = tf.unique_with_counts(tf.gather_nd(flat_keys, where))
-        vectors = self.lookup(distinct)
         records = _CONTEXT.records
+        vectors, meta, slots = self._lookup(distinct, with_state=records is not None)
         if records is not None:
             records.tape.watch(vectors)
-            records.lookups.append(Lookup(self, distinct, tf.cast(counts, tf.int64), vectors))
+            counts = tf.cast(counts, tf.int64)
+            records.lookups.append(Lookup(self, distinct, counts, vectors, meta, slots))
         found = tf.gather(vectors, index)
         size = tf.size(flat_keys, out_type=tf.int64)
         flat = tf.scatter_nd(where, found, tf.stack([size, tf.constant(self.output_dim, tf.int64)]))

@@ -87,18 +87,16 @@ class DynamicUpdater:
             by_layer[id(lookup.layer)].append((lookup, grad))
         for pairs in by_layer.values():
             layer = pairs[0][0].layer
-            keys, counts, vectors, grads_ = _merge(pairs, layer.output_dim)
-            positions, parts = split_by_shard(keys, len(layer.shards))
+            merged = _merge(pairs)
+            positions, parts = split_by_shard(merged.keys, len(layer.shards))
             for shard, where, part in zip(layer.shards, positions, parts, strict=True):
                 self._update_shard(
                     layer,
                     shard,
                     part,
-                    tf.gather(counts, where),
-                    tf.gather(vectors, where),
-                    tf.gather(grads_, where),
+                    merged.rows(where),
                     stamp=stamp,
-                    lr=tf.cast(lr, vectors.dtype),
+                    lr=tf.cast(lr, merged.vectors.dtype),
                     opt_step=opt_step,
                 )
 
@@ -107,27 +105,23 @@ class DynamicUpdater:
         layer: DynamicEmbedding,
         shard: Shard,
         keys: Any,
-        counts: Any,
-        vectors: Any,
-        grads: Any,
+        rows: Merged,
         *,
         stamp: Any,
         lr: Any,
         opt_step: Any,
     ) -> None:
-        meta = tf.reshape(shard.meta.lookup(keys), [-1, META_WIDTH])
-        count = meta[:, COUNT] + counts
-        admitted = meta[:, ADMITTED] > 0
+        count = rows.meta[:, COUNT] + rows.counts
+        admitted = rows.meta[:, ADMITTED] > 0
         new = tf.logical_and(tf.logical_not(admitted), count >= layer.admit_after)
         # The admitted ids: the optimizer's rule, on their vectors and slots.
         keys_a = tf.boolean_mask(keys, admitted)
-        w = tf.boolean_mask(vectors, admitted)
-        g = tf.boolean_mask(grads, admitted)
+        w = tf.boolean_mask(rows.vectors, admitted)
+        g = tf.boolean_mask(rows.grads, admitted)
         kinds = shard.slot_kinds
         before: dict[str, Any] = {}
         if kinds:
-            found = tf.reshape(shard.slots.lookup(keys_a), [-1, len(kinds) * layer.output_dim])
-            stacked = tf.split(found, len(kinds), axis=1)
+            stacked = tf.split(tf.boolean_mask(rows.slots, admitted), len(kinds), axis=1)
             before = dict(zip(kinds, stacked, strict=True))
         delta, after = self.rule(lambda: w, before, g, lr, opt_step)
         shard.embeddings.insert(keys_a, w + delta)
@@ -144,23 +138,58 @@ class DynamicUpdater:
         shard.counters.assign_add(tf.stack([tf.cast(n, tf.int64), tf.constant(0, tf.int64)]))
 
 
-def _merge(pairs: list[tuple[Lookup, Any]], d: int) -> tuple[Any, Any, Any, Any]:
+@dataclass(frozen=True)
+class Merged:
+    """A table's lookups in one step, one row per distinct key: how often it occurred, the
+    vector, meta row and slots it read, and its gradient."""
+
+    keys: Any
+    counts: Any
+    vectors: Any
+    meta: Any
+    slots: Any
+    grads: Any
+
+    def rows(self, where: Any) -> Merged:
+        """The rows at positions ``where``."""
+
+        def pick(t: Any) -> Any:
+            return None if t is None else tf.gather(t, where)
+
+        return Merged(*(pick(t) for t in (self.keys, self.counts, self.vectors, self.meta,
+                                          self.slots, self.grads)))  # fmt: skip
+
+
+def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
     """One table's lookups in a step as one: distinct keys, summed counts and gradients,
-    and the vector each key read (the same in every lookup of the step)."""
+    and what each key read (the same in every lookup of the step: the first is kept)."""
     if len(pairs) == 1:
-        lookup, grad = pairs[0]
-        return lookup.keys, lookup.counts, lookup.vectors, _dense(grad, lookup.vectors)
-    keys = tf.concat([lookup.keys for lookup, _ in pairs], 0)
-    counts = tf.concat([lookup.counts for lookup, _ in pairs], 0)
-    vectors = tf.concat([lookup.vectors for lookup, _ in pairs], 0)
+        one, grad = pairs[0]
+        return Merged(
+            one.keys, one.counts, one.vectors, one.meta, one.slots, _dense(grad, one.vectors)
+        )
+    lookups = [lookup for lookup, _ in pairs]
+
+    def joined(field: str) -> Any:
+        parts = [getattr(lookup, field) for lookup in lookups]
+        return None if parts[0] is None else tf.concat(parts, 0)
+
+    keys = joined("keys")
     grads = tf.concat([_dense(grad, lookup.vectors) for lookup, grad in pairs], 0)
     distinct, position = tf.unique(keys)
     n = tf.size(distinct)
     first = tf.math.unsorted_segment_min(tf.range(tf.size(keys)), position, n)
-    return (
+
+    def firsts(field: str) -> Any:
+        value = joined(field)
+        return None if value is None else tf.gather(value, first)
+
+    return Merged(
         distinct,
-        tf.math.unsorted_segment_sum(counts, position, n),
-        tf.gather(vectors, first),
+        tf.math.unsorted_segment_sum(joined("counts"), position, n),
+        firsts("vectors"),
+        firsts("meta"),
+        firsts("slots"),
         tf.math.unsorted_segment_sum(grads, position, n),
     )
 

@@ -48,11 +48,10 @@ def step_on(updater: DynamicUpdater, layer: DynamicEmbedding, keys: list[int], g
     """One update as a training step makes it: the distinct keys, their counts, the vectors
     read, and the gradient of each."""
     distinct, index, counts = tf.unique_with_counts(tf.constant(keys, tf.int64))
-    vectors = layer.lookup(distinct)
+    vectors, meta, slots = layer._lookup(distinct, with_state=True)
     summed = tf.math.unsorted_segment_sum(tf.constant(grads), index, tf.size(distinct))
-    records = Records(
-        tape=None, lookups=[Lookup(layer, distinct, tf.cast(counts, tf.int64), vectors)]
-    )
+    lookup = Lookup(layer, distinct, tf.cast(counts, tf.int64), vectors, meta, slots)
+    records = Records(tape=None, lookups=[lookup])
     updater.apply(records, [summed], tf.constant(step, tf.int64))
     updater.optimizer.iterations.assign_add(1)
 
