@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from psctl.coordinator.layers import COMBINERS, pool
+from psctl.coordinator.layers import COMBINERS, pool, pooled_shape
 
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio (Fibonacci hashing)
@@ -333,10 +333,7 @@ class DynamicEmbedding(keras.layers.Layer):
         return pool(outputs, valid, self.combiner)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
-        shape = tuple(input_shape)
-        if self.combiner is not None:
-            shape = shape[:-1]
-        return (*shape, self.output_dim)
+        return pooled_shape(input_shape, self.output_dim, self.combiner)
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = super().get_config()

@@ -19,6 +19,14 @@ import tensorflow as tf
 COMBINERS = ("sum", "mean", "sqrtn")
 
 
+def pooled_shape(input_shape: Any, output_dim: int, combiner: str | None) -> tuple[Any, ...]:
+    """The output shape of ids of ``input_shape`` looked up (and pooled by ``combiner``)."""
+    shape = tuple(input_shape)
+    if combiner is not None:
+        shape = shape[:-1]
+    return (*shape, output_dim)
+
+
 def pool(vectors: Any, valid: Any, combiner: str | None) -> Any:
     """``vectors`` ``[..., n, d]`` (zeros where ``valid`` is False) pooled over ``n`` by
     ``combiner``, padding left out of the mean; as they are without a combiner. ``valid``
@@ -113,10 +121,7 @@ class FeatureEmbedding(keras.layers.Layer):
         return pool(vectors, valid, self.combiner)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
-        shape = tuple(input_shape)
-        if self.combiner is not None:
-            shape = shape[:-1]
-        return (*shape, self.output_dim)
+        return pooled_shape(input_shape, self.output_dim, self.combiner)
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = super().get_config()

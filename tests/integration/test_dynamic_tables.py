@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.conftest import (
     status_or_none,
 )
 from tests.integration.test_checkpoint_damage import scramble, steps_saved
+from tests.integration.test_control import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
@@ -63,16 +63,6 @@ def metrics_url(log: Path) -> str | None:
     return found.group(1) if found else None
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def sample(text: str, name: str, table: str) -> float:
     found = re.search(rf'^{name}\{{table="{table}"\}} (\S+)$', text, re.M)
     assert found, f"{name}{{table={table}}} not in /metrics"
@@ -96,7 +86,7 @@ def test_dynamic_tables_train_show_restore_into_more_ps_evaluate_and_export(run_
         )  # fmt: skip
     try:
         # While it trains: the counts in the status and on /metrics.
-        status = wait_for(
+        status = wait_until(
             lambda: (
                 (s := status_or_none(address))
                 and int(s.get("global_step", 0)) > 300
@@ -109,7 +99,7 @@ def test_dynamic_tables_train_show_restore_into_more_ps_evaluate_and_export(run_
         users = status["tables"]["users"]
         assert 0 < users["rows"] <= users["admitted"] <= 2_100, status["tables"]
         assert 0 < status["tables"]["items"]["rows"] <= 800, status["tables"]
-        url = wait_for(lambda: metrics_url(log), 30, "the metrics address")
+        url = wait_until(lambda: metrics_url(log), 30, "the metrics address")
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert sample(text, "psctl_table_rows", "users") > 0
         assert sample(text, "psctl_table_admitted_total", "items") > 0
