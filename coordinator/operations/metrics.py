@@ -23,6 +23,7 @@ import collections
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from itertools import pairwise
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -144,12 +145,15 @@ class _LatestValues:
 
 class _ScrapeWatch:
     """Notes each read of the registry (a scrape of /metrics) and exports nothing: a process
-    that ends can wait until Prometheus has seen its final state once."""
+    that ends can wait until the scraper that keeps coming back (Prometheus) has seen its
+    final state once."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._count = 0
-        self._times: collections.deque[float] = collections.deque(maxlen=2)
+        # The last three: the longer gap of the two is the scrape interval, even when one
+        # stray read (an operator's curl just after a scrape) came between.
+        self._times: collections.deque[float] = collections.deque(maxlen=3)
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -162,17 +166,21 @@ class _ScrapeWatch:
         return iter(())
 
     def wait_for_next(self, *, max_seconds: float) -> bool:
-        """Wait for the next scrape: at most twice the last interval between two scrapes (one
-        if only one was seen), never more than ``max_seconds``; no wait at all if nothing ever
-        scraped. True if a scrape came."""
+        """Wait for the next scrape of a scraper that comes back: due one interval after the
+        last scrape, it is given until two intervals and a second after it, and never more
+        than ``max_seconds`` from now. No wait at all when fewer than two scrapes came (a
+        single read, an operator's curl or a test's, is no scraper: waiting for its next
+        scrape held every stopped job ``max_seconds`` longer), nor when the next is already
+        that late (the scraper has gone). True if a scrape came."""
         with self._changed:
-            if not self._times:
+            if len(self._times) < 2:
+                return False
+            interval = max(later - earlier for earlier, later in pairwise(self._times))
+            due = self._times[-1] + 2 * interval + 1.0
+            timeout = min(max_seconds, due - time.monotonic())
+            if timeout <= 0:
                 return False
             seen = self._count
-            if len(self._times) == 2:
-                timeout = min(max_seconds, 2 * (self._times[1] - self._times[0]) + 1.0)
-            else:
-                timeout = max_seconds
             return self._changed.wait_for(lambda: self._count > seen, timeout=timeout)
 
 
@@ -503,8 +511,9 @@ class CoordinatorMetrics:
 
     def wait_until_scraped(self, *, max_seconds: float = 30.0) -> bool:
         """Before the process exits: let Prometheus read the final state once (DONE, so that
-        no alert takes the exit for a crash). Waits about two scrape intervals at most, not
-        at all if nothing ever scraped; True if a scrape came."""
+        no alert takes the exit for a crash). Waits until two scrape intervals after the last
+        scrape at most; not at all unless something scrapes again and again; True if a
+        scrape came."""
         if not self._scrapes.wait_for_next(max_seconds=max_seconds):
             return False
         time.sleep(0.2)  # the scrape read every series; let its response go out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,30 @@ def test_operator_drives_a_running_job(workdir):
     probe = health(workdir / "cluster.json")
     assert probe.returncode == 69
     assert probe.stdout.count("UNREACHABLE") == 3
+
+
+@pytest.mark.timeout(300)
+def test_stop_after_a_status_and_a_scrape_ends_the_job_at_once(workdir):
+    """An operator's look (`psctl status`, one read of the coordinator's /metrics) before
+    `psctl stop`: the job ends within seconds of its summary. A single read is no scraper
+    that comes back; the coordinator waited 30 s for its next scrape (the job ended ~31 s
+    after the summary)."""
+    job, address, out = start_local_job(workdir)
+    try:
+        running = wait_training(address)  # `psctl status --json`
+        (chief,) = [t for t in running["tasks"] if t["type"] == "chief"]
+        with urllib.request.urlopen(chief["metrics_url"], timeout=10) as response:
+            assert b"psctl_global_step" in response.read()
+        assert status_or_none(address) is not None
+        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=90) == 0
+        ended = time.time()
+    finally:
+        kill_if_running(job)
+    late = ended - out.stat().st_mtime  # the summary is written, then the job ends
+    assert late < 10, f"the job ended {late:.1f}s after its summary"
+    assert read_json(out)["stopped_early"] is True
 
 
 @pytest.mark.timeout(60)

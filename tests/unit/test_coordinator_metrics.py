@@ -174,6 +174,36 @@ def test_wait_until_scraped_gives_up_after_two_scrape_intervals(registry, metric
     assert time.monotonic() - started < 3
 
 
+def test_wait_until_scraped_returns_at_once_after_a_single_read(registry, metrics):
+    # One read (an operator's curl, a test's) is no scraper that comes back: the job ended
+    # 30 s late after it, waiting for a next scrape that never came.
+    generate_latest(registry)
+    started = time.monotonic()
+    assert metrics.wait_until_scraped(max_seconds=10) is False
+    assert time.monotonic() - started < 1
+
+
+def test_wait_until_scraped_returns_at_once_once_the_scraper_is_gone(registry, metrics):
+    generate_latest(registry)
+    time.sleep(0.1)
+    generate_latest(registry)  # every 0.1 s: the next is due by 0.1 + 2 x 0.1 + 1 s ...
+    time.sleep(1.5)  # ... and has not come
+    started = time.monotonic()
+    assert metrics.wait_until_scraped(max_seconds=10) is False
+    assert time.monotonic() - started < 0.5
+
+
+def test_wait_until_scraped_counts_the_interval_past_a_stray_read(registry, metrics):
+    generate_latest(registry)
+    time.sleep(1.0)
+    generate_latest(registry)  # a scraper every 1 s ...
+    generate_latest(registry)  # ... and an operator's curl right after its scrape
+    scraper = threading.Timer(1.0, lambda: generate_latest(registry))
+    scraper.start()
+    assert metrics.wait_until_scraped(max_seconds=10) is True
+    scraper.join(timeout=5)
+
+
 def test_checkpoints(registry, metrics):
     assert value(registry, "psctl_last_checkpoint_timestamp_seconds") == 0
     assert value(registry, "psctl_checkpoints_total") == 0
