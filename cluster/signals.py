@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# From a launcher to its training process: checkpoint now, then exit for a fresh start on
+# a new cluster (psctl scale; training/loop.py).
+RESIZE_SIGNAL = signal.SIGUSR1
 
 
 class SignalRelay:

@@ -29,6 +29,7 @@ __all__ = [
     "Failure",
     "FailurePolicy",
     "PeerLost",
+    "ResizeRequested",
     "RestartFromCheckpoint",
     "Scope",
     "Unreachable",
@@ -48,6 +49,13 @@ EXIT_USAGE = 2  # argparse's status for a bad command line
 class RestartFromCheckpoint(Exception):
     """Raised in the training process when only a fresh one can go on: it exits with
     EXIT_RESTART, and the supervisor starts a new one that restores the latest checkpoint."""
+
+
+class ResizeRequested(Exception):
+    """Raised in the training process after its launcher asked for a new cluster (``psctl
+    scale``, SIGHUP) and the current step is checkpointed: it exits with EXIT_RESTART, and
+    the supervisor starts one on the new cluster, which restores that checkpoint. Not a
+    failure: it counts no restart."""
 
 
 class PeerLost(Exception):

@@ -14,6 +14,7 @@ from psctl.coordinator.operations.client import (
     cmd_health,
     cmd_pause,
     cmd_resume,
+    cmd_scale,
     cmd_status,
     cmd_stop,
     cmd_watch,
@@ -140,6 +141,26 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         default=120.0,
         help="seconds to wait for the coordinator to exit (default 120)",
     )
+    scale = command(
+        "scale",
+        "resize the running job's cluster",
+        "Resize the running job's cluster with no step lost: the coordinator checkpoints at "
+        "the current step and goes on with a fresh training process on the new cluster "
+        "(tables re-split over the ps tasks). psctl local: --workers and/or --ps, the "
+        "servers are started or stopped for you. psctl train: --cluster NEW.json, after the "
+        "new hosts' servers are started (psctl deploy render); a cluster whose servers do "
+        "not answer within --connect-timeout is refused and the job goes on.",
+        acts=True,
+    )
+    scale.add_argument("--workers", type=whole_number, help="worker tasks (psctl local)")
+    scale.add_argument("--ps", type=whole_number, help="ps tasks (psctl local)")
+    scale.add_argument("--cluster", metavar="FILE", help="the new cluster file (psctl train)")
+    scale.add_argument(
+        "--timeout",
+        type=decimal,
+        default=300.0,
+        help="seconds to wait for the new cluster's servers (default 300)",
+    )
     probe = sub.add_parser(
         "health",
         help="check every server's grpc health service",
@@ -161,5 +182,6 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         "pause": cmd_pause,
         "resume": cmd_resume,
         "stop": cmd_stop,
+        "scale": cmd_scale,
         "health": cmd_health,
     }

@@ -30,6 +30,7 @@ from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
+from psctl.coordinator.launch.resize import Resizer, local_prepare
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -129,6 +130,7 @@ class LocalCluster:
         self.tasks_file = workdir / "tasks.json"
         self.targets_file = workdir / "targets.json"
         self.servers: list[ServerProcess] = []
+        self.retiring: list[ServerProcess] = []  # out of the cluster, stopped by retire()
         self.policy = RestartPolicy(backoff_initial=0.5, backoff_max=10.0)
         self._budgets: dict[str, RestartBudget] = {}
         self._restart_due: dict[str, float] = {}
@@ -143,18 +145,69 @@ class LocalCluster:
             for task_type, index, address in self.cluster.tasks()
             if task_type in ("ps", "worker")
         ]
-        # The cluster file, plus where each health service listens (for `psctl health`).
+        self._write_cluster_file([(t, h) for t, _, _, h, _ in plan])
+        for task_type, index, address, health_port, metrics_port in plan:
+            self.servers.append(
+                self._start_server(task_type, index, address, health_port, metrics_port)
+            )
+
+    def _write_cluster_file(self, health_ports: Sequence[tuple[str, int]]) -> None:
+        """The cluster file, plus where each health service listens (for `psctl health`)."""
         health: dict[str, list[str]] = {}
-        for task_type, _, _, health_port, _ in plan:
+        for task_type, health_port in health_ports:
             health.setdefault(task_type, []).append(f"127.0.0.1:{health_port}")
         body: dict[str, Any] = {"cluster": self.cluster.as_dict(), "health": health}
         if self.dispatcher:
             body["data_service"] = {"dispatcher": self.dispatcher}
         write_json_atomic(self.cluster_file, body)
-        for task_type, index, address, health_port, metrics_port in plan:
-            self.servers.append(
-                self._start_server(task_type, index, address, health_port, metrics_port)
-            )
+
+    def resize(self, *, num_ps: int, num_workers: int, timeout: float) -> None:
+        """A new shape: servers started for the new tasks (SERVING within ``timeout``, else
+        ServerFailed and nothing changed), the cluster file and task list rewritten. Tasks
+        past the new counts (the highest indices) are retired: they serve on until
+        ``retire()``, once the training process that uses them has exited."""
+        keep = {"ps": num_ps, "worker": num_workers}
+        kept = [s for s in self.servers if s.index < keep[s.task_type]]
+        leaving = [s for s in self.servers if s.index >= keep[s.task_type]]
+        new = [
+            (task_type, index)
+            for task_type, count in keep.items()
+            for index in range(sum(1 for s in kept if s.task_type == task_type), count)
+        ]
+        free = iter(ports.free_ports(3 * len(new)))  # at once: never the same port twice
+        plan = [
+            (task_type, index, f"127.0.0.1:{next(free)}", next(free), next(free))
+            for task_type, index in new
+        ]
+        previous = self.cluster
+        jobs = {"chief": previous.jobs["chief"]}
+        for task_type in keep:
+            addresses = [s.address for s in kept if s.task_type == task_type]
+            addresses += [address for t, _, address, _, _ in plan if t == task_type]
+            jobs[task_type] = tuple(addresses)
+        self.cluster = ClusterConfig(jobs=jobs)
+        self._write_cluster_file(
+            [(s.task_type, s.health_port) for s in kept] + [(t, h) for t, _, _, h, _ in plan]
+        )
+        started = [self._start_server(*task) for task in plan]
+        try:
+            self._wait(started, timeout=timeout)
+        except ServerFailed:
+            stop_processes([s.proc for s in started])
+            self.cluster = previous
+            self._write_cluster_file([(s.task_type, s.health_port) for s in self.servers])
+            raise
+        self.servers = sorted(kept + started, key=lambda s: (s.task_type, s.index))
+        self.retiring += leaving
+        if self._tasks_written:
+            self.write_tasks()
+
+    def retire(self) -> None:
+        """Stop the servers a resize took out of the cluster."""
+        leaving, self.retiring = self.retiring, []
+        if leaving:
+            log.info("stopping %s (out of the cluster)", ", ".join(s.name for s in leaving))
+            stop_processes([s.proc for s in leaving])
 
     def _start_server(
         self, task_type: str, index: int, address: str, health_port: int, metrics_port: int
@@ -216,8 +269,11 @@ class LocalCluster:
 
     def wait_serving(self, *, timeout: float) -> None:
         """Bounded wait for every server's health; a failed server shows its last log lines."""
+        self._wait(self.servers, timeout=timeout)
+
+    def _wait(self, servers: Sequence[ServerProcess], *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        pending = list(self.servers)
+        pending = list(servers)
         while pending:
             for server in list(pending):
                 code = server.proc.poll()
@@ -274,7 +330,7 @@ class LocalCluster:
                     self.write_tasks()
 
     def stop(self) -> None:
-        stop_processes([s.proc for s in self.servers])
+        stop_processes([s.proc for s in self.servers + self.retiring])
 
 
 def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any]:
@@ -436,6 +492,7 @@ def local_ps_main(
             def start(counters: Counters) -> subprocess.Popen[bytes]:
                 # Without the launcher the servers go too, and a coordinator waiting for them
                 # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
+                local.retire()  # a resize's leaving servers: the last process is gone
                 counters_json = json.dumps(dataclasses.asdict(counters))
                 return spawn(
                     [*argv, "--supervisor-counters", counters_json], death_signal=signal.SIGKILL
@@ -448,6 +505,11 @@ def local_ps_main(
                 counters=local.counters,
             )
             front.on_stop = supervisor.control_stop
+            front.on_scale = Resizer(
+                supervisor,
+                local_prepare(local, timeout=args.start_timeout, epochs=settings.epochs > 0),
+                checkpoints=bool(settings.checkpoint_dir),
+            )
             try:
                 with forward_stop_signals(supervisor):
                     return supervisor.run()

@@ -12,13 +12,15 @@ import json
 import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
@@ -27,10 +29,13 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.logs import forward_stderr
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
+from psctl.control.v1 import control_pb2
 from psctl.coordinator.failures import (
+    EXIT_RESTART,
     Decision,
     Failure,
     FailurePolicy,
+    ResizeRequested,
     Scope,
     classify,
     describe,
@@ -38,13 +43,14 @@ from psctl.coordinator.failures import (
     tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.launch.resize import ClusterFile, Resizer
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartPolicy,
     TrainingSupervisor,
     forward_stop_signals,
 )
-from psctl.coordinator.operations.front import launch_control
+from psctl.coordinator.operations.front import Refused, launch_control
 from psctl.coordinator.operations.job_state import JobControl, TaskInfo
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
@@ -128,6 +134,7 @@ def run_training_process(
         on_state=metrics.set_state if metrics else None,
     )
     control.recoveries = counters.restarts
+    control.cluster_generation = len(counters.resizes)
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
@@ -139,6 +146,10 @@ def run_training_process(
         )
     try:
         return run(control, failures)
+    except ResizeRequested as err:
+        log.info("resizing: %s; a fresh training process goes on on the new cluster", err)
+        control.set_state(State.RECOVERING, f"resizing the cluster ({err})")
+        return EXIT_RESTART
     except BaseException as err:
         if classify(err) is Failure.NON_FINITE:
             count_nonfinite(counters, metrics)
@@ -171,6 +182,7 @@ def complete(
         summary.worker_failures = max(counters.worker_failures, failures.get("worker", 0))
         summary.coordinator_failures = counters.coordinator_failures
         summary.recoveries = control.recoveries
+        summary.resizes = list(counters.resizes)
         print_summary(summary)
         if settings.summary_json:
             write_summary(summary, settings.summary_json)
@@ -277,11 +289,17 @@ def supervise_train(
         argv = psctl_argv(
             *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
         )
+        # The parameter-server mode resizes (psctl scale --cluster, SIGHUP): each training
+        # process starts on the cluster file of the latest generation.
+        cluster_file = None
+        if serve_control and settings.strategy == "async" and getattr(args, "cluster", None):
+            cluster_file = ClusterFile(args.cluster, timeout=settings.connect_timeout)
 
         def start(counters: Counters) -> subprocess.Popen[bytes]:
             counters_json = json.dumps(asdict(counters))
+            current = with_cluster(argv, cluster_file.path) if cluster_file else argv
             return TrainingProcess(
-                [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
+                [*current, "--supervisor-counters", counters_json], verbose=args.verbose
             )
 
         if serve_control and not settings.checkpoint_dir:  # once, not at every restart
@@ -291,8 +309,50 @@ def supervise_train(
         )
         if serve_control:
             front.on_stop = supervisor.control_stop
+        if cluster_file is not None:
+            resizer = Resizer(
+                supervisor, cluster_file.prepare, checkpoints=bool(settings.checkpoint_dir)
+            )
+            front.on_scale = resizer
+            stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
         with forward_stop_signals(supervisor):
             return supervisor.run()
+
+
+def with_cluster(argv: list[str], path: str) -> list[str]:
+    """``argv`` with its ``--cluster`` value replaced by ``path``."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--cluster" and i + 1 < len(out):
+            out[i + 1] = path
+            return out
+        if arg.startswith("--cluster="):
+            out[i] = f"--cluster={path}"
+            return out
+    return out
+
+
+@contextlib.contextmanager
+def reread_on_sighup(path: str, resizer: Resizer) -> Iterator[None]:
+    """SIGHUP: read ``path`` again and resize to it (on a thread of its own: the new
+    servers' health checks take time); a bad file is one line and the job goes on."""
+
+    def resize() -> None:
+        try:
+            text = Path(path).read_text()
+            response = resizer(control_pb2.ScaleRequest(cluster_json=text))
+            log.info("SIGHUP: %s", response.message)
+        except (ConfigError, Refused, OSError) as err:
+            log.error("SIGHUP: %s not applied: %s", path, err)
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        threading.Thread(target=resize, name="psctl-sighup", daemon=True).start()
+
+    old = signal.signal(signal.SIGHUP, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
 
 
 def start_metrics(

@@ -30,7 +30,9 @@ from pathlib import Path
 from types import FrameType
 
 from psctl.cluster.files import write_json_atomic
+from psctl.cluster.signals import RESIZE_SIGNAL
 from psctl.coordinator.failures import (
+    EXIT_RESTART,
     RESTARTS,
     Decision,
     Failure,
@@ -84,6 +86,7 @@ class Counters:
     coordinator_failures: int = 0
     worker_failures: int = 0  # worker servers psctl local restarted
     nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
+    resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
     # Where a training process leaves what only it sees (nonfinite_losses) just before it
     # exits; the supervisor reads and removes it, and hands the counts to the next one.
     report_file: str = field(default="", compare=False)
@@ -153,6 +156,26 @@ class TrainingSupervisor:
         self.sleep = sleep
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        self._resize: dict[str, object] | None = None  # asked for, not done yet
+        self._resize_started = 0.0
+
+    @property
+    def resizing(self) -> bool:
+        """A resize was asked for and the training process has not exited for it yet."""
+        return self._resize is not None
+
+    def request_resize(self, *, old: str, new: str) -> bool:
+        """Ask the training process to checkpoint now and exit for a fresh start (the next
+        one starts on the new cluster: ``start`` reads it); False when none is running."""
+        child = self.child
+        if self.stopping or child is None or child.poll() is not None:
+            return False
+        self._resize = {"time": time.time(), "from": old, "to": new}
+        self._resize_started = self.clock()
+        log.warning("resizing %s -> %s: the training process checkpoints and exits", old, new)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(RESIZE_SIGNAL)
+        return True
 
     def run(self) -> int:
         consecutive_crashes = 0
@@ -160,6 +183,12 @@ class TrainingSupervisor:
             self.child = self.start(self.counters)
             code = self._wait(self.child)
             self.counters.take_report()
+            resize, self._resize = self._resize, None
+            if resize is not None and code == EXIT_RESTART and not self.stopping:
+                resize["seconds"] = round(self.clock() - self._resize_started, 3)
+                self.counters.resizes.append(resize)
+                log.info("starting the training process on the new cluster (%s)", resize["to"])
+                continue  # not a failure: no restart counted, no backoff
             failure = classify_exit(code)
             if failure is None:
                 return code  # finished, or stopped gracefully after a checkpoint

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 import grpc
 
 from psctl.cluster.address import Address
-from psctl.cluster.errors import EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.tf_config import resolve_cluster
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.security import (
@@ -87,6 +87,8 @@ def _describe(err: grpc.RpcError, address: str, target: Target | None = None) ->
         return ControlError(f"no coordinator at {address}: {reason}", EXIT_UNAVAILABLE)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ControlError(f"coordinator at {address} did not answer in time", EXIT_UNAVAILABLE)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's to fix: a setting's line
+        return ControlError(details or "invalid request", EXIT_CONFIG)
     name = code.name if code else "ERROR"
     return ControlError(f"{name}: {details}", EXIT_FAILURE)
 
@@ -157,6 +159,12 @@ def format_status(status: control_pb2.Status) -> str:
         age = time.time() - ckpt.time_unix_seconds
         lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
     lines.extend(format_table(t) for t in status.tables)
+    counts = {kind: sum(t.type == kind for t in status.tasks) for kind in ("ps", "worker")}
+    if status.tasks:
+        lines.append(
+            f"cluster: {counts['ps']} ps + {counts['worker']} workers "
+            f"(generation {status.cluster_generation})"
+        )
     if status.message:
         lines.append(f"note: {status.message}")
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH", "FAILURES", "PID", "METRICS")]
@@ -266,6 +274,24 @@ def cmd_stop(args: argparse.Namespace) -> int:
         f"(state {state_name(last.state) if last else '?'})",
         EXIT_FAILURE,
     )
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Resize the running job's cluster: psctl local's counts, or psctl train's new cluster
+    description (checked here first, then by the coordinator)."""
+    request = control_pb2.ScaleRequest(workers=args.workers or 0, ps=args.ps or 0)
+    if args.cluster:
+        from psctl.cluster.spec import parse_cluster_json, read_cluster_file
+
+        text = read_cluster_file(args.cluster)
+        parse_cluster_json(text, source=args.cluster)  # one line now, not after the RPC
+        request.cluster_json = text
+    if not (request.workers or request.ps or request.cluster_json):
+        raise ConfigError("--workers", "nothing to change", "give --workers, --ps or --cluster")
+    target = Target.from_args(args)
+    response = call(target, "Scale", request, timeout=args.timeout)
+    print(response.message, flush=True)
+    return 0
 
 
 def cmd_health(args: argparse.Namespace) -> int:

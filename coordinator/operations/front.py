@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.security import (
     ControlSecurity,
@@ -62,6 +63,11 @@ _CHANNEL_OPTIONS = [
 _FINAL = frozenset(s.value for s in FINAL_STATES)
 
 
+class Refused(Exception):
+    """A request the launcher cannot take now (a resize while one is under way, or while no
+    training process runs): one line, to retry later."""
+
+
 class FrontServicer(control_pb2_grpc.ControlServicer):
     """The Control service of the launcher: forwards to the training process on
     ``backend`` (with the job's control ``token``), answers for it while it is away."""
@@ -74,6 +80,10 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         self._metadata = bearer(token)
         # Set by the launcher once its supervisor exists (``ControlFront.on_stop``).
         self.on_stop: Callable[[bool], None] = lambda forwarded: None
+        # Set by a launcher that can resize its cluster (launch/resize.py): the request in,
+        # the answer out; a ConfigError is the operator's to fix (INVALID_ARGUMENT), a
+        # Refused one to retry later (FAILED_PRECONDITION).
+        self.on_scale: Callable[[Any], control_pb2.ScaleResponse] | None = None
         self._lock = threading.Lock()
         self._last: control_pb2.Status | None = None  # what the training process said last
         self._last_seen = 0.0
@@ -188,6 +198,21 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         self.on_stop(True)
         return response
 
+    def Scale(self, request: Any, context: grpc.ServicerContext) -> control_pb2.ScaleResponse:
+        if self.on_scale is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this launcher does not resize its cluster (psctl local and psctl train "
+                "--cluster FILE in the parameter-server mode do, once training has started)",
+            )
+        try:
+            return self.on_scale(request)  # type: ignore[misc]
+        except ConfigError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except Refused as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        raise AssertionError("unreachable: abort raises")
+
     def _call(
         self, method: str, request: Any, context: grpc.ServicerContext, default: float
     ) -> Any:
@@ -265,6 +290,14 @@ class ControlFront:
             name="control-front-poll",
             daemon=True,
         )
+
+    @property
+    def on_scale(self) -> Callable[[Any], control_pb2.ScaleResponse] | None:
+        return self.servicer.on_scale
+
+    @on_scale.setter
+    def on_scale(self, callback: Callable[[Any], control_pb2.ScaleResponse] | None) -> None:
+        self.servicer.on_scale = callback
 
     @property
     def on_stop(self) -> Callable[[bool], None]:

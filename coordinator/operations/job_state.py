@@ -121,6 +121,10 @@ class JobControl:
         self._pause_requested = False
         self._checkpoints: list[CheckpointRequest] = []
         self.stop_requested = threading.Event()
+        # Set with stop_requested by a resize (SIGUSR1 from the launcher): the loop ends at
+        # a checkpoint and the process exits for a fresh start on the new cluster.
+        self.resize_requested = threading.Event()
+        self.cluster_generation = 0  # resizes before this process (the supervisor's count)
         self._on_state = on_state  # e.g. the coordinator_state metric
         # Held while the callback runs, so that the last call reports the latest state.
         self._notify_lock = threading.Lock()
@@ -289,6 +293,14 @@ class JobControl:
             self.stop_requested.set()
             return self._reported()
 
+    def request_resize(self) -> None:
+        """The launcher's: end the loop at a checkpoint, then exit for a new cluster."""
+        with self._lock:
+            if self._state in FINAL_STATES:
+                return
+            self.resize_requested.set()
+            self.stop_requested.set()
+
     def request_checkpoint(self) -> CheckpointRequest:
         with self._lock:
             if not self.can_checkpoint:
@@ -317,6 +329,7 @@ class JobControl:
                 tasks=list(self.tasks),
                 health=dict(self._health),
                 failures=dict(self._failures),
+                cluster_generation=self.cluster_generation,
             )
 
     # -- health of the cluster's tasks -----------------------------------------------------
@@ -377,3 +390,4 @@ class JobView:
     tasks: list[TaskInfo]
     health: dict[tuple[str, int], str]
     failures: dict[tuple[str, int], int]
+    cluster_generation: int = 0

@@ -66,6 +66,7 @@ def status_proto(job: JobControl) -> control_pb2.Status:
         uptime_seconds=view.uptime_seconds,
         steps_per_execution=view.steps_per_execution,
         message=board.message,
+        cluster_generation=view.cluster_generation,
     )
     status.metrics.update(board.metrics)
     status.eval_metrics.update(board.eval_metrics)

@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from psctl.cluster.signals import SignalRelay
+from psctl.cluster.signals import RESIZE_SIGNAL, SignalRelay
+from psctl.coordinator.failures import ResizeRequested
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
@@ -71,6 +72,12 @@ def install_stop_signals(control: JobControl) -> None:
         control.stop_requested.set()
 
     SignalRelay(handle, abort_on_second=True)
+
+    def resize(signum: int) -> None:
+        log.warning("the launcher asked for a new cluster: checkpoint, then a fresh start")
+        control.request_resize()
+
+    SignalRelay(resize, (RESIZE_SIGNAL,))
 
 
 @dataclass(frozen=True)
@@ -400,6 +407,11 @@ def run_training(
         metrics=trainer.metrics,
     )
     loop.train(start_step, steps_per_execution=runner.packer.k)
+    if trainer.control.resize_requested.is_set() and trainer.is_chief:
+        # Every step so far in a checkpoint, then a fresh process on the new cluster
+        # restores it: no final evaluation, no summary (the run goes on).
+        path = trainer.checkpointer.save()
+        raise ResizeRequested(f"checkpoint {path} at global step {trainer.state.step()}")
     return end_run(
         loop,
         trainer,

@@ -42,6 +42,10 @@ class Summary:
     # Per dynamic embedding table (by layer name) at the end: its live "rows" and the
     # "admitted" and "evicted" totals; {} without dynamic tables.
     tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Every resize of the cluster during the run (psctl scale, SIGHUP), in order: when
+    # ("time", Unix seconds), "from" and "to" (e.g. "1 ps + 2 workers") and "seconds" from
+    # the request until the new cluster's training process started.
+    resizes: list[dict[str, object]] = field(default_factory=list)
 
 
 def accuracy_of(values: dict[str, float]) -> float | None:

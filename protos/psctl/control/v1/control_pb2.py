@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsctl/control/v1/control.proto\x12\x10psctl.control.v1\"\xae\x01\n\x04Task\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12,\n\x06health\x18\x04 \x01(\x0e\x32\x1c.psctl.control.v1.TaskHealth\x12\x16\n\x0ehealth_address\x18\x05 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x03\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\x03\"C\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x19\n\x11time_unix_seconds\x18\x03 \x01(\x01\"F\n\x05Table\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\"\xed\x04\n\x06Status\x12\x0b\n\x03job\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\x12\x13\n\x0bglobal_step\x18\x03 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x04 \x01(\x03\x12\x18\n\x10steps_per_second\x18\x05 \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.psctl.control.v1.Status.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\t \x03(\x0b\x32).psctl.control.v1.Status.EvalMetricsEntry\x12\x11\n\teval_step\x18\n \x01(\x03\x12\x35\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\x12%\n\x05tasks\x18\x0c \x03(\x0b\x32\x16.psctl.control.v1.Task\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\x12\x1b\n\x13steps_per_execution\x18\x0e \x01(\x05\x12\x0f\n\x07message\x18\x0f \x01(\t\x12\'\n\x06tables\x18\x10 \x03(\x0b\x32\x17.psctl.control.v1.Table\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"F\n\x12\x43heckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\"\x0e\n\x0cPauseRequest\":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\x0f\n\rResumeRequest\";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\r\n\x0bStopRequest\"9\n\x0cStopResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState*\xe3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATE_STARTING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x1b\n\x17JOB_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x16\n\x12JOB_STATE_STOPPING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08*\x95\x01\n\nTaskHealth\x12\x1b\n\x17TASK_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_HEALTH_SERVING\x10\x01\x12\x1b\n\x17TASK_HEALTH_NOT_SERVING\x10\x02\x12\x1b\n\x17TASK_HEALTH_UNREACHABLE\x10\x03\x12\x17\n\x13TASK_HEALTH_UNKNOWN\x10\x04\x32\xdc\x03\n\x07\x43ontrol\x12I\n\tGetStatus\x12\".psctl.control.v1.GetStatusRequest\x1a\x18.psctl.control.v1.Status\x12O\n\x0bWatchStatus\x12$.psctl.control.v1.WatchStatusRequest\x1a\x18.psctl.control.v1.Status0\x01\x12W\n\nCheckpoint\x12#.psctl.control.v1.CheckpointRequest\x1a$.psctl.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.psctl.control.v1.PauseRequest\x1a\x1f.psctl.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.psctl.control.v1.ResumeRequest\x1a .psctl.control.v1.ResumeResponse\x12\x45\n\x04Stop\x12\x1d.psctl.control.v1.StopRequest\x1a\x1e.psctl.control.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsctl/control/v1/control.proto\x12\x10psctl.control.v1\"\xae\x01\n\x04Task\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12,\n\x06health\x18\x04 \x01(\x0e\x32\x1c.psctl.control.v1.TaskHealth\x12\x16\n\x0ehealth_address\x18\x05 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x03\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\x03\"C\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x19\n\x11time_unix_seconds\x18\x03 \x01(\x01\"F\n\x05Table\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\"\x89\x05\n\x06Status\x12\x0b\n\x03job\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\x12\x13\n\x0bglobal_step\x18\x03 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x04 \x01(\x03\x12\x18\n\x10steps_per_second\x18\x05 \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.psctl.control.v1.Status.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\t \x03(\x0b\x32).psctl.control.v1.Status.EvalMetricsEntry\x12\x11\n\teval_step\x18\n \x01(\x03\x12\x35\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\x12%\n\x05tasks\x18\x0c \x03(\x0b\x32\x16.psctl.control.v1.Task\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\x12\x1b\n\x13steps_per_execution\x18\x0e \x01(\x05\x12\x0f\n\x07message\x18\x0f \x01(\t\x12\'\n\x06tables\x18\x10 \x03(\x0b\x32\x17.psctl.control.v1.Table\x12\x1a\n\x12\x63luster_generation\x18\x11 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"F\n\x12\x43heckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\"\x0e\n\x0cPauseRequest\":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\x0f\n\rResumeRequest\";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\r\n\x0bStopRequest\"9\n\x0cStopResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"A\n\x0cScaleRequest\x12\x0f\n\x07workers\x18\x01 \x01(\x05\x12\n\n\x02ps\x18\x02 \x01(\x05\x12\x14\n\x0c\x63luster_json\x18\x03 \x01(\t\"<\n\rScaleResponse\x12\x1a\n\x12\x63luster_generation\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t*\xe3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATE_STARTING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x1b\n\x17JOB_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x16\n\x12JOB_STATE_STOPPING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08*\x95\x01\n\nTaskHealth\x12\x1b\n\x17TASK_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_HEALTH_SERVING\x10\x01\x12\x1b\n\x17TASK_HEALTH_NOT_SERVING\x10\x02\x12\x1b\n\x17TASK_HEALTH_UNREACHABLE\x10\x03\x12\x17\n\x13TASK_HEALTH_UNKNOWN\x10\x04\x32\xa6\x04\n\x07\x43ontrol\x12I\n\tGetStatus\x12\".psctl.control.v1.GetStatusRequest\x1a\x18.psctl.control.v1.Status\x12O\n\x0bWatchStatus\x12$.psctl.control.v1.WatchStatusRequest\x1a\x18.psctl.control.v1.Status0\x01\x12W\n\nCheckpoint\x12#.psctl.control.v1.CheckpointRequest\x1a$.psctl.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.psctl.control.v1.PauseRequest\x1a\x1f.psctl.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.psctl.control.v1.ResumeRequest\x1a .psctl.control.v1.ResumeResponse\x12\x45\n\x04Stop\x12\x1d.psctl.control.v1.StopRequest\x1a\x1e.psctl.control.v1.StopResponse\x12H\n\x05Scale\x12\x1e.psctl.control.v1.ScaleRequest\x1a\x1f.psctl.control.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUS_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_STATUS_EVALMETRICSENTRY']._loaded_options = None
   _globals['_STATUS_EVALMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1384
-  _globals['_JOBSTATE']._serialized_end=1611
-  _globals['_TASKHEALTH']._serialized_start=1614
-  _globals['_TASKHEALTH']._serialized_end=1763
+  _globals['_JOBSTATE']._serialized_start=1541
+  _globals['_JOBSTATE']._serialized_end=1768
+  _globals['_TASKHEALTH']._serialized_start=1771
+  _globals['_TASKHEALTH']._serialized_end=1920
   _globals['_TASK']._serialized_start=53
   _globals['_TASK']._serialized_end=227
   _globals['_CHECKPOINT']._serialized_start=229
@@ -46,31 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLE']._serialized_start=298
   _globals['_TABLE']._serialized_end=368
   _globals['_STATUS']._serialized_start=371
-  _globals['_STATUS']._serialized_end=992
-  _globals['_STATUS_METRICSENTRY']._serialized_start=894
-  _globals['_STATUS_METRICSENTRY']._serialized_end=940
-  _globals['_STATUS_EVALMETRICSENTRY']._serialized_start=942
-  _globals['_STATUS_EVALMETRICSENTRY']._serialized_end=992
-  _globals['_GETSTATUSREQUEST']._serialized_start=994
-  _globals['_GETSTATUSREQUEST']._serialized_end=1012
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=1014
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=1060
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1062
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1081
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1083
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1153
-  _globals['_PAUSEREQUEST']._serialized_start=1155
-  _globals['_PAUSEREQUEST']._serialized_end=1169
-  _globals['_PAUSERESPONSE']._serialized_start=1171
-  _globals['_PAUSERESPONSE']._serialized_end=1229
-  _globals['_RESUMEREQUEST']._serialized_start=1231
-  _globals['_RESUMEREQUEST']._serialized_end=1246
-  _globals['_RESUMERESPONSE']._serialized_start=1248
-  _globals['_RESUMERESPONSE']._serialized_end=1307
-  _globals['_STOPREQUEST']._serialized_start=1309
-  _globals['_STOPREQUEST']._serialized_end=1322
-  _globals['_STOPRESPONSE']._serialized_start=1324
-  _globals['_STOPRESPONSE']._serialized_end=1381
-  _globals['_CONTROL']._serialized_start=1766
-  _globals['_CONTROL']._serialized_end=2242
+  _globals['_STATUS']._serialized_end=1020
+  _globals['_STATUS_METRICSENTRY']._serialized_start=922
+  _globals['_STATUS_METRICSENTRY']._serialized_end=968
+  _globals['_STATUS_EVALMETRICSENTRY']._serialized_start=970
+  _globals['_STATUS_EVALMETRICSENTRY']._serialized_end=1020
+  _globals['_GETSTATUSREQUEST']._serialized_start=1022
+  _globals['_GETSTATUSREQUEST']._serialized_end=1040
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=1042
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=1088
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1090
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1109
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1111
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1181
+  _globals['_PAUSEREQUEST']._serialized_start=1183
+  _globals['_PAUSEREQUEST']._serialized_end=1197
+  _globals['_PAUSERESPONSE']._serialized_start=1199
+  _globals['_PAUSERESPONSE']._serialized_end=1257
+  _globals['_RESUMEREQUEST']._serialized_start=1259
+  _globals['_RESUMEREQUEST']._serialized_end=1274
+  _globals['_RESUMERESPONSE']._serialized_start=1276
+  _globals['_RESUMERESPONSE']._serialized_end=1335
+  _globals['_STOPREQUEST']._serialized_start=1337
+  _globals['_STOPREQUEST']._serialized_end=1350
+  _globals['_STOPRESPONSE']._serialized_start=1352
+  _globals['_STOPRESPONSE']._serialized_end=1409
+  _globals['_SCALEREQUEST']._serialized_start=1411
+  _globals['_SCALEREQUEST']._serialized_end=1476
+  _globals['_SCALERESPONSE']._serialized_start=1478
+  _globals['_SCALERESPONSE']._serialized_end=1538
+  _globals['_CONTROL']._serialized_start=1923
+  _globals['_CONTROL']._serialized_end=2473
 # @@protoc_insertion_point(module_scope)

@@ -84,7 +84,7 @@ class Table(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables")
+    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class Status(_message.Message):
     STEPS_PER_EXECUTION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     global_step: int
@@ -131,7 +132,8 @@ class Status(_message.Message):
     steps_per_execution: int
     message: str
     tables: _containers.RepeatedCompositeFieldContainer[Table]
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ...) -> None: ...
+    cluster_generation: int
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -182,3 +184,21 @@ class StopResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     def __init__(self, state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("workers", "ps", "cluster_json")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_JSON_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    ps: int
+    cluster_json: str
+    def __init__(self, workers: _Optional[int] = ..., ps: _Optional[int] = ..., cluster_json: _Optional[str] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("cluster_generation", "message")
+    CLUSTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    cluster_generation: int
+    message: str
+    def __init__(self, cluster_generation: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

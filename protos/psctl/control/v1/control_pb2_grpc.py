@@ -64,6 +64,11 @@ class ControlStub:
                 request_serializer=psctl_dot_control_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
                 response_deserializer=psctl_dot_control_dot_v1_dot_control__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/psctl.control.v1.Control/Scale',
+                request_serializer=psctl_dot_control_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=psctl_dot_control_dot_v1_dot_control__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -109,6 +114,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Resize: checkpoint at the current step, go on with a new training process on the new
+        cluster (no step lost). Returns once the new cluster's servers answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +154,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=psctl_dot_control_dot_v1_dot_control__pb2.StopRequest.FromString,
                     response_serializer=psctl_dot_control_dot_v1_dot_control__pb2.StopResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=psctl_dot_control_dot_v1_dot_control__pb2.ScaleRequest.FromString,
+                    response_serializer=psctl_dot_control_dot_v1_dot_control__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +323,33 @@ class Control:
             '/psctl.control.v1.Control/Stop',
             psctl_dot_control_dot_v1_dot_control__pb2.StopRequest.SerializeToString,
             psctl_dot_control_dot_v1_dot_control__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psctl.control.v1.Control/Scale',
+            psctl_dot_control_dot_v1_dot_control__pb2.ScaleRequest.SerializeToString,
+            psctl_dot_control_dot_v1_dot_control__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

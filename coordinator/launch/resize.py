@@ -1,0 +1,184 @@
+"""Resizing a running job's cluster (``psctl scale``; ``psctl train`` also on SIGHUP).
+
+TensorFlow's servers take the cluster a coordinator gives them (a server started for one
+cluster serves a coordinator whose cluster has more or fewer tasks, or gives it another
+index: measured, TF 2.21), but a ``ClusterCoordinator`` never changes its cluster. So a
+resize is: the new servers answer health checks (psctl local starts them; on real hosts
+the operator did), the cluster file is rewritten, the training process is told to
+checkpoint at the current step and exit (``RESIZE_SIGNAL``), and the supervisor starts a
+fresh one on the new cluster, which restores that checkpoint: no step lost, tables
+re-split over the new number of ps tasks. No restart is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from psctl.cluster import health
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.files import write_json_atomic
+from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.cluster.spec import ClusterConfig, parse_cluster_json
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.launch.supervisor import TrainingSupervisor
+from psctl.coordinator.operations.front import Refused
+
+log = logging.getLogger(__name__)
+
+
+def shape(cluster: ClusterConfig) -> str:
+    return f"{cluster.num_ps} ps + {cluster.num_workers} workers"
+
+
+class Resizer:
+    """What a launcher's front calls for a Scale request (one at a time): ``prepare(request)``
+    makes the new cluster ready and returns (old shape, new shape); then the supervisor asks
+    the training process for a fresh start on it."""
+
+    def __init__(
+        self,
+        supervisor: TrainingSupervisor,
+        prepare: Callable[[Any], tuple[str, str]],
+        *,
+        checkpoints: bool,
+    ) -> None:
+        self.supervisor = supervisor
+        self.prepare = prepare
+        self.checkpoints = checkpoints
+        self._lock = threading.Lock()
+
+    def __call__(self, request: Any) -> control_pb2.ScaleResponse:
+        if not self.checkpoints:
+            raise ConfigError(
+                "--checkpoint-dir",
+                "a resize goes on from a checkpoint at the current step, and this job has none",
+                "run the job with --checkpoint-dir to resize it",
+            )
+        if not self._lock.acquire(blocking=False):
+            raise Refused("a resize is under way: try again when psctl status says RUNNING")
+        try:
+            if self.supervisor.resizing:
+                raise Refused("a resize is under way: try again when psctl status says RUNNING")
+            old, new = self.prepare(request)
+            if not self.supervisor.request_resize(old=old, new=new):
+                raise Refused("no training process is running (restarting?): try again")
+            generation = len(self.supervisor.counters.resizes) + 1
+            return control_pb2.ScaleResponse(
+                cluster_generation=generation,
+                message=f"{old} -> {new}: checkpointing, then training goes on on the new "
+                f"cluster (generation {generation})",
+            )
+        finally:
+            self._lock.release()
+
+
+def local_prepare(local: Any, *, timeout: float, epochs: bool) -> Callable[[Any], tuple[str, str]]:
+    """psctl local's: start (or retire) servers for the requested counts."""
+
+    def prepare(request: Any) -> tuple[str, str]:
+        if request.cluster_json:
+            raise ConfigError(
+                "--cluster",
+                "psctl local runs its own servers",
+                "give --workers N and/or --ps M (a cluster file is for psctl train)",
+            )
+        if epochs:
+            raise ConfigError(
+                "--epochs",
+                "a resize cannot yet keep an epoch's exactly-once guarantee",
+                "resize a job trained by --steps",
+            )
+        old = local.cluster
+        workers = request.workers or old.num_workers
+        num_ps = request.ps or old.num_ps
+        if workers < 1 or num_ps < 1:
+            raise ConfigError("--workers", "a cluster needs a ps and a worker", "give 1 or more")
+        if (workers, num_ps) == (old.num_workers, old.num_ps):
+            raise ConfigError(
+                "--workers", f"the job already runs on {shape(old)}", "give another count"
+            )
+        started = time.monotonic()
+        local.resize(num_ps=num_ps, num_workers=workers, timeout=timeout)
+        log.info("new servers SERVING in %.1fs", time.monotonic() - started)
+        return shape(old), shape(local.cluster)
+
+    return prepare
+
+
+class ClusterFile:
+    """psctl train's cluster, as a file the launcher rewrites for each generation: the
+    operator's ``--cluster`` FILE first, then a copy of each new description."""
+
+    def __init__(self, path: str, *, timeout: float) -> None:
+        self.source = path
+        self.path = path
+        self.timeout = timeout
+        self.cluster = load(Path(path).read_text(), source=path)
+        self._dir: str | None = None
+
+    def prepare(self, request: Any) -> tuple[str, str]:
+        text = request.cluster_json
+        if not text:
+            raise ConfigError(
+                "--cluster",
+                "psctl train resizes to a cluster description",
+                "give psctl scale --cluster NEW.json (the servers of its new hosts started)",
+            )
+        new = load(text, source="the new cluster")
+        old = self.cluster
+        if new.chief != old.chief:
+            raise ConfigError(
+                "chief",
+                f"the new cluster's chief is {new.chief}, this coordinator is {old.chief}",
+                "keep the chief's address",
+            )
+        wait_serving(new, json.loads(text), timeout=self.timeout)
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="psctl-cluster-")
+        path = Path(self._dir) / f"cluster-{int(time.time() * 1000)}.json"
+        write_json_atomic(path, json.loads(text))
+        self.path, self.cluster = str(path), new
+        return shape(old), shape(new)
+
+
+def load(text: str, *, source: str) -> ClusterConfig:
+    return parse_cluster_json(text, source=source)
+
+
+def wait_serving(cluster: ClusterConfig, body: Any, *, timeout: float) -> None:
+    """Every ps and worker of ``cluster`` SERVING within ``timeout`` (the file's "health"
+    addresses, else TF port + HEALTH_PORT_OFFSET), else a ConfigError naming the first that
+    is not."""
+    explicit = body.get("health", {}) if isinstance(body, dict) else {}
+    targets = []
+    for task_type, index, address in cluster.task_addresses():
+        if task_type not in ("ps", "worker"):
+            continue
+        given = explicit.get(task_type, [])
+        target = (
+            given[index]
+            if index < len(given)
+            else str(address.with_port(address.port + HEALTH_PORT_OFFSET))
+        )
+        targets.append((f"{task_type}:{index}", target))
+    deadline = time.monotonic() + timeout
+    pending = list(targets)
+    while pending:
+        pending = [(name, t) for name, t in pending if not health.check(t, timeout=1.0).serving]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            name, target = pending[0]
+            raise ConfigError(
+                name,
+                f"not SERVING at {target} after {timeout:.0f}s; the job goes on on the old cluster",
+                "start its server (psctl deploy render gives its unit), then scale again",
+            )
+        time.sleep(0.5)
