@@ -1,0 +1,105 @@
+"""psctl scale against a real `psctl local` job: 2 -> 4 -> 1 workers and 1 -> 2 ps while it
+trains, each shape seen in `psctl status`, no step lost (each new cluster starts from the
+step reached when it was asked for), bad requests refused in one line while the job goes
+on, and the summary listing every resize."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    control_cli,
+    kill_if_running,
+    processes_mentioning,
+    read_json,
+    status_or_none,
+)
+from tests.integration.test_control import start_local_job, status, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def shape(s: dict) -> tuple[int, int]:
+    tasks = s.get("tasks", [])
+    return (
+        sum(t["type"] == "ps" for t in tasks),
+        sum(t["type"] == "worker" for t in tasks),
+    )
+
+
+def scale(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return control_cli(address, "scale", *args, timeout=240)
+
+
+def wait_shape(address: str, want: tuple[int, int], generation: int, after: int) -> dict:
+    """RUNNING on ``want`` (ps, workers) at ``generation``, past global step ``after``."""
+    return wait_until(
+        lambda: (
+            (s := status_or_none(address))
+            and s["state"] == "JOB_STATE_RUNNING"
+            and shape(s) == want
+            and int(s.get("cluster_generation", 0)) == generation
+            and int(s["global_step"]) > after
+            and all(t["health"] == "TASK_HEALTH_SERVING" for t in s["tasks"])
+            and s
+        ),
+        timeout=200,
+        what=f"RUNNING on {want[0]} ps + {want[1]} workers (generation {generation})",
+    )
+
+
+def test_scale_workers_and_ps_while_training_with_no_step_lost(workdir: Path, tmp_path: Path):
+    job, address, out = start_local_job(workdir, "--workers", "2", "--log-every", "1")
+    try:
+        s = wait_shape(address, (1, 2), 0, 0)
+        for generation, (args, want) in enumerate(
+            [
+                (("--workers", "4"), (1, 4)),
+                (("--workers", "1"), (1, 1)),
+                (("--ps", "2"), (2, 1)),
+            ],
+            start=1,
+        ):
+            before = int(status(address)["global_step"])
+            proc = scale(address, *args)
+            assert proc.returncode == 0, proc.stderr
+            assert f"(generation {generation})" in proc.stdout, proc.stdout
+            s = wait_shape(address, want, generation, before)
+            # The new training process restored the checkpoint taken at the request: it went
+            # on from at least the step reached before it (no step lost).
+            assert int(s["global_step"]) >= before
+
+        # Refused in one line, the job going on as it was.
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"cluster": {"ps": ["127.0.0.1:1"]}}')
+        proc = scale(address, "--cluster", str(bad))
+        assert proc.returncode == 78, proc.stderr
+        assert "worker" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        good = tmp_path / "cluster.json"
+        good.write_text(json.dumps({"cluster": {"ps": ["a:1"], "worker": ["b:2"]}}))
+        proc = scale(address, "--cluster", str(good))
+        assert proc.returncode == 78 and "psctl local runs its own servers" in proc.stderr
+        proc = scale(address, "--ps", "2")
+        assert proc.returncode == 78 and "already runs on 2 ps + 1 workers" in proc.stderr
+        assert shape(status(address)) == (2, 1)
+
+        stop = control_cli(address, "stop", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=150) == 0
+    finally:
+        kill_if_running(job, timeout=30)
+    summary = read_json(out)
+    resizes = summary["resizes"]
+    assert [(r["from"], r["to"]) for r in resizes] == [
+        ("1 ps + 2 workers", "1 ps + 4 workers"),
+        ("1 ps + 4 workers", "1 ps + 1 workers"),
+        ("1 ps + 1 workers", "2 ps + 1 workers"),
+    ], resizes
+    assert all(r["seconds"] > 0 for r in resizes), resizes
+    assert summary["restarts"] == 0 and summary["num_ps"] == 2 and summary["num_workers"] == 1
+    assert summary["eval_accuracy"] >= 0.99, summary
+    assert processes_mentioning(str(workdir)) == []
