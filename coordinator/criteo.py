@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import expand
+from psctl.coordinator.dynamic import KEY_SPACE
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # What jobs use (``from psctl.job import criteo``): the format, the check, the reader.
 __all__ = [
     "COLUMNS",
+    "KEY_SPACE",
     "NUM_DENSE",
     "NUM_INPUTS",
     "NUM_SPARSE",
@@ -178,7 +180,8 @@ def _what_is_wrong(line: bytes, path: str, line_no: int) -> str:
 
 
 def hash_ids(ids: Any, rows: int) -> Any:
-    """Categorical cells (strings ``[batch, 26]``, C1 first) -> table rows ``[0, rows)``."""
+    """Categorical cells (strings ``[batch, 26]``, C1 first) -> table rows ``[0, rows)``
+    (``rows=KEY_SPACE``: the keys of a dynamic table)."""
     prefixes = tf.constant([f"C{i}:" for i in range(1, NUM_SPARSE + 1)])
     keys = tf.strings.join([tf.broadcast_to(prefixes, tf.shape(ids)), ids])
     return tf.strings.to_hash_bucket_fast(keys, rows)

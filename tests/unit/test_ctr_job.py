@@ -28,7 +28,16 @@ CFG = ctr.CtrConfig(rows=10_000, train_examples=4 * ctr.BLOCK, eval_examples=2 *
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch):
-    for name in ("CTR_ROWS", "CTR_TRAIN_EXAMPLES", "CTR_EVAL_EXAMPLES", "CTR_OPTIMIZER"):
+    for name in (
+        "CTR_ROWS",
+        "CTR_TRAIN_EXAMPLES",
+        "CTR_EVAL_EXAMPLES",
+        "CTR_OPTIMIZER",
+        "CTR_TABLE",
+        "CTR_VOCABULARY",
+        "CTR_DRIFT",
+        *ctr.DYNAMIC_SETTINGS,
+    ):
         monkeypatch.delenv(name, raising=False)
     criteo.clear_cache()
     yield
@@ -76,6 +85,49 @@ def test_settings_from_the_environment():
     ],
 )
 def test_bad_settings_are_one_line_config_errors(env, field, text):
+    with pytest.raises(ConfigError) as err:
+        ctr.CtrConfig.from_env(env)
+    assert text in one_line(err, field)
+
+
+def test_table_drift_and_dynamic_settings_from_the_environment():
+    default = ctr.CtrConfig.from_env({})
+    assert (default.table, default.vocabulary, default.drift) == ("fixed", 100_000, None)
+    assert default.exact_rows and default.buckets == 100_000
+    cfg = ctr.CtrConfig.from_env(
+        {
+            "CTR_TABLE": " Dynamic",
+            "CTR_VOCABULARY": "1M",
+            "CTR_DRIFT": "200k",
+            "CTR_ADMIT_AFTER": "3",
+            "CTR_TTL_STEPS": "500",
+            "CTR_MAX_ROWS_PER_SHARD": "none",
+        }
+    )
+    assert (cfg.table, cfg.vocabulary, cfg.drift) == ("dynamic", 1_000_000, 200_000)
+    assert (cfg.admit_after, cfg.ttl_steps, cfg.max_rows_per_shard) == (3, 500, None)
+    assert cfg.buckets == criteo.KEY_SPACE == 2**63 - 1 and not cfg.exact_rows
+    assert int(cfg.vocabularies.sum()) == 1_000_000  # the live ids, whatever CTR_ROWS is
+    assert ctr.CtrConfig.from_env({"CTR_TABLE": "dynamic"}).admit_after == 2
+    # The fixed table over a vocabulary of another size, or drifting: ids hashed into it.
+    assert not ctr.CtrConfig.from_env({"CTR_VOCABULARY": "1M"}).exact_rows
+    assert not ctr.CtrConfig.from_env({"CTR_DRIFT": "100k"}).exact_rows
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "text"),
+    [
+        ({"CTR_TABLE": "hashmap"}, "CTR_TABLE", "'hashmap' is not known; use fixed or dynamic"),
+        ({"CTR_TABLE": "dynamic", "CTR_DRIFT": "0"}, "CTR_DRIFT", "0 examples"),
+        ({"CTR_DRIFT": "soon"}, "CTR_DRIFT", "'soon' is not a whole number"),
+        ({"CTR_VOCABULARY": "10"}, "CTR_VOCABULARY", "10 rows; give 1,000 to"),
+        ({"CTR_TABLE": "dynamic", "CTR_ADMIT_AFTER": "0"}, "CTR_ADMIT_AFTER", "got 0"),
+        ({"CTR_TABLE": "dynamic", "CTR_TTL_STEPS": "-5"}, "CTR_TTL_STEPS", "got -5"),
+        ({"CTR_TTL_STEPS": "500"}, "CTR_TTL_STEPS", "is a setting of dynamic tables; set CTR_"),
+        ({"CTR_MAX_ROWS_PER_SHARD": "1M"}, "CTR_MAX_ROWS_PER_SHARD", "set CTR_TABLE=dynamic"),
+    ],
+)
+def test_bad_table_and_drift_settings_are_one_line_config_errors(env, field, text):
     with pytest.raises(ConfigError) as err:
         ctr.CtrConfig.from_env(env)
     assert text in one_line(err, field)
@@ -171,6 +223,123 @@ def test_hashed_teacher_values_are_standard_normal():
     assert abs(np.corrcoef(values[:-1], values[1:])[0, 1]) < 0.01  # neighbours unrelated
 
 
+def test_hex_ids_write_ids_as_python_does():
+    values = [0, 1, 255, 0x68FD1E64, 2**32 - 1, 2**32, 0xABCDEF012345, 2**62 + 12345, 2**63 - 1]
+    got = ctr.hex_ids(tf.constant(values, tf.int64)).numpy().tolist()
+    assert [g.decode() for g in got] == [f"{v:08x}" for v in values]
+
+
+def test_dynamic_keys_are_the_fingerprints_of_the_raw_feature_and_id():
+    cfg = ctr.CtrConfig(rows=10_000, table="dynamic")
+    cells = tf.constant([IDS, [""] * 26])
+    keys = ctr.table_inputs(cells, cfg).numpy()
+    names = [[f"C{j + 1}:{cell}" for j, cell in enumerate(row)] for row in (IDS, [""] * 26)]
+    expected = tf.strings.to_hash_bucket_fast(names, 2**63 - 1).numpy()
+    np.testing.assert_array_equal(keys, expected)
+    # What a DynamicEmbedding keys the string by: one key space for strings and these ids.
+    layer = ctr.DynamicEmbedding(4)
+    np.testing.assert_array_equal(layer.keys(tf.constant(names))[0].numpy(), keys)
+    assert len(set(keys[0].tolist())) == 26 and np.all(keys >= 0)  # same id, other feature
+    # The fixed table hashes the same strings into its rows, as it always has.
+    rows = ctr.table_inputs(cells, ctr.CtrConfig(rows=10_000)).numpy()
+    np.testing.assert_array_equal(rows, tf.strings.to_hash_bucket_fast(names, 10_000).numpy())
+
+
+@pytest.mark.parametrize("drift", [None, 3_000])
+def test_synthetic_keys_match_the_file_and_the_serving_path(tmp_path: Path, monkeypatch, drift):
+    cfg = ctr.CtrConfig(rows=10_000, table="dynamic", drift=drift)
+    ctr.write_tsv(tmp_path / "two.tsv", cfg, first_block=0, blocks=2)
+    info = criteo.check_files(str(tmp_path / "two.tsv"), field="--train-data")
+    from_file, y_file = read_all(
+        criteo.make_dataset(info, ctx(batch=256), rows=cfg.buckets, training=False)
+    )
+    source = ctr.SyntheticData(cfg)
+    blocks = [source.block(tf.constant(i, tf.int64)) for i in range(2)]
+    x = np.concatenate([b[0].numpy() for b in blocks])
+    np.testing.assert_array_equal(from_file, x)
+    np.testing.assert_array_equal(y_file, np.concatenate([b[1].numpy() for b in blocks]))
+    # The export's raw request: the same hex cells, hashed in the graph to the same keys.
+    monkeypatch.setenv("CTR_TABLE", "dynamic")
+    if drift:
+        monkeypatch.setenv("CTR_DRIFT", str(drift))
+    monkeypatch.setenv("CTR_ROWS", "10000")
+    drawn = source.draw(tf.constant(0, tf.int64))
+    served = ctr.serving_features({"dense": drawn.counts, "categorical": ctr.hex_ids(drawn.raw)})
+    np.testing.assert_array_equal(served.numpy(), x[:512])
+
+
+def test_the_fixed_table_without_drift_still_reads_exact_rows():
+    x, _ = ctr.SyntheticData(CFG).block(tf.constant(3, tf.int64))
+    drawn = ctr.SyntheticData(CFG).draw(tf.constant(3, tf.int64))
+    np.testing.assert_array_equal(x.numpy()[:, 13:], drawn.raw.numpy())  # rows, no hashing
+    np.testing.assert_array_equal(x.numpy()[:, :13], drawn.counts.numpy())
+
+
+def _window(source: ctr.SyntheticData, first: int, blocks: int, **kw) -> list[set[int]]:
+    """The distinct raw ids of each feature over ``blocks`` blocks from ``first``."""
+    raw = np.concatenate(
+        [source.draw(tf.constant(first + i, tf.int64), **kw).raw.numpy() for i in range(blocks)]
+    )
+    return [set(raw[:, j].tolist()) for j in range(26)]
+
+
+def test_drift_moves_the_live_ids_and_stays_learnable():
+    cfg = ctr.CtrConfig(rows=10_000, table="dynamic", drift=20 * ctr.BLOCK, train_examples=10**6)
+    source = ctr.SyntheticData(cfg)
+    early, also_early, late = (_window(source, b, 4) for b in (0, 4, 200))
+    big = int(np.argmax(cfg.vocabularies))
+
+    def overlap(a: set[int], b: set[int]) -> float:
+        return len(a & b) / len(a | b)
+
+    # Nearby windows share most ids; far apart, hardly any: the vocabulary moved, and a
+    # small feature's few ids (its head) were replaced too.
+    assert overlap(early[big], also_early[big]) > 0.1
+    assert overlap(early[big], late[big]) < 0.02
+    small = int(np.argmin(cfg.vocabularies))
+    assert not early[small] & late[small]
+    # Without drift the same stream keeps its ids.
+    still = ctr.SyntheticData(ctr.CtrConfig(rows=10_000, table="dynamic"))
+    assert overlap(_window(still, 0, 4)[small], _window(still, 200, 4)[small]) == 1.0
+    # The teacher scores each id (its rank and generation): its own AUC on drifting data,
+    # the ceiling, is as without drift; new ids come with new scores.
+    auc = keras.metrics.AUC(num_thresholds=1000)
+    labels = []
+    for i in range(40):
+        drawn = source.draw(tf.constant(ctr.EVAL_FIRST_BLOCK + i, tf.int64), 500 + i)
+        auc.update_state(drawn.labels, tf.sigmoid(source.logit(drawn.counts, drawn.ids)))
+        labels.append(drawn.labels.numpy())
+    assert 0.75 < float(auc.result()) < 0.9
+    assert 0.15 < np.concatenate(labels).mean() < 0.4
+
+
+def test_drifting_eval_data_is_held_out_from_the_streams_last_window(monkeypatch):
+    monkeypatch.setenv("CTR_TABLE", "dynamic")
+    monkeypatch.setenv("CTR_DRIFT", str(10 * ctr.BLOCK))
+    monkeypatch.setenv("CTR_TRAIN_EXAMPLES", str(100 * ctr.BLOCK))
+    monkeypatch.setenv("CTR_EVAL_EXAMPLES", str(4 * ctr.BLOCK))
+    cfg = ctr.config()
+    assert cfg.eval_time_block == 96
+    x_eval, _ = read_all(ctr.eval_dataset_fn(ctx(batch=512)))
+    assert x_eval.shape == (4 * ctr.BLOCK, 39)
+    source = ctr.SyntheticData(cfg)
+    last = np.concatenate(
+        [source.block(tf.constant(96 + i, tf.int64))[0].numpy() for i in range(4)]
+    )
+    first = np.concatenate([source.block(tf.constant(i, tf.int64))[0].numpy() for i in range(4)])
+    assert not np.array_equal(x_eval, last)  # other draws than training's
+
+    def shared(a: np.ndarray, b: np.ndarray) -> float:
+        return len(set(a[:, 13:].ravel()) & set(b[:, 13:].ravel())) / len(set(a[:, 13:].ravel()))
+
+    assert shared(x_eval, last) > 0.3 > 0.05 > shared(x_eval, first)  # measured 0.40, 0.0
+    # Training goes on forward in time: past CTR_TRAIN_EXAMPLES, no block comes again.
+    it = iter(ctr.dataset_fn(ctx(index=tf.constant(1, tf.int64), workers=2, batch=512)))
+    reads = [next(it)[0].numpy() for _ in range(52)]
+    np.testing.assert_array_equal(reads[0], source.block(tf.constant(1, tf.int64))[0].numpy())
+    np.testing.assert_array_equal(reads[51], source.block(tf.constant(103, tf.int64))[0].numpy())
+
+
 # -- the job ----------------------------------------------------------------------------------
 
 
@@ -206,6 +375,49 @@ def test_job_datasets_model_and_metrics(monkeypatch):
     assert isinstance(log_loss, keras.metrics.MeanMetricWrapper) and log_loss.name == "log_loss"
     auc.update_state(tf.constant([[1.0], [0.0]]), tf.constant([[3.0], [-3.0]]))
     assert float(auc.result()) == pytest.approx(1.0)
+
+
+def test_the_dynamic_table_model(monkeypatch):
+    monkeypatch.setenv("CTR_TABLE", "dynamic")
+    monkeypatch.setenv("CTR_TTL_STEPS", "700")
+    monkeypatch.setenv("CTR_ROWS", "10k")
+    monkeypatch.setenv("CTR_EVAL_EXAMPLES", "512")
+    model = ctr.create_model()
+    table = model.get_layer("embedding")
+    assert isinstance(table, ctr.DynamicEmbedding)
+    assert (table.output_dim, table.admit_after, table.ttl_steps) == (16, 2, 700)
+    assert table.max_rows_per_shard is None and table.combiner is None
+    x, _ = read_all(ctr.eval_dataset_fn(ctx(batch=512)))
+    assert x[:, 13:].min() >= 0 and x[:, 13:].max() > 2**40  # keys, not rows
+    assert model(tf.constant(x[:8])).shape == (8, 1)
+
+
+def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatch):
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.settings import TrainSettings
+    from psctl.coordinator.training.saved_model import export
+    from tests.unit.test_serving import export_model
+
+    monkeypatch.setenv("CTR_TABLE", "dynamic")
+    monkeypatch.setenv("CTR_ROWS", "10k")
+    job = load_job("ctr")
+    ckpt = tmp_path / "checkpoints"
+    settings = TrainSettings(job="ctr", checkpoint_dir=str(ckpt))
+    made = export_model(job, settings)
+    source = ctr.SyntheticData(ctr.config())
+    drawn = source.draw(tf.constant(0, tf.int64))
+    x, _ = source.block(tf.constant(0, tf.int64))
+    # Rows for the first half of the examples' ids; the rest are unknown (zeros).
+    shard = made.model.get_layer("embedding").shards[0]
+    keys = tf.reshape(x[:256, 13:], [-1])
+    shard.embeddings.insert(keys, tf.random.stateless_normal([keys.shape[0], 16], seed=[1, 2]))
+    made.checkpoint(tf.Variable(5, dtype=tf.int64)).save(str(ckpt / "ckpt"))
+    out = export(job, settings, checkpoint=None, out=str(tmp_path / "models"))
+    serve = tf.saved_model.load(str(out.path)).signatures["serving_default"]
+    got = serve(dense=drawn.counts, categorical=ctr.hex_ids(drawn.raw))["outputs"].numpy()
+    want = made.model(x, training=False).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.std(want[:256]) > np.std(want[256:])  # the known ids moved the logits
 
 
 def test_summary_has_eval_auc(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
