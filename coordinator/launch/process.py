@@ -386,6 +386,7 @@ def start_metrics(
         restarts=counters.restarts,
         ps_failures=counters.ps_failures,
         nonfinite_losses=counters.nonfinite_losses,
+        resize_seconds=[float(str(r.get("seconds", 0.0))) for r in counters.resizes],
     )
     _serve(registry, bind_host(None, os.environ, cluster.task_address("chief", 0).host), port)
     return metrics

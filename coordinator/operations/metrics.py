@@ -216,6 +216,28 @@ class CoordinatorMetrics:
         Info("psctl_job", "The training job this coordinator runs.", registry=r).info({"name": job})
         Gauge("psctl_workers", "Worker tasks in the cluster.", registry=r).set(num_workers)
         Gauge("psctl_ps", "Parameter server (ps) tasks in the cluster.", registry=r).set(num_ps)
+        tasks = Gauge(
+            "psctl_cluster_tasks",
+            "Tasks in the cluster this training process trains on (label type: ps, worker); "
+            "changes with a resize (psctl scale).",
+            # Not "task_type": the scrape target's own label (the chief's) would take it.
+            ["type"],
+            registry=r,
+        )
+        tasks.labels("ps").set(num_ps)
+        tasks.labels("worker").set(num_workers)
+        self._resizes = Counter(
+            "psctl_resizes",
+            "Resizes of the job's cluster (psctl scale, SIGHUP); carried across restarts.",
+            registry=r,
+        )
+        self._resize_seconds = Histogram(
+            "psctl_resize_seconds",
+            "Seconds from a resize's request until the training process on the new cluster "
+            "started.",
+            buckets=(1, 2, 5, 10, 15, 20, 30, 60, 120, 300),
+            registry=r,
+        )
         Gauge(
             "psctl_batch_size",
             "Examples per step per worker.",
@@ -497,9 +519,19 @@ class CoordinatorMetrics:
     def recovery(self) -> None:
         self._recoveries.inc()
 
-    def carry_over(self, *, restarts: int, ps_failures: int, nonfinite_losses: int) -> None:
+    def carry_over(
+        self,
+        *,
+        restarts: int,
+        ps_failures: int,
+        nonfinite_losses: int,
+        resize_seconds: Iterable[float] = (),
+    ) -> None:
         """What the supervisor counted in this job's earlier training processes; call it
         before /metrics serves, so that no scrape sees these counters go back."""
+        for seconds in resize_seconds:
+            self._resizes.inc()
+            self._resize_seconds.observe(seconds)
         self._restarts.inc(restarts)
         self._recoveries.inc(restarts)  # each restarted process restored the latest checkpoint
         self._ps_failures.inc(ps_failures)
