@@ -30,7 +30,7 @@ from psctl.cluster.files import write_json_atomic
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
-from psctl.coordinator.launch.resize import Resizer, local_prepare
+from psctl.coordinator.launch.resize import Resizer, local_prepare, shape
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -131,6 +131,7 @@ class LocalCluster:
         self.targets_file = workdir / "targets.json"
         self.servers: list[ServerProcess] = []
         self.retiring: list[ServerProcess] = []  # out of the cluster, stopped by retire()
+        self.on_left: Callable[[ServerProcess], None] | None = None  # see restart_failed_servers
         self.policy = RestartPolicy(backoff_initial=0.5, backoff_max=10.0)
         self._budgets: dict[str, RestartBudget] = {}
         self._restart_due: dict[str, float] = {}
@@ -199,6 +200,31 @@ class LocalCluster:
             raise
         self.servers = sorted(kept + started, key=lambda s: (s.task_type, s.index))
         self.retiring += leaving
+        if self._tasks_written:
+            self.write_tasks()
+
+    def _left(self, server: ServerProcess) -> bool:
+        return (
+            self.on_left is not None
+            and server.task_type == "worker"
+            and server.proc.poll() == 0
+            and self.cluster.num_workers > 1
+            and not self.dispatcher  # --epochs: its data workers are numbered by index
+        )
+
+    def drop(self, server: ServerProcess) -> None:
+        """Take a worker that left out of the cluster: the others keep their order and
+        take indices 0..N-2 (TensorFlow's servers serve under the index their coordinator
+        gives them); the cluster file and task list rewritten."""
+        self.servers.remove(server)
+        workers = [s for s in self.servers if s.task_type == "worker"]
+        for index, worker in enumerate(workers):
+            worker.index = index
+        jobs = dict(self.cluster.jobs)
+        jobs["worker"] = tuple(s.address for s in workers)
+        self.cluster = ClusterConfig(jobs=jobs)
+        self.servers.sort(key=lambda s: (s.task_type, s.index))
+        self._write_cluster_file([(s.task_type, s.health_port) for s in self.servers])
         if self._tasks_written:
             self.write_tasks()
 
@@ -296,7 +322,12 @@ class LocalCluster:
 
     def restart_failed_servers(self) -> None:
         """psctl local's restart policy (systemd's Restart=on-failure in production): a
-        server that died is started again on the same ports, with backoff, in budget."""
+        server that died is started again on the same ports, with backoff, in budget. A
+        worker that exited 0 was stopped (SIGTERM: a preemption notice) and has left: with
+        ``on_left`` set, it is handed over (a resize without it), not restarted."""
+        for server in [s for s in self.servers if self._left(s)]:
+            assert self.on_left is not None
+            self.on_left(server)
         now = time.monotonic()
         for i, server in enumerate(self.servers):
             code = server.proc.poll()
@@ -505,6 +536,16 @@ def local_ps_main(
                 counters=local.counters,
             )
             front.on_stop = supervisor.control_stop
+
+            def left(server: ServerProcess) -> None:
+                old = shape(local.cluster)
+                log.warning("%s (pid %d) left: stopped by a signal", server.name, server.proc.pid)
+                local.drop(server)
+                new = shape(local.cluster)
+                if not supervisor.request_resize(old=old, new=new, reason=f"{server.name} left"):
+                    log.info("the next training process starts on %s", new)
+
+            local.on_left = left
             front.on_scale = Resizer(
                 supervisor,
                 local_prepare(local, timeout=args.start_timeout, epochs=settings.epochs > 0),

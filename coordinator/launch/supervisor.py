@@ -164,13 +164,16 @@ class TrainingSupervisor:
         """A resize was asked for and the training process has not exited for it yet."""
         return self._resize is not None
 
-    def request_resize(self, *, old: str, new: str) -> bool:
+    def request_resize(self, *, old: str, new: str, reason: str = "psctl scale") -> bool:
         """Ask the training process to checkpoint now and exit for a fresh start (the next
         one starts on the new cluster: ``start`` reads it); False when none is running."""
         child = self.child
         if self.stopping or child is None or child.poll() is not None:
             return False
-        self._resize = {"time": time.time(), "from": old, "to": new}
+        if self._resize is not None:  # one under way: the next process reads the newest
+            self._resize["to"] = new
+            return True
+        self._resize = {"time": time.time(), "from": old, "to": new, "reason": reason}
         self._resize_started = self.clock()
         log.warning("resizing %s -> %s: the training process checkpoints and exits", old, new)
         with contextlib.suppress(ProcessLookupError):

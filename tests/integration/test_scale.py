@@ -6,6 +6,8 @@ on, and the summary listing every resize."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -102,4 +104,27 @@ def test_scale_workers_and_ps_while_training_with_no_step_lost(workdir: Path, tm
     assert all(r["seconds"] > 0 for r in resizes), resizes
     assert summary["restarts"] == 0 and summary["num_ps"] == 2 and summary["num_workers"] == 1
     assert summary["eval_accuracy"] >= 0.99, summary
+    assert processes_mentioning(str(workdir)) == []
+
+
+def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(workdir: Path):
+    job, address, out = start_local_job(workdir, "--workers", "3", "--log-every", "1")
+    try:
+        s = wait_shape(address, (1, 3), 0, 0)
+        (worker,) = [t for t in s["tasks"] if t["type"] == "worker" and t["index"] == 1]
+        before = int(s["global_step"])
+        os.kill(int(worker["pid"]), signal.SIGTERM)  # a preemption notice
+        s = wait_shape(address, (1, 2), 1, before)
+        assert worker["address"] not in [t["address"] for t in s["tasks"]]
+        assert all(int(t["failures"]) == 0 for t in s["tasks"]), s["tasks"]
+        wait_shape(address, (1, 2), 1, 2000)  # trains on after it
+        stop = control_cli(address, "stop", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=150) == 0
+    finally:
+        kill_if_running(job, timeout=30)
+    summary = read_json(out)
+    assert [r["reason"] for r in summary["resizes"]] == ["worker:1 left"], summary["resizes"]
+    assert summary["worker_failures"] == 0 and summary["restarts"] == 0, summary
+    assert summary["num_workers"] == 2 and summary["eval_accuracy"] >= 0.98, summary
     assert processes_mentioning(str(workdir)) == []
