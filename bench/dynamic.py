@@ -34,7 +34,7 @@ The last two lines::
 ``fixed-1M``'s). ``table.md`` and ``results.json`` (every run, RSS samples included) go to
 ``--out`` (default ``bench/results/dynamic-<time>/``), the runs' work dirs under it.
 
-    .venv/bin/python bench/dynamic.py                 # 2000 steps a run, ~10 min on 2 cores
+    .venv/bin/python bench/dynamic.py                 # 2000 steps a run, 6-11 min on 2 cores
     .venv/bin/python bench/dynamic.py --steps 3000
     .venv/bin/python bench/dynamic.py --quick         # smoke test: 100 steps, small stream
 """
