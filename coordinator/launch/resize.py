@@ -139,6 +139,10 @@ class ClusterFile:
                 f"the new cluster's chief is {new.chief}, this coordinator is {old.chief}",
                 "keep the chief's address",
             )
+        if new == old:  # a SIGHUP (systemctl reload) of an unchanged file: no fresh start
+            raise ConfigError(
+                "--cluster", f"the job already runs on this cluster ({shape(old)})", "change it"
+            )
         wait_serving(new, json.loads(text), timeout=self.timeout)
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="psctl-cluster-")
