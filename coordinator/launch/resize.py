@@ -12,8 +12,10 @@ re-split over the new number of ps tasks. No restart is counted.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -146,6 +148,7 @@ class ClusterFile:
         wait_serving(new, json.loads(text), timeout=self.timeout)
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="psctl-cluster-")
+            atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         path = Path(self._dir) / f"cluster-{int(time.time() * 1000)}.json"
         write_json_atomic(path, json.loads(text))
         self.path, self.cluster = str(path), new

@@ -44,6 +44,8 @@ from psctl.coordinator.failures import (
 
 log = logging.getLogger(__name__)
 
+RESIZE_RESEND = 2.0  # seconds between resize signals to a training process not yet acting
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -157,7 +159,11 @@ class TrainingSupervisor:
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self._resize: dict[str, object] | None = None  # asked for, not done yet
-        self._resize_started = 0.0
+        self._resize_started = self._resize_sent = 0.0
+        # Children inherit it ignored: a resize signal that reaches a training process
+        # before it installs its handler (training/loop.py) must not kill it.
+        with contextlib.suppress(ValueError):  # not the main thread: a test's supervisor
+            signal.signal(RESIZE_SIGNAL, signal.SIG_IGN)
 
     @property
     def resizing(self) -> bool:
@@ -168,17 +174,29 @@ class TrainingSupervisor:
         """Ask the training process to checkpoint now and exit for a fresh start (the next
         one starts on the new cluster: ``start`` reads it); False when none is running."""
         child = self.child
-        if self.stopping or child is None or child.poll() is not None:
+        if self.stopping:
             return False
+        record: dict[str, object] = {"time": time.time(), "from": old, "to": new, "reason": reason}
+        if child is None or child.poll() is not None:
+            # Between two training processes: the next one starts on the new cluster.
+            self.counters.resizes.append({**record, "seconds": 0.0})
+            log.warning("resized %s -> %s: the next training process starts on it", old, new)
+            return True
         if self._resize is not None:  # one under way: the next process reads the newest
             self._resize["to"] = new
             return True
-        self._resize = {"time": time.time(), "from": old, "to": new, "reason": reason}
-        self._resize_started = self.clock()
+        self._resize = record
+        self._resize_started = self._resize_sent = self.clock()
         log.warning("resizing %s -> %s: the training process checkpoints and exits", old, new)
+        self._signal_resize(child)
+        return True
+
+    def _signal_resize(self, child: subprocess.Popen[bytes]) -> None:
+        # Sent again every RESIZE_RESEND seconds until the process exits: one that is still
+        # starting ignores the signal (inherited SIG_IGN, see __init__) until it can act on it.
+        self._resize_sent = self.clock()
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(RESIZE_SIGNAL)
-        return True
 
     def run(self) -> int:
         consecutive_crashes = 0
@@ -243,6 +261,8 @@ class TrainingSupervisor:
                 return child.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 self.tick()
+                if self._resize is not None and self.clock() - self._resize_sent >= RESIZE_RESEND:
+                    self._signal_resize(child)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep while ticking; True if a stop was requested meanwhile."""

@@ -1,0 +1,94 @@
+"""The supervisor's side of a resize (psctl scale): the training process is signalled until
+it exits, its exit for the resize starts the next one at once with no restart counted, and
+a resize between two processes is recorded for the next one."""
+
+from __future__ import annotations
+
+import pytest
+
+from psctl.cluster.signals import RESIZE_SIGNAL
+from psctl.coordinator.failures import EXIT_RESTART
+from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Child:
+    """A training process that ignores the first ``ignored`` resize signals (still
+    starting), then exits EXIT_RESTART after the next; or exits ``code`` at its turn."""
+
+    def __init__(self, clock: Clock, *, ignored: int = 0, code: int | None = None) -> None:
+        self.clock, self.ignored, self.code = clock, ignored, code
+        self.signals: list[int] = []
+        self.returncode: int | None = None
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        if len(self.signals) > self.ignored:
+            self.returncode = EXIT_RESTART
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        if self.code is not None:
+            self.returncode = self.code
+        if self.returncode is None:
+            self.clock.now += timeout or 0.0
+            raise subprocess.TimeoutExpired("train", timeout or 0.0)
+        return self.returncode
+
+
+def test_a_resize_signals_until_the_process_exits_and_counts_no_restart():
+    clock = Clock()
+    children: list[Child] = []
+    supervisor: TrainingSupervisor
+
+    def start(counters: Counters) -> Child:
+        child = Child(clock, ignored=2) if not children else Child(clock, code=0)
+        children.append(child)
+        return child
+
+    def tick() -> None:  # the operator's psctl scale, once the first process runs
+        if len(children) == 1 and not supervisor.resizing and not children[0].signals:
+            assert supervisor.request_resize(old="1 ps + 2 workers", new="1 ps + 3 workers")
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(max_restarts=1),
+        tick=tick,
+        clock=clock,
+        sleep=lambda _: None,
+    )
+    assert supervisor.run() == 0
+    assert children[0].signals == [RESIZE_SIGNAL] * 3  # sent again while it was starting
+    assert supervisor.counters.restarts == 0
+    (resize,) = supervisor.counters.resizes
+    assert (resize["from"], resize["to"], resize["reason"]) == (
+        "1 ps + 2 workers",
+        "1 ps + 3 workers",
+        "psctl scale",
+    )
+    assert resize["seconds"] >= 4.0  # two resends, 2 s apart
+
+
+def test_a_resize_between_two_processes_is_recorded_for_the_next():
+    supervisor = TrainingSupervisor(
+        lambda counters: Child(Clock(), code=0),  # type: ignore[arg-type,return-value]
+        policy=RestartPolicy(),
+    )
+    assert supervisor.request_resize(old="a", new="b")  # no child yet
+    assert [(r["from"], r["to"], r["seconds"]) for r in supervisor.counters.resizes] == [
+        ("a", "b", 0.0)
+    ]
+    assert not supervisor.resizing
