@@ -31,6 +31,9 @@ from psctl.cluster.tf_config import resolve_task
 TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_METRICS_TLS_CERT", "PSCTL_METRICS_TLS_KEY"
 HEALTH_TLS_CERT_ENV, HEALTH_TLS_KEY_ENV = "PSCTL_HEALTH_TLS_CERT", "PSCTL_HEALTH_TLS_KEY"
 
+# Longer than the coordinator's health poll (2 s, operations/health_poll.py): it sees the
+# NOT_SERVING of a server that stops (a preemption notice) and takes the worker out.
+SHUTDOWN_GRACE = 2.5
 log = logging.getLogger(__name__)
 # A frozen worker holds some of its peers' inter-op threads while they wait on it. With 4
 # (workers + 2 on 2 CPUs) the other worker stalled with it in 2 of 3 chaos runs (the job
@@ -126,8 +129,9 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shutdown-grace",
         type=float,
-        default=1.0,
-        help="seconds health reports NOT_SERVING before exit (default %(default)s; at most 4)",
+        default=SHUTDOWN_GRACE,
+        help="seconds health reports NOT_SERVING before exit, so that the coordinator sees a "
+        "worker leave rather than fail (default %(default)s; at most 4)",
     )
     parser.add_argument(
         "--inter-op-threads",

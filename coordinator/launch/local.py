@@ -252,6 +252,9 @@ class LocalCluster:
                 str(metrics_port),
                 "--bind-host",
                 "127.0.0.1",
+                # Its own departures are seen by their exit status: no grace to wait for.
+                "--shutdown-grace",
+                "0.5",
             ]
             + (["--verbose"] if self.verbose else [])
         )
@@ -546,6 +549,19 @@ def local_ps_main(
                     log.info("the next training process starts on %s", new)
 
             local.on_left = left
+
+            def left_seen(tasks: list[tuple[str, int]]) -> tuple[str, str]:
+                # The training process saw them stop (health NOT_SERVING) before they exited.
+                old = shape(local.cluster)
+                for task_type, index in tasks:
+                    for server in [
+                        s for s in local.servers if (s.task_type, s.index) == (task_type, index)
+                    ]:
+                        local.drop(server)
+                        local.retiring.append(server)  # it exits by itself; reaped at the end
+                return old, shape(local.cluster)
+
+            supervisor.on_left = left_seen
             front.on_scale = Resizer(
                 supervisor,
                 local_prepare(local, timeout=args.start_timeout, epochs=settings.epochs > 0),

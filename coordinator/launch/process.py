@@ -74,6 +74,17 @@ def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> N
         metrics.nonfinite_loss()
 
 
+def leave_cluster(control: JobControl, counters: Counters, task: TaskInfo) -> None:
+    """A worker is stopping (health NOT_SERVING): resize without it (the launcher takes it
+    out of the cluster, see TrainingSupervisor.on_left), unless it is the last one."""
+    workers = sum(t.type == "worker" for t in control.tasks)
+    if [task.type, task.index] in counters.left or workers - len(counters.left) <= 1:
+        return
+    counters.left.append([task.type, task.index])
+    counters.leave_report()
+    control.request_resize()
+
+
 def end_on_error(
     err: BaseException,
     control: JobControl,
@@ -136,6 +147,8 @@ def run_training_process(
     control.recoveries = counters.restarts
     control.cluster_generation = len(counters.resizes)
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
+    if serve_control and settings.strategy == "async":
+        control.on_task_leaving = lambda task: leave_cluster(control, counters, task)
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery
@@ -314,6 +327,7 @@ def supervise_train(
                 supervisor, cluster_file.prepare, checkpoints=bool(settings.checkpoint_dir)
             )
             front.on_scale = resizer
+            supervisor.on_left = cluster_file.without
             stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
         with forward_stop_signals(supervisor):
             return supervisor.run()

@@ -146,13 +146,39 @@ class ClusterFile:
                 "--cluster", f"the job already runs on this cluster ({shape(old)})", "change it"
             )
         wait_serving(new, json.loads(text), timeout=self.timeout)
+        self._write(json.loads(text))
+        self.cluster = new
+        return shape(old), shape(new)
+
+    def without(self, tasks: list[tuple[str, int]]) -> tuple[str, str]:
+        """The cluster less ``tasks`` (workers that left; the others renumbered in order),
+        as the next generation's file; (old shape, new shape)."""
+        old = self.cluster
+        gone = {(t, i) for t, i in tasks}
+        jobs = {
+            kind: tuple(a for i, a in enumerate(addresses) if (kind, i) not in gone)
+            for kind, addresses in old.jobs.items()
+        }
+        body = json.loads(Path(self.path).read_text())
+        cluster = body.get("cluster", body)
+        for kind, addresses in jobs.items():
+            cluster[kind] = list(addresses)
+        if "health" in body:  # the same tasks' health addresses, in the same order
+            for kind in list(body["health"]):
+                body["health"][kind] = [
+                    a for i, a in enumerate(body["health"][kind]) if (kind, i) not in gone
+                ]
+        self._write(body)
+        self.cluster = load(json.dumps(body), source=self.path)
+        return shape(old), shape(self.cluster)
+
+    def _write(self, body: Any) -> None:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="psctl-cluster-")
             atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         path = Path(self._dir) / f"cluster-{int(time.time() * 1000)}.json"
-        write_json_atomic(path, json.loads(text))
-        self.path, self.cluster = str(path), new
-        return shape(old), shape(new)
+        write_json_atomic(path, body)
+        self.path = str(path)
 
 
 def load(text: str, *, source: str) -> ClusterConfig:

@@ -89,6 +89,9 @@ class Counters:
     worker_failures: int = 0  # worker servers psctl local restarted
     nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
+    # Tasks the training process saw leave ([type, index]: a worker stopping), reported
+    # when it exits for a resize without them.
+    left: list[list[object]] = field(default_factory=list)
     # Where a training process leaves what only it sees (nonfinite_losses) just before it
     # exits; the supervisor reads and removes it, and hands the counts to the next one.
     report_file: str = field(default="", compare=False)
@@ -96,7 +99,9 @@ class Counters:
     def leave_report(self) -> None:
         """In the training process, before it exits: leave its counts for the supervisor."""
         if self.report_file:
-            write_json_atomic(self.report_file, {"nonfinite_losses": self.nonfinite_losses})
+            write_json_atomic(
+                self.report_file, {"nonfinite_losses": self.nonfinite_losses, "left": self.left}
+            )
 
     def take_report(self) -> None:
         """In the supervisor, after a training process exited: take in what it left."""
@@ -107,12 +112,14 @@ class Counters:
             report = json.loads(path.read_text())
             path.unlink()
             count = int(report["nonfinite_losses"])
+            left = [[str(t), int(i)] for t, i in report.get("left", [])]
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
             log.warning("ignoring the training process's report %s: %s", path, err)
             return
         self.nonfinite_losses = max(self.nonfinite_losses, count)
+        self.left = list(left)
 
 
 def new_report_file() -> str:
@@ -158,6 +165,9 @@ class TrainingSupervisor:
         self.sleep = sleep
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        # The launcher's: take the tasks a training process saw leave out of the cluster,
+        # returning (old shape, new shape); None: such an exit is a plain restart.
+        self.on_left: Callable[[list[tuple[str, int]]], tuple[str, str]] | None = None
         self._resize: dict[str, object] | None = None  # asked for, not done yet
         self._resize_started = self._resize_sent = 0.0
         # Children inherit it ignored: a resize signal that reaches a training process
@@ -205,6 +215,13 @@ class TrainingSupervisor:
             code = self._wait(self.child)
             self.counters.take_report()
             resize, self._resize = self._resize, None
+            left, self.counters.left = self.counters.left, []
+            if resize is None and left and self.on_left is not None and code == EXIT_RESTART:
+                tasks = [(str(t), int(str(i))) for t, i in left]
+                old, new = self.on_left(tasks)
+                names = ", ".join(f"{t}:{i}" for t, i in tasks)
+                resize = {"time": time.time(), "from": old, "to": new, "reason": f"{names} left"}
+                self._resize_started = self.clock()
             if resize is not None and code == EXIT_RESTART and not self.stopping:
                 resize["seconds"] = round(self.clock() - self._resize_started, 3)
                 self.counters.resizes.append(resize)

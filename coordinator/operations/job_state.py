@@ -129,6 +129,7 @@ class JobControl:
         # Held while the callback runs, so that the last call reports the latest state.
         self._notify_lock = threading.Lock()
         self.on_task_failure: Callable[[str], None] | None = None
+        self.on_task_leaving: Callable[[TaskInfo], None] | None = None
         self.on_recovery: Callable[[], None] | None = None
         self.recoveries = 0
 
@@ -349,7 +350,13 @@ class JobControl:
             before = self._health.get(key)
             self._health[key] = health
             failed_before = self._failures.get(key, 0) > 0
-        if before == SERVING and health != SERVING:
+        if before == SERVING and health == NOT_SERVING and task.type == "worker":
+            # A worker server says NOT_SERVING only while it stops (SIGTERM: a preemption
+            # notice, cluster/server.py): it is leaving, not failing.
+            log.warning("%s:%d is NOT_SERVING: it is stopping and leaves", task.type, task.index)
+            if self.on_task_leaving is not None:
+                self.on_task_leaving(task)
+        elif before == SERVING and health != SERVING:
             log.warning("%s:%d is %s", task.type, task.index, health)
             self.task_failed(task.type, task.index)
             if self.on_task_failure is not None:

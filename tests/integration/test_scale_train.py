@@ -1,9 +1,10 @@
 """psctl scale against a real `psctl train --cluster FILE` job on loopback, its ps and
 worker servers started here with their own commands, as an operator starts them on hosts:
 a third worker added (`psctl scale --cluster NEW.json`), a cluster naming a worker nobody
-started refused in one line (exit 78) while the job goes on, and the ps moved to a new
-address by rewriting the job's cluster file and sending the launcher SIGHUP; each time the
-new training process goes on from the step reached when it was asked for."""
+started refused in one line (exit 78) while the job goes on, the ps moved to a new
+address by rewriting the job's cluster file and sending the launcher SIGHUP, and a worker
+stopped by SIGTERM taken out with no failure counted; each time the new training process
+goes on from the step reached when it was asked for."""
 
 from __future__ import annotations
 
@@ -210,6 +211,14 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
         )
         assert int(status(address).get("cluster_generation", 0)) == 2
 
+        # (d) A worker stopped by SIGTERM (a preemption notice: NOT_SERVING, then exit 0)
+        # leaves: the job resizes without it, no failure counted.
+        before = int(status(address)["global_step"])
+        servers[2].terminate()  # worker:1
+        s = wait_running(address, workers=2, generation=3, after=before, ps=new_ps)
+        assert f"127.0.0.1:{w1}" not in [t["address"] for t in s["tasks"]], s["tasks"]
+        assert servers[2].wait(timeout=30) == 0
+
         stop = control_cli(address, "stop", timeout=150)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=150) == 0
@@ -226,8 +235,11 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
     assert [(r["from"], r["to"]) for r in resizes] == [
         ("1 ps + 2 workers", "1 ps + 3 workers"),
         ("1 ps + 3 workers", "1 ps + 3 workers"),
+        ("1 ps + 3 workers", "1 ps + 2 workers"),
     ], resizes
-    assert all(r["seconds"] > 0 for r in resizes), resizes
-    assert summary["restarts"] == 0 and summary["num_workers"] == 3, summary
+    assert resizes[-1]["reason"] == "worker:1 left", resizes
+    assert all(r["seconds"] > 0 for r in resizes[:2]), resizes  # requested: timed
+    assert summary["restarts"] == 0 and summary["num_workers"] == 2, summary
+    assert summary["worker_failures"] == 0, summary
     assert summary["eval_accuracy"] >= 0.99, summary
     assert processes_mentioning(str(workdir)) == []
