@@ -229,7 +229,9 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def _make_shard(self, device: str | None) -> Shard:
         dtype = tf.as_dtype(keras.backend.standardize_dtype(self.variable_dtype))
-        with tf.device(device) if device else contextlib.nullcontext():
+        # Out of any graph being traced: a subclassed model is first built by a symbolic
+        # call, which Keras traces in a scratch graph.
+        with tf.init_scope(), tf.device(device) if device else contextlib.nullcontext():
             return Shard(
                 device=device,
                 embeddings=tf.lookup.experimental.MutableHashTable(
@@ -255,7 +257,8 @@ class DynamicEmbedding(keras.layers.Layer):
         d = self.output_dim
         default = tf.concat([tf.fill([d], tf.constant(initial[k], dtype)) for k in kinds], 0)
         for shard in self.shards:
-            with tf.device(shard.device) if shard.device else contextlib.nullcontext():
+            place = tf.device(shard.device) if shard.device else contextlib.nullcontext()
+            with tf.init_scope(), place:
                 shard.slots = tf.lookup.experimental.MutableHashTable(
                     tf.int64, dtype, default_value=default
                 )

@@ -187,3 +187,22 @@ def test_bad_arguments_say_which():
         DynamicEmbedding(4, ttl_steps=0)
     with pytest.raises(ValueError, match="not supported for rows that appear"):
         DynamicEmbedding(4, embeddings_initializer="orthogonal")
+
+
+def test_a_subclassed_model_builds_its_tables_outside_the_symbolic_trace():
+    from psctl.coordinator.training.features import build_model
+
+    class Model(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = DynamicEmbedding(DIM, combiner="sum")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x: dict) -> tf.Tensor:
+            return self.out(self.table(x["ids"]))
+
+    model = Model()
+    build_model(model, {"ids": tf.TensorSpec([None, 3], tf.int64)})  # traced symbolically
+    shard = model.table.shards[0]
+    shard.embeddings.insert(tf.constant([1], tf.int64), tf.ones([1, DIM]))  # eager, usable
+    assert model({"ids": tf.constant([[1, 2, -1]], tf.int64)}).shape == (1, 1)
