@@ -100,6 +100,7 @@ _FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "stall_timeout": (0.0, MAX_SECONDS),
     "connect_timeout": (0.0, MAX_SECONDS),
     "recovery_timeout": (0.0, MAX_SECONDS),
+    "drop_after": (0.0, MAX_SECONDS),
 }
 # An integer or a decimal number as a flag or PSCTL_* value: ASCII only (int() and float()
 # would also take other scripts' digits, "1_000", "inf" and surrounding Unicode spaces).
@@ -183,6 +184,10 @@ class TrainSettings:
     connect_timeout: float = 120.0  # seconds to wait for every server, then exit 69
     max_restarts: int = 10  # restarts of the training process within 10 minutes
     recovery_timeout: float = 300.0  # seconds to wait for failed ps tasks before a restart
+    # Seconds a worker may stay unreachable before the job resizes without it (the
+    # parameter-server mode): longer than a host's reboot or a unit's restarts, so that a
+    # worker that comes back keeps its slot; short enough that a lost host does not.
+    drop_after: float = 900.0
 
     def __post_init__(self) -> None:
         check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)

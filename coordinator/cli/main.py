@@ -138,6 +138,11 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
         "seconds to wait for failed ps tasks before restarting anyway "
         + default_help("recovery_timeout", _seconds),
     ),
+    (
+        "--drop-after",
+        "seconds a worker may stay unreachable before the job resizes without it (it can "
+        "join again through psctl scale) " + default_help("drop_after", _seconds),
+    ),
 ]
 
 

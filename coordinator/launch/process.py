@@ -149,6 +149,7 @@ def run_training_process(
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if serve_control and settings.strategy == "async":
         control.on_task_leaving = lambda task: leave_cluster(control, counters, task)
+        control.drop_after = settings.drop_after
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery

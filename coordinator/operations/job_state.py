@@ -130,6 +130,9 @@ class JobControl:
         self._notify_lock = threading.Lock()
         self.on_task_failure: Callable[[str], None] | None = None
         self.on_task_leaving: Callable[[TaskInfo], None] | None = None
+        self.drop_after = 0.0  # --drop-after: seconds a worker may be down; 0: forever
+        self.clock = time.monotonic
+        self._down_since: dict[tuple[str, int], float] = {}  # (type, index) -> since when
         self.on_recovery: Callable[[], None] | None = None
         self.recoveries = 0
 
@@ -344,12 +347,31 @@ class JobControl:
         """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py). A task
         going from SERVING to anything else counts as a failure of that task; its return to
         SERVING after a failure counts as a recovery (SERVING for the first time, a task
-        starting, does not)."""
+        starting, does not). A worker going NOT_SERVING is stopping, and one down for longer
+        than ``drop_after`` is lost: either leaves (``on_task_leaving``)."""
         key = (task.type, task.index)
+        now = self.clock()
         with self._lock:
             before = self._health.get(key)
             self._health[key] = health
             failed_before = self._failures.get(key, 0) > 0
+            if health == SERVING:
+                self._down_since.pop(key, None)
+            elif before == SERVING:
+                self._down_since[key] = now
+            down = now - self._down_since.get(key, now)
+        if task.type == "worker" and self.drop_after and down > self.drop_after:
+            # Unreachable for longer than --drop-after: a lost host, taken out (once).
+            with self._lock:
+                self._down_since.pop(key, None)
+            log.warning(
+                "%s:%d has not been SERVING for %.0fs (--drop-after): it leaves the cluster",
+                task.type,
+                task.index,
+                down,
+            )
+            if self.on_task_leaving is not None:
+                self.on_task_leaving(task)
         if before == SERVING and health == NOT_SERVING and task.type == "worker":
             # A worker server says NOT_SERVING only while it stops (SIGTERM: a preemption
             # notice, cluster/server.py): it is leaving, not failing.

@@ -1,0 +1,74 @@
+"""Workers that leave (operations/job_state.py): a worker's NOT_SERVING is a departure, not a
+failure; a worker down for longer than --drop-after is taken out once; a ps is a failure
+either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from psctl.coordinator.operations.job_state import (
+    NOT_SERVING,
+    SERVING,
+    UNREACHABLE,
+    JobControl,
+    TaskInfo,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+WORKER = TaskInfo("worker", 1, "127.0.0.1:2")
+PS = TaskInfo("ps", 0, "127.0.0.1:1")
+
+
+def control_with(clock: list[float], drop_after: float = 0.0) -> tuple[JobControl, list]:
+    control = JobControl(
+        job="j", target_steps=10, steps_per_execution=1, tasks=[PS, WORKER], can_checkpoint=True
+    )
+    control.clock = lambda: clock[0]
+    control.drop_after = drop_after
+    leaving: list[TaskInfo] = []
+    control.on_task_leaving = leaving.append
+    return control, leaving
+
+
+def test_a_stopping_worker_leaves_and_is_no_failure():
+    control, leaving = control_with([0.0])
+    control.set_health(WORKER, SERVING)
+    control.set_health(WORKER, NOT_SERVING)  # SIGTERM: health NOT_SERVING, then exit
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == [WORKER]
+    assert control.failure_counts() == {"worker": 0, "ps": 0}
+    control.set_health(PS, SERVING)
+    control.set_health(PS, NOT_SERVING)  # a ps is never "leaving"
+    assert control.failure_counts()["ps"] == 1 and leaving == [WORKER]
+
+
+def test_a_worker_down_past_drop_after_is_taken_out_once():
+    clock = [0.0]
+    control, leaving = control_with(clock, drop_after=900.0)
+    control.set_health(WORKER, SERVING)
+    control.set_health(WORKER, UNREACHABLE)  # a failure, retried at its address
+    assert control.failure_counts()["worker"] == 1 and leaving == []
+    clock[0] = 899.0
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == []
+    clock[0] = 901.0
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == [WORKER]
+    clock[0] = 2000.0
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == [WORKER]  # once
+
+
+def test_a_worker_back_in_time_keeps_its_slot():
+    clock = [0.0]
+    control, leaving = control_with(clock, drop_after=900.0)
+    control.set_health(WORKER, SERVING)
+    control.set_health(WORKER, UNREACHABLE)
+    clock[0] = 600.0
+    control.set_health(WORKER, SERVING)  # a reboot: back at its address
+    clock[0] = 1200.0
+    control.set_health(WORKER, UNREACHABLE)
+    clock[0] = 1800.0
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == []  # down 600 s this time
