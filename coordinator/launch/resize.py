@@ -68,10 +68,16 @@ class Resizer:
         try:
             if self.supervisor.resizing:
                 raise Refused("a resize is under way: try again when psctl status says RUNNING")
-            old, new = self.prepare(request)
+            try:
+                old, new = self.prepare(request)
+            except (ConfigError, Refused) as err:
+                log.warning("resize refused: %s", err)
+                raise
             if not self.supervisor.request_resize(old=old, new=new):
-                raise Refused("no training process is running (restarting?): try again")
-            generation = len(self.supervisor.counters.resizes) + 1
+                raise Refused("the job is stopping")
+            # The resize under way, or one recorded already for the next training process.
+            resizes = len(self.supervisor.counters.resizes)
+            generation = resizes + 1 if self.supervisor.resizing else resizes
             return control_pb2.ScaleResponse(
                 cluster_generation=generation,
                 message=f"{old} -> {new}: checkpointing, then training goes on on the new "
