@@ -22,7 +22,6 @@ Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (floor F)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -31,6 +30,10 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.dynamic import RssSampler
 
 REPO = Path(__file__).resolve().parent.parent
 IDS_PER_EXAMPLE = 26
@@ -69,13 +72,6 @@ def count(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
     return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 PROBE = """
@@ -130,25 +126,20 @@ def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]
     ]  # fmt: skip
     print(f"cluster: {steps} steps of {batch} examples x {new} new ids", flush=True)
     started = time.monotonic()
+    sampler = RssSampler(work / "local" / "tasks.json", every=0.5)  # MB per ps, None: gone
+    sampler.start()
     proc = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
-    samples: list[tuple[float, list[int]]] = []
-    pids: list[int] = []
     try:
-        while proc.poll() is None:
-            time.sleep(0.5 if not samples else 2.0)
-            if not pids:
-                pids = _ps_pids(work / "local" / "tasks.json")
-            with contextlib.suppress(OSError, RuntimeError):
-                samples.append((time.monotonic() - started, [rss_bytes(p) for p in pids]))
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=3600)
     finally:
         if proc.poll() is None:
             proc.kill()
+        sampler.stop()
     if proc.returncode != 0:
         raise SystemExit(f"psctl local failed ({proc.returncode}):\n{err[-3000:]}")
     result = json.loads(summary.read_text())
     rows = result["tables"]["ids"]["rows"]
-    sampled = [s for s in samples if s[1]]
+    sampled = [(t, [v * 1e6 for v in mb]) for t, mb in sampler.samples if None not in mb]
     first, peak = sum(sampled[0][1]), max(sum(s[1]) for s in sampled)
     per_key = (peak - first) / rows
     for t, values in sampled[:: max(1, len(sampled) // 8)]:
@@ -163,14 +154,6 @@ def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]
         "floor": dim * 4 * 3,
         "wall_seconds": time.monotonic() - started,
     }
-
-
-def _ps_pids(tasks_file: Path) -> list[int]:
-    try:
-        tasks = json.loads(tasks_file.read_text())
-    except (OSError, ValueError):
-        return []
-    return [int(task["pid"]) for task in tasks if task["type"] == "ps" and task.get("pid")]
 
 
 def main() -> int:
