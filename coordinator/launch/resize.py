@@ -30,6 +30,7 @@ from psctl.cluster.ports import HEALTH_PORT_OFFSET
 from psctl.cluster.spec import ClusterConfig, parse_cluster_json
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.launch.supervisor import TrainingSupervisor
+from psctl.coordinator.operations.client import health_addresses_of
 from psctl.coordinator.operations.front import Refused
 
 log = logging.getLogger(__name__)
@@ -193,20 +194,21 @@ def load(text: str, *, source: str) -> ClusterConfig:
 
 def wait_serving(cluster: ClusterConfig, body: Any, *, timeout: float) -> None:
     """Every ps and worker of ``cluster`` SERVING within ``timeout`` (the file's "health"
-    addresses, else TF port + HEALTH_PORT_OFFSET), else a ConfigError naming the first that
-    is not."""
-    explicit = body.get("health", {}) if isinstance(body, dict) else {}
-    targets = []
-    for task_type, index, address in cluster.task_addresses():
-        if task_type not in ("ps", "worker"):
-            continue
-        given = explicit.get(task_type, [])
-        target = (
-            given[index]
-            if index < len(given)
-            else str(address.with_port(address.port + HEALTH_PORT_OFFSET))
+    addresses, else TF port + HEALTH_PORT_OFFSET, as ``psctl health`` reads them), else a
+    ConfigError naming the first that is not."""
+    explicit = health_addresses_of(body, source="the new cluster")
+    targets = [
+        (
+            f"{task_type}:{index}",
+            str(
+                explicit.get(
+                    (task_type, index), address.with_port(address.port + HEALTH_PORT_OFFSET)
+                )
+            ),
         )
-        targets.append((f"{task_type}:{index}", target))
+        for task_type, index, address in cluster.task_addresses()
+        if task_type in ("ps", "worker")
+    ]
     deadline = time.monotonic() + timeout
     pending = list(targets)
     while pending:

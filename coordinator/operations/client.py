@@ -324,7 +324,12 @@ def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int],
     if not cluster_file:
         return {}
     with open(cluster_file) as f:
-        top = json.load(f)
+        return health_addresses_of(json.load(f), source=cluster_file)
+
+
+def health_addresses_of(top: Any, *, source: str) -> dict[tuple[str, int], Address]:
+    """The "health" section of a decoded cluster file (``source`` names it in errors)."""
+    cluster_file = source
     section = top.get("health", {}) if isinstance(top, dict) else {}
     shape = 'give "health": {"ps": ["host:port", ...], "worker": [...]} or leave it out'
     if not isinstance(section, dict):
