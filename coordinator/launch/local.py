@@ -228,6 +228,14 @@ class LocalCluster:
         if self._tasks_written:
             self.write_tasks()
 
+    def drop_tasks(self, tasks: Sequence[tuple[str, int]]) -> list[ServerProcess]:
+        """``drop`` the servers of ``tasks`` ((type, index) in the cluster now); returns
+        them. Found first: each drop renumbers the workers after it."""
+        leaving = [s for s in self.servers if (s.task_type, s.index) in tasks]
+        for server in leaving:
+            self.drop(server)
+        return leaving
+
     def retire(self) -> None:
         """Stop the servers a resize took out of the cluster."""
         leaving, self.retiring = self.retiring, []
@@ -553,12 +561,7 @@ def local_ps_main(
             def left_seen(tasks: list[tuple[str, int]]) -> tuple[str, str]:
                 # The training process saw them stop (health NOT_SERVING) before they exited.
                 old = shape(local.cluster)
-                for task_type, index in tasks:
-                    for server in [
-                        s for s in local.servers if (s.task_type, s.index) == (task_type, index)
-                    ]:
-                        local.drop(server)
-                        local.retiring.append(server)  # it exits by itself; reaped at the end
+                local.retiring += local.drop_tasks(tasks)  # they exit by themselves
                 return old, shape(local.cluster)
 
             supervisor.on_left = left_seen
