@@ -12,15 +12,16 @@ Formats (told apart by the file name; one glob holds one format):
   scalar features ``f00`` ... ``f31``, both give a vector of 32 floats. The schema is read
   from the first record; :func:`write_tfrecord` writes the first form.
 
-Every file is read in full once on the coordinator before training starts (cached per glob),
-so a bad file is a :class:`~cluster.errors.ConfigError` naming the file and the line (or
-record): no files, an empty file, a missing label column, headers that differ between files,
-a blank line, a row with the wrong number of cells, a cell that is not a finite number as
-TensorFlow's CSV reader reads them (ASCII digits; lines end in \\n or \\r\\n; no byte order
-mark), a feature beyond float32, a record that does not match the schema, and (when the job
-says what it needs) the wrong feature count or a label outside the job's classes. The check
-reads about 30 MB of CSV a second on one core. Paths are made absolute there: every worker
-must see the files at the same paths (one machine, or a shared file system).
+Every file is read in full once on the coordinator before training starts (cached per glob;
+coordinator/checks.py, in parallel processes for large inputs), so a bad file is a
+:class:`~cluster.errors.ConfigError` naming the file and the line (or record): no files, an
+empty file, a missing label column, headers that differ between files, a blank line, a row
+with the wrong number of cells, a cell that is not a finite number as TensorFlow's CSV
+reader reads them (ASCII digits; lines end in \\n or \\r\\n; no byte order mark), a feature
+beyond float32, a record that does not match the schema, and (when the job says what it
+needs) the wrong feature count or a label outside the job's classes. The check reads about
+30 MB of CSV a second per core. Paths are made absolute there: every worker must see the
+files at the same paths (one machine, or a shared file system).
 
 Sharding: :func:`train_dataset` is called per worker with ``ctx.worker_index`` a scalar
 tensor. With at least as many files as workers, worker ``i`` reads files ``i, i + n, ...``
@@ -32,19 +33,24 @@ as evaluation is (worker 0 of 1).
 
 from __future__ import annotations
 
-import glob as globlib
 import math
 import os
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
-from psctl.cluster.errors import ConfigError, echo
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.checks import (
+    Checked,
+    DataFiles,
+    _Labels,
+    scan_table,
+)
+from psctl.coordinator.input_files import Piece, size_of
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
@@ -61,66 +67,7 @@ __all__ = [
     "write_tfrecord",
 ]
 
-CSV_SUFFIXES = (".csv",)
-TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")
 DEFAULT_SHUFFLE_BUFFER = 10_000  # examples (CSV lines or serialized records) per worker
-# What TensorFlow's CSV reader (tf.data.TextLineDataset, then tf.io.decode_csv) parses, and so
-# what the check accepts: lines end in \n or \r\n (TextLineDataset drops every \r, so a lone
-# \r would join two lines into one); a cell is an ASCII decimal number with spaces or tabs
-# around it, or one in double quotes. float() takes more (other scripts' digits, Unicode
-# spaces, nan, infinity, 1_000): every cell is matched against this first. No nested
-# quantifiers, so a bad 20 MB cell fails in linear time.
-_NUMBER = r"[ \t]*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*"
-_NUMBER_CELL = re.compile(f'{_NUMBER}|"{_NUMBER}"')
-_NOT_FINITE = re.compile(r'[ \t"]*[+-]?(?:nan|inf|infinity)[ \t"]*', re.IGNORECASE)
-# Features are read as float32; labels as float64, then cast to the job's label dtype
-# (float32 unless it says otherwise): past this, either would be infinite.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-_PLAIN_ROW = re.compile(r"[0-9eE.+\- \t,]+")  # only characters of unquoted numbers
-_BOM = "\ufeff"
-
-
-@dataclass(frozen=True)
-class Extreme:
-    """A label value and where it was seen (for error messages)."""
-
-    value: float
-    path: str
-    line: int
-
-
-@dataclass(frozen=True)
-class DataFiles:
-    """A validated glob: what the readers need, and what a job may check."""
-
-    pattern: str
-    paths: tuple[str, ...]  # as the glob gave them (for messages), sorted
-    files: tuple[str, ...]  # absolute, same order (for TensorFlow, on every worker)
-    format: str  # "csv" or "tfrecord"
-    label_column: str
-    feature_names: tuple[str, ...]  # CSV columns in file order / TFRecord keys, sorted
-    feature_lengths: tuple[int, ...]  # values per feature (always 1 for CSV)
-    num_records: int
-    records_per_file: tuple[int, ...]
-    integer_labels: bool  # every label is a whole number
-    label_min: Extreme
-    label_max: Extreme
-    # CSV: every column of the header (label included), in file order.
-    columns: tuple[str, ...] = ()
-    # TFRecord: each feature's kind ("float" or "int64"), in feature_names order; the label's.
-    feature_kinds: tuple[str, ...] = ()
-    label_kind: str = ""
-
-    @property
-    def num_features(self) -> int:
-        return sum(self.feature_lengths)
-
-    def where(self) -> str:
-        """Where the feature count comes from, for messages."""
-        if self.format == "csv":
-            return f"{self.paths[0]} line 1"
-        return f"{self.paths[0]} record 1"
-
 
 # -- finding and checking files ---------------------------------------------------------------
 
@@ -140,7 +87,7 @@ def inspect_files(pattern: str, *, label_column: str = "label", field: str = "--
         if found is None:
             # Eagerly, also when first called while a per-worker dataset function is traced.
             with tf.init_scope():
-                found = _scan(pattern, label_column, field)
+                found = scan_table(pattern, label_column=label_column, field=field)
             _cache[key] = found
     return found
 
@@ -192,369 +139,110 @@ def check_files(
     return info
 
 
-def expand(pattern: str, field: str) -> list[str]:
-    """The regular files a glob (or a directory: every file in it) names, sorted."""
-    if not pattern.strip():
-        raise ConfigError(field, "is empty", "give a file or a glob such as 'data/train-*.csv'")
-    expanded = os.path.expanduser(pattern)
-    if os.path.isdir(expanded):
-        expanded = os.path.join(expanded, "*")
-    paths = sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
-    if not paths:
-        raise ConfigError(
-            field,
-            f"no files match {pattern!r}",
-            "check the path (quote a glob so the shell leaves it to psctl)",
-        )
-    return paths
-
-
-def _format_of(paths: Sequence[str], field: str) -> str:
-    formats = set()
-    for path in paths:
-        lower = path.lower()
-        if lower.endswith(CSV_SUFFIXES):
-            formats.add("csv")
-        elif lower.endswith(TFRECORD_SUFFIXES):
-            formats.add("tfrecord")
-        else:
-            raise ConfigError(
-                field,
-                f"cannot tell the format of {path} from its name",
-                "name CSV files *.csv and TFRecord files *.tfrecord",
-            )
-    if len(formats) > 1:
-        raise ConfigError(
-            field, "the glob matches both CSV and TFRecord files", "give one format per glob"
-        )
-    return formats.pop()
-
-
-def _scan(pattern: str, label_column: str, field: str) -> DataFiles:
-    paths = expand(pattern, field)
-    fmt = _format_of(paths, field)
-    if fmt == "csv":
-        return _scan_csv(pattern, paths, label_column, field)
-    return _scan_tfrecord(pattern, paths, label_column, field)
-
-
-class _Labels:
-    """Running label statistics over a scan."""
-
-    def __init__(self) -> None:
-        self.integer = True
-        self.low: Extreme | None = None
-        self.high: Extreme | None = None
-
-    def add(self, value: float, path: str, line: int) -> None:
-        if self.integer and not float(value).is_integer():
-            self.integer = False
-        if self.low is None or value < self.low.value:
-            self.low = Extreme(value, path, line)
-        if self.high is None or value > self.high.value:
-            self.high = Extreme(value, path, line)
-
-
-def _cell(text: str) -> str:
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] == '"':
-        text = text[1:-1].strip()
-    return text
-
-
-def _number(text: str) -> float:
-    """float() without digit separators: whether a header cell looks like a number."""
-    if "_" in text:
-        raise ValueError(text)
-    return float(text)
-
-
-def _row_pattern(width: int) -> re.Pattern[str]:
-    """A whole data row of ``width`` number cells."""
-    return re.compile(f"(?:{_NUMBER_CELL.pattern})(?:,(?:{_NUMBER_CELL.pattern})){{{width - 1}}}")
-
-
-def _line_body(line: str, path: str, line_no: int, field: str) -> str:
-    """A line without its end (read with newline="", which also splits at a lone \r)."""
-    if line.endswith("\n"):
-        return line[:-2] if line.endswith("\r\n") else line[:-1]
-    if line.endswith("\r"):
-        raise ConfigError(
-            field,
-            f"{path} line {line_no} ends in a lone carriage return (\\r, old Mac line ends)",
-            "end lines with \\n or \\r\\n: TensorFlow splits lines at \\n only",
-        )
-    return line  # the last line, without an end
-
-
-def _scan_csv(pattern: str, paths: list[str], label_column: str, field: str) -> DataFiles:
-    header: list[str] = []
-    counts = []
-    labels = _Labels()
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8", newline="") as handle:
-                header, count = _scan_csv_file(
-                    handle, path, header, paths[0], label_column, labels, field
-                )
-        except OSError as err:
-            raise ConfigError(field, f"cannot read {path}: {err.strerror}", "fix it") from None
-        counts.append(count)
-    assert labels.low is not None and labels.high is not None
-    features = tuple(c for c in header if c != label_column)
-    return DataFiles(
-        pattern=pattern,
-        paths=tuple(paths),
-        files=tuple(os.path.abspath(p) for p in paths),
-        format="csv",
-        label_column=label_column,
-        feature_names=features,
-        feature_lengths=tuple(1 for _ in features),
-        num_records=sum(counts),
-        records_per_file=tuple(counts),
-        integer_labels=labels.integer,
-        label_min=labels.low,
-        label_max=labels.high,
-        columns=tuple(header),
-    )
-
-
-def _scan_csv_file(
-    handle: Any,
-    path: str,
-    header: list[str],
-    first_path: str,
-    label_column: str,
-    labels: _Labels,
-    field: str,
-) -> tuple[list[str], int]:
-    """Check one CSV file against the header of the first (``[]``: this is the first);
-    returns the header and the number of examples."""
-    line_no = 1
-    try:
-        first = handle.readline()
-        if first.startswith(_BOM):
-            raise ConfigError(
-                field,
-                f"{path} starts with a byte order mark (BOM, U+FEFF)",
-                "save it as UTF-8 without a BOM (a spreadsheet's plain CSV, not 'CSV UTF-8')",
-            )
-        first = _line_body(first, path, 1, field)
-        if not first.strip():
-            raise ConfigError(
-                field,
-                f"{path} is empty" if not first else f"{path} line 1 is blank",
-                f"start the file with a header row naming each column and {echo(label_column)}",
-            )
-        names = [_cell(c) for c in first.split(",")]
-        if not header:
-            header = _check_header(path, names, label_column, field)
-        elif names != header:
-            raise ConfigError(
-                field,
-                f"{path} line 1: header {_short(names)} differs from {first_path}'s "
-                f"{_short(header)}",
-                "give every file the same columns in the same order",
-            )
-        label_index = header.index(label_column)
-        width = len(header)
-        row = _row_pattern(width)
-        count = 0
-        for line_no, line in enumerate(handle, start=2):
-            body = _line_body(line, path, line_no, field)
-            if not body.strip(" \t"):
-                raise ConfigError(
-                    field,
-                    f"{path} line {line_no} is blank",
-                    "remove blank lines (every line after the header is an example)",
-                )
-            cells = body.split(",")
-            if len(cells) == width and _PLAIN_ROW.fullmatch(body):
-                # float() reads exactly _NUMBER's numbers from these characters (quick).
-                try:
-                    values = [float(c) for c in cells]
-                except ValueError:
-                    _row_error(body, header, path, line_no, field)
-            elif row.fullmatch(body):  # quoted cells
-                values = [float(c.replace('"', "")) for c in cells]
-            else:
-                _row_error(body, header, path, line_no, field)
-            if max(map(abs, values)) > FLOAT32_MAX:  # inf too; nan cannot match the patterns
-                _check_range(values, cells, header, path, line_no, field)
-            labels.add(values[label_index], path, line_no)
-            count += 1
-    except UnicodeDecodeError:
-        where = "" if line_no == 1 else f" near line {line_no + 1}"
-        raise ConfigError(field, f"{path}{where}: not UTF-8 text", "give CSV text") from None
-    if count == 0:
-        raise ConfigError(
-            field, f"{path} has a header but no data rows", "add examples or remove the file"
-        )
-    return header, count
-
-
-def _row_error(body: str, header: list[str], path: str, line_no: int, field: str) -> NoReturn:
-    """Raise the ConfigError for a row that is not ``len(header)`` number cells."""
-    cells = body.split(",")
-    if len(cells) != len(header):
-        raise ConfigError(
-            field,
-            f"{path} line {line_no}: {len(cells)} cells, the header has {len(header)}",
-            "give every row one value per column",
-        )
-    for column, cell in zip(header, cells, strict=True):
-        if _NUMBER_CELL.fullmatch(cell):
-            continue
-        text = cell.strip(" \t")
-        if text in ("", '""'):
-            what = "an empty cell"
-        elif _NOT_FINITE.fullmatch(text):
-            what = f"{text} is not a finite number"
-        elif not text.isascii():
-            what = f"{echo(cell)} is not a number (it holds non-ASCII characters)"
-        elif '"' in text:
-            what = f"{echo(cell)} is not a number in quotes that open and close the cell"
-        else:
-            what = f"{echo(cell)} is not a number"
-        raise ConfigError(
-            field,
-            f"{path} line {line_no}, column {echo(column)}: {what}",
-            "write a plain number such as 3, -0.25 or 1e-3 in every cell (or remove the row)",
-        )
-    raise AssertionError(f"{path} line {line_no}: no bad cell in a row that did not match")
-
-
-def _check_range(
-    values: list[float], cells: list[str], header: list[str], path: str, line_no: int, field: str
-) -> None:
-    """Numbers too large for float32 (a number past float64's range reads as inf: the
-    cell is quoted as written, not as ``inf``)."""
-    for column, value, cell in zip(header, values, cells, strict=True):
-        if abs(value) > FLOAT32_MAX:
-            shown = f"{value:g}" if math.isfinite(value) else echo(cell.strip(' \t"'))
-            raise ConfigError(
-                field,
-                f"{path} line {line_no}, column {echo(column)}: {shown} is beyond float32",
-                f"give numbers within +-{FLOAT32_MAX:.6g} (they are read as float32)",
-            )
-
-
-def _short(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(name if len(name) <= 40 else echo(name, 40) for name in names[:limit])
-    more = f", ... ({len(names)} columns)" if len(names) > limit else ""
-    return f"[{shown}{more}]"
-
-
-def _check_header(path: str, names: list[str], label_column: str, field: str) -> list[str]:
-    numeric = 0
-    for name in names:
-        try:
-            _number(name)
-            numeric += 1
-        except ValueError:
-            pass
-    if numeric == len(names):
-        raise ConfigError(
-            field,
-            f"{path} line 1 holds numbers, not column names",
-            f"start the file with a header row naming each column and {echo(label_column)}",
-        )
-    if "" in names:
-        raise ConfigError(
-            field, f"{path} line 1: column {names.index('') + 1} has no name", "name every column"
-        )
-    seen = set()
-    for name in names:
-        if name in seen:
-            raise ConfigError(field, f"{path} line 1: column {echo(name)} twice", "rename one")
-        seen.add(name)
-    if label_column not in names:
-        raise ConfigError(
-            field,
-            f"{path} line 1: no label column {echo(label_column)} in {_short(names)}",
-            "name the label column in --label-column (default label)",
-        )
-    if len(names) < 2:
-        raise ConfigError(
-            field, f"{path} line 1: only the label column", "add at least one feature column"
-        )
-    return names
-
-
-def _scan_tfrecord(pattern: str, paths: list[str], label_column: str, field: str) -> DataFiles:
+def first_schema(path: str, label_column: str, field: str) -> dict[str, tuple[str, int]]:
+    """The features of the first record of ``path`` (the first file), checked: every
+    record of every file must have them."""
     from google.protobuf.message import DecodeError
 
-    schema: dict[str, tuple[str, int]] | None = None  # name -> (kind, length)
-    schema_where = ""
-    counts = []
-    labels = _Labels()
-    for path in paths:
-        if os.path.getsize(path) == 0:
-            raise ConfigError(
-                field, f"{path} is empty", "write tf.train.Example records, or remove the file"
-            )
-        count = 0
-        try:
-            for chunk in tf.data.TFRecordDataset(path).batch(4096):
-                for serialized in chunk.numpy():
-                    count += 1
-                    try:
-                        example = tf.train.Example.FromString(serialized)
-                    except DecodeError:
-                        raise ConfigError(
-                            field,
-                            f"{path} record {count}: not a tf.train.Example",
-                            "write tf.train.Example records",
-                        ) from None
-                    found = _example_schema(example, path, count, field)
-                    if schema is None:
-                        schema, schema_where = found, f"{path} record 1"
-                        _check_schema(schema, path, label_column, field)
-                    elif found != schema:
-                        raise ConfigError(
-                            field,
-                            f"{path} record {count}: features {_describe(found)} differ from "
-                            f"{schema_where}'s {_describe(schema)}",
-                            "give every record the same features, each with a fixed length",
-                        )
-                    feature = example.features.feature[label_column]
-                    kind = feature.WhichOneof("kind")
-                    value = float(getattr(feature, kind).value[0])
-                    if math.isnan(value) or math.isinf(value):
-                        raise ConfigError(
-                            field,
-                            f"{path} record {count}: label is {value}",
-                            "give every example a finite label",
-                        )
-                    labels.add(value, path, count)
-        except tf.errors.OpError as err:
-            good = _readable_records(path)  # the batch failed as a whole: find the record
-            raise ConfigError(
-                field,
-                f"{path} after record {good}: not a readable TFRecord file ({_op_message(err)})",
-                "write the file with tf.io.TFRecordWriter",
-            ) from None
-        if count == 0:
-            raise ConfigError(field, f"{path} holds no records", "add examples or remove it")
-        counts.append(count)
-    assert schema is not None and labels.low is not None and labels.high is not None
-    features = sorted(name for name in schema if name != label_column)
-    return DataFiles(
-        pattern=pattern,
-        paths=tuple(paths),
-        files=tuple(os.path.abspath(p) for p in paths),
-        format="tfrecord",
-        label_column=label_column,
-        feature_names=tuple(features),
-        feature_lengths=tuple(schema[n][1] for n in features),
-        num_records=sum(counts),
-        records_per_file=tuple(counts),
-        integer_labels=labels.integer,
-        label_min=labels.low,
-        label_max=labels.high,
-        feature_kinds=tuple(schema[n][0] for n in features),
-        label_kind=schema[label_column][0],
-    )
+    if size_of(path) == 0:
+        raise ConfigError(
+            field, f"{path} is empty", "write tf.train.Example records, or remove the file"
+        )
+    try:
+        first = next(iter(tf.data.TFRecordDataset(path).take(1)), None)
+    except tf.errors.OpError as err:
+        raise ConfigError(
+            field,
+            f"{path} after record 0: not a readable TFRecord file ({_op_message(err)})",
+            "write the file with tf.io.TFRecordWriter",
+        ) from None
+    if first is None:
+        raise ConfigError(field, f"{path} holds no records", "add examples or remove it")
+    try:
+        example = tf.train.Example.FromString(first.numpy())
+    except DecodeError:
+        raise ConfigError(
+            field, f"{path} record 1: not a tf.train.Example", "write tf.train.Example records"
+        ) from None
+    schema = _example_schema(example, path, 1, field)
+    _check_schema(schema, path, label_column, field)
+    return schema
+
+
+def check_tfrecord_piece(
+    piece: Piece,
+    *,
+    schema: dict[str, tuple[str, int]],
+    schema_where: str,
+    label_column: str,
+    field: str,
+    first_line: int = 1,
+) -> Checked:
+    """Check every record of one file (a piece is a whole file) against the first record's
+    features (``schema``, read at ``schema_where``)."""
+    found = Checked(labels=_Labels())
+    try:
+        found.records = found.lines = _check_records(
+            piece.path, schema, schema_where, label_column, found.labels, field
+        )
+    except ConfigError as err:
+        found.error = (err.field, err.problem, err.fix)
+    return found
+
+
+def _check_records(
+    path: str,
+    schema: dict[str, tuple[str, int]],
+    schema_where: str,
+    label_column: str,
+    labels: Any,
+    field: str,
+) -> int:
+    from google.protobuf.message import DecodeError
+
+    if size_of(path) == 0:
+        raise ConfigError(
+            field, f"{path} is empty", "write tf.train.Example records, or remove the file"
+        )
+    count = 0
+    try:
+        for chunk in tf.data.TFRecordDataset(path).batch(4096):
+            for serialized in chunk.numpy():
+                count += 1
+                try:
+                    example = tf.train.Example.FromString(serialized)
+                except DecodeError:
+                    raise ConfigError(
+                        field,
+                        f"{path} record {count}: not a tf.train.Example",
+                        "write tf.train.Example records",
+                    ) from None
+                found = _example_schema(example, path, count, field)
+                if found != schema:
+                    raise ConfigError(
+                        field,
+                        f"{path} record {count}: features {_describe(found)} differ from "
+                        f"{schema_where}'s {_describe(schema)}",
+                        "give every record the same features, each with a fixed length",
+                    )
+                feature = example.features.feature[label_column]
+                kind = feature.WhichOneof("kind")
+                value = float(getattr(feature, kind).value[0])
+                if math.isnan(value) or math.isinf(value):
+                    raise ConfigError(
+                        field,
+                        f"{path} record {count}: label is {value}",
+                        "give every example a finite label",
+                    )
+                labels.add(value, path, count)
+    except tf.errors.OpError as err:
+        good = _readable_records(path)  # the batch failed as a whole: find the record
+        raise ConfigError(
+            field,
+            f"{path} after record {good}: not a readable TFRecord file ({_op_message(err)})",
+            "write the file with tf.io.TFRecordWriter",
+        ) from None
+    return count
 
 
 def _readable_records(path: str) -> int:

@@ -1,6 +1,6 @@
 """`psctl`: the command line, and the flags of `local`, `train` and `check-config`; the other
-commands' flags are in cli/client.py, cli/deploy.py and cli/evaluate.py. TensorFlow is
-imported only by commands that train or evaluate."""
+commands' flags are in cli/client.py, cli/deploy.py, cli/evaluate.py and cli/check_data.py.
+TensorFlow is imported only by commands that train or evaluate (check-data: TFRecord only)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
 from psctl.cluster.requirements import require_tensorflow
+from psctl.coordinator.cli.check_data import add_check_data_command
 from psctl.coordinator.cli.client import add_client_commands, add_control_security
 from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
@@ -194,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument(
         "--start-timeout",
         type=decimal,
-        default=120.0,
-        help="seconds to wait for every server to be SERVING (default %(default)g)",
+        default=None,
+        help="seconds to wait for every server to be SERVING (default 120, longer for many "
+        "servers: each imports TensorFlow, several CPU-seconds)",
     )
     add_control_address(local)
     add_train_arguments(local)
@@ -256,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tasks as a table; a mistake is one line naming the field, exit 78.",
     )
     check.add_argument("file", nargs="?", help="cluster file; default: $TF_CONFIG")
+    COMMANDS.update(add_check_data_command(sub))
     CLIENT_COMMANDS.update(add_client_commands(sub))
     CLIENT_COMMANDS.update(add_deploy_commands(sub))
     COMMANDS.update(add_evaluate_command(sub))

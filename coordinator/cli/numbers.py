@@ -55,6 +55,7 @@ RANGES: dict[str, tuple[float, float, str]] = {
     "poll_interval": (0, MAX_SECONDS, _SECONDS),
     "interval": (0.1, 60, "seconds"),
     "duration": (0, MAX_SECONDS, "seconds (0: no limit)"),
+    "jobs": (1, 1024, "a whole number"),
 }
 
 

@@ -1,0 +1,96 @@
+"""The full check of input files (coordinator/checks.py, coordinator/input_files.py): files
+cut into pieces at line starts, errors naming the line in the file whatever piece found
+them, the first bad file in sorted order, and statistics added up over pieces. In this
+process (pieces of a few hundred bytes); tests/integration/test_check_data.py runs the
+processes through ``psctl check-data``."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator import checks
+from psctl.coordinator.input_files import cut, read_piece
+
+pytestmark = pytest.mark.timeout(60)
+
+IDS = [f"{i:08x}" for i in range(26)]
+
+
+def tsv_line(label: int | str = 1, first: int | str = 0) -> str:
+    return "\t".join([str(label), str(first), *map(str, range(12)), *IDS])
+
+
+def write(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(f"{text}\n" for text in lines))
+    return str(path)
+
+
+def test_pieces_start_at_line_starts_and_cover_every_byte(tmp_path: Path):
+    path = write(tmp_path / "a.tsv", [tsv_line(i % 2, i) for i in range(100)])
+    pieces, total = cut([path], splittable=True, piece_bytes=1000)
+    assert total == Path(path).stat().st_size and len(pieces) > 5
+    assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
+    parts = [read_piece(p) for p in pieces]
+    assert b"".join(parts) == Path(path).read_bytes()
+    assert all(part.endswith(b"\n") for part in parts)
+    whole, _ = cut([path], splittable=False, piece_bytes=1000)
+    assert len(whole) == 1 and whole[0].end == -1
+
+
+@pytest.mark.parametrize("piece_bytes", [300, 1000, 1 << 20])
+def test_criteo_counts_and_names_the_line_in_the_file(tmp_path: Path, piece_bytes: int):
+    lines = [tsv_line(int(i % 3 == 0), i) for i in range(60)]
+    good = write(tmp_path / "a-0.tsv", lines)
+    write(tmp_path / "a-1.tsv", lines[:7])
+    info = checks.scan_criteo(str(tmp_path / "a-*.tsv"), field="f", piece_bytes=piece_bytes)
+    assert info.records_per_file == (60, 7) and info.positives == 20 + 3
+    assert info.paths == (good, str(tmp_path / "a-1.tsv"))
+    lines[47] = tsv_line(1, "4x")
+    write(tmp_path / "a-0.tsv", lines)
+    with pytest.raises(ConfigError) as err:
+        checks.scan_criteo(str(tmp_path / "a-*.tsv"), field="f", piece_bytes=piece_bytes)
+    assert str(err.value).startswith(f"f: {good} line 48, column I1: '4x' is not an integer")
+
+
+def test_the_first_bad_file_in_sorted_order_is_named(tmp_path: Path):
+    write(tmp_path / "b-0.tsv", [tsv_line()] * 20)
+    (tmp_path / "b-1.tsv").write_text("")
+    write(tmp_path / "b-2.tsv", [tsv_line(), "bad"])
+    with pytest.raises(ConfigError) as err:
+        checks.scan_criteo(str(tmp_path / "b-*.tsv"), field="f", piece_bytes=200)
+    assert f"{tmp_path / 'b-1.tsv'} is empty" in str(err.value)
+
+
+def test_gzipped_criteo_files_are_one_piece_each(tmp_path: Path):
+    body = "".join(f"{tsv_line(1, i)}\n" for i in range(50)) + "1\t2\n"
+    (tmp_path / "c.tsv.gz").write_bytes(gzip.compress(body.encode()))
+    with pytest.raises(ConfigError) as err:
+        checks.scan_criteo(str(tmp_path / "c.tsv.gz"), field="f", piece_bytes=100)
+    assert "c.tsv.gz line 51" in str(err.value)
+
+
+def csv_text(rows: range, header: str = "a,label,b") -> str:
+    return header + "\n" + "".join(f"{i},{i % 4},{-i * 0.5}\n" for i in rows)
+
+
+@pytest.mark.parametrize("piece_bytes", [40, 1 << 20])
+def test_csv_pieces_add_up_to_the_whole_files(tmp_path: Path, piece_bytes: int):
+    (tmp_path / "d-0.csv").write_text(csv_text(range(30)))
+    (tmp_path / "d-1.csv").write_text(csv_text(range(30, 41)))
+    info = checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+    assert info.records_per_file == (30, 11) and info.columns == ("a", "label", "b")
+    assert info.integer_labels and (info.label_min.value, info.label_max.value) == (0, 3)
+    assert (info.label_min.path, info.label_min.line) == (str(tmp_path / "d-0.csv"), 2)
+    text = csv_text(range(30, 41)).replace("38,", "38x,")
+    (tmp_path / "d-1.csv").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+    assert f"{tmp_path / 'd-1.csv'} line 10, column 'a': '38x' is not a number" in str(err.value)
+    (tmp_path / "d-1.csv").write_text(csv_text(range(3), header="a,label,c"))
+    with pytest.raises(ConfigError) as err:
+        checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+    assert "d-1.csv line 1: header [a, label, c] differs from" in str(err.value)
