@@ -454,13 +454,27 @@ def _criteo_lines(
         for count, raw in enumerate(lines, 1):
             line = raw[:-1] if raw.endswith(b"\r") else raw
             if match(line) is None:
-                where = first_line + count - 1
-                raise ConfigError(field, _what_is_wrong(line, path, where), CRITEO_FIX)
+                if not _trimmed(line):
+                    where = first_line + count - 1
+                    raise ConfigError(field, _what_is_wrong(line, path, where), CRITEO_FIX)
+                trimmed += 1
+                if trimmed == 1:
+                    found.first_trimmed = count
             positives += line.startswith(b"1")
     finally:
         found.lines = found.records = count
         found.positives = positives
         found.trimmed = trimmed
+
+
+def _trimmed(line: bytes) -> bool:
+    """Whether a line that does not match is a good one whose trailing empty cells were
+    trimmed (fewer than 40 cells, as some copies of the Kaggle file have): readers built on
+    pandas read the missing cells as empty, and so does psctl (criteo.parse_lines)."""
+    tabs = line.count(b"\t")
+    if tabs >= NUM_CELLS - 1:
+        return False
+    return _LINE.fullmatch(line + b"\t" * (NUM_CELLS - 1 - tabs)) is not None
 
 
 def _what_is_wrong(line: bytes, path: str, line_no: int) -> str:
@@ -469,12 +483,16 @@ def _what_is_wrong(line: bytes, path: str, line_no: int) -> str:
     if not line.strip():
         return f"{where} is blank"
     cells = line.split(b"\t")
-    if len(cells) != NUM_CELLS:
-        hint = " (the Criteo challenge's test files have no label column)" * (len(cells) == 39)
+    if len(cells) > NUM_CELLS:
         return (
             f"{where}: {len(cells)} tab-separated cells, the Criteo format has {NUM_CELLS} "
-            f"(label, I1-I13, C1-C26){hint}"
+            f"(label, I1-I13, C1-C26)"
         )
+    note = ""
+    if len(cells) < NUM_CELLS:  # its trailing cells read as empty, so some other cell is bad
+        hint = "; the Criteo challenge's test files have no label column" * (len(cells) == 39)
+        note = f" (in a line of {len(cells)} tab-separated cells of {NUM_CELLS}{hint})"
+        cells += [b""] * (NUM_CELLS - len(cells))
     for column, cell in zip(COLUMNS, cells, strict=True):
         if column == "label":
             ok = cell in (b"0", b"1")
@@ -489,7 +507,7 @@ def _what_is_wrong(line: bytes, path: str, line_no: int) -> str:
         if not ok:
             shown = cell.decode("utf-8", errors="replace")
             shown = f"{shown[:40]}..." if len(shown) > 40 else shown
-            return f"{where}, column {column}: {shown!r} is not {want}"
+            return f"{where}, column {column}: {shown!r} is not {want}{note}"
     return f"{where}: not a Criteo line"  # unreachable: some cell fails above
 
 

@@ -66,7 +66,7 @@ def test_the_first_bad_file_in_sorted_order_is_named(tmp_path: Path):
 
 
 def test_gzipped_criteo_files_are_one_piece_each(tmp_path: Path):
-    body = "".join(f"{tsv_line(1, i)}\n" for i in range(50)) + "1\t2\n"
+    body = "".join(f"{tsv_line(1, i)}\n" for i in range(50)) + "1\tx\n"
     (tmp_path / "c.tsv.gz").write_bytes(gzip.compress(body.encode()))
     with pytest.raises(ConfigError) as err:
         checks.scan_criteo(str(tmp_path / "c.tsv.gz"), field="f", piece_bytes=100)
@@ -94,3 +94,19 @@ def test_csv_pieces_add_up_to_the_whole_files(tmp_path: Path, piece_bytes: int):
     with pytest.raises(ConfigError) as err:
         checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
     assert "d-1.csv line 1: header [a, label, c] differs from" in str(err.value)
+
+
+def test_trimmed_lines_are_counted_over_pieces_and_the_first_is_named(tmp_path: Path, caplog):
+    lines = [tsv_line(1, i) for i in range(40)]
+    lines[25] = lines[25].rsplit("\t", 2)[0]  # 38 cells: C25 and C26 trimmed
+    lines[33] = "0\t5"
+    path = write(tmp_path / "e.tsv", lines)
+    for piece_bytes in (300, 1 << 20):
+        caplog.clear()
+        info = checks.scan_criteo(path, field="f", piece_bytes=piece_bytes)
+        assert (info.num_records, info.trimmed, info.positives) == (40, 2, 39)
+        assert f"(the first: {path} line 26)" in caplog.text
+    lines[30] = tsv_line() + "\t"  # 41 cells: still an error
+    write(tmp_path / "e.tsv", lines)
+    with pytest.raises(ConfigError, match=r"e.tsv line 31: 41 tab-separated cells, the Criteo"):
+        checks.scan_criteo(path, field="f", piece_bytes=300)

@@ -528,9 +528,13 @@ def test_check_files_accepts_criteo_lines(tmp_path: Path):
         ),
         (line(ids=[*IDS[:25], "zz"]), "line 2, column C26: 'zz' is not a hexadecimal id"),
         (line(ids=[" 1f", *IDS[1:]]), "line 2, column C1: ' 1f' is not a hexadecimal id"),
-        ("\t".join(line().split("\t")[1:]), "line 2: 39 tab-separated cells, the Criteo "),
         (line() + "\t", "line 2: 41 tab-separated cells, the Criteo format has 40"),
-        (line().replace("\t", ","), "line 2: 1 tab-separated cells"),
+        (
+            line().replace("\t", ","),
+            "line 2, column label: '1,0,1,2,3,4,5,6,7,8,9,10,11,12,00000000,...' is not 0 or 1 "
+            "(in a line of 1 tab-separated cells of 40)",
+        ),
+        ("1\t2\tx", "line 2, column I2: 'x' is not an integer (or empty) (in a line of 3 "),
         ("", "line 2 is blank"),
     ],
 )
@@ -544,10 +548,40 @@ def test_a_malformed_line_is_one_error_naming_file_and_line(tmp_path: Path, text
 
 
 def test_the_test_files_without_labels_are_named(tmp_path: Path):
-    path = write(tmp_path / "test.txt", "\t".join(line().split("\t")[1:]))
+    # Without the label every cell moves left one column: C1, a hexadecimal id (with letters
+    # in real files), is read as I13.
+    test_line = "\t".join(line(ids=["68fd1e64", *IDS[1:]]).split("\t")[1:])
+    path = write(tmp_path / "test.txt", test_line)
     with pytest.raises(ConfigError) as err:
         criteo.check_files(path, field="--eval-data")
-    assert "test files have no label column" in one_line(err, "--eval-data")
+    message = one_line(err, "--eval-data")
+    assert "line 1, column I13: '68fd1e64' is not an integer (or empty)" in message
+    assert "(in a line of 39 tab-separated cells of 40; the Criteo challenge's test files " in (
+        message
+    )
+
+
+def test_trimmed_trailing_empty_cells_read_as_empty(tmp_path: Path, caplog):
+    # As in a circulating sample of the Kaggle file: 37 or 38 cells on some lines.
+    full = line(1, [5, *range(12)], [*IDS[:23], None, None, None])
+    trimmed = [full.rsplit("\t", 2)[0], full.rsplit("\t", 3)[0], "0\t7"]
+    path = write(tmp_path / "sample.tsv", full, *trimmed, line(0))
+    with caplog.at_level("WARNING"):
+        info = criteo.check_files(path, field="--train-data")
+    assert info.num_records == 5 and info.trimmed == 3 and info.positives == 3
+    warnings = [r.getMessage() for r in caplog.records if "trailing" in r.getMessage()]
+    assert warnings == [
+        f"--train-data: 3 line(s) with fewer than 40 cells (the first: {path} line 2): their "
+        "missing trailing cells read as empty"
+    ]
+    x, y = read_all(criteo.make_dataset(info, ctx(), rows=100, training=False))
+    assert y[:, 0].tolist() == [1, 1, 1, 0, 0]
+    np.testing.assert_array_equal(x[1], x[0])  # trimmed empty cells == written empty cells
+    np.testing.assert_array_equal(x[2], x[0])
+    empty = criteo.parse_lines(tf.constant([line(0, [7] + [None] * 12, [None] * 26)]), 100)
+    np.testing.assert_array_equal(x[3], empty[0].numpy()[0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="more than 40"):
+        criteo.parse_lines(tf.constant([line() + "\t1"]), 100)
 
 
 def test_missing_empty_and_mixed_files(tmp_path: Path):
