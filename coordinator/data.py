@@ -20,8 +20,9 @@ with the wrong number of cells, a cell that is not a finite number as TensorFlow
 reader reads them (ASCII digits; lines end in \\n or \\r\\n; no byte order mark), a feature
 beyond float32, a record that does not match the schema, and (when the job says what it
 needs) the wrong feature count or a label outside the job's classes. The check reads about
-30 MB of CSV a second per core. Paths are made absolute there: every worker must see the
-files at the same paths (one machine, or a shared file system).
+30 MB of CSV a second per core. Local paths are made absolute there: every worker must see
+the files at the same paths (one machine, or a shared file system); paths with a scheme
+(``gs://``, ``hdfs://``) are listed and read through ``tf.io.gfile`` (coordinator/input_files.py).
 
 Sharding: :func:`train_dataset` is called per worker with ``ctx.worker_index`` a scalar
 tensor. With at least as many files as workers, worker ``i`` reads files ``i, i + n, ...``

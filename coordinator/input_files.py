@@ -2,15 +2,21 @@
 cutting files into pieces at line starts, and checking the pieces in parallel processes.
 
 One implementation for every format (CSV and TFRecord in coordinator/data.py, Criteo TSV in
-coordinator/criteo.py, their checks in coordinator/checks.py). Nothing here imports
-TensorFlow: ``psctl check-data`` of CSV or Criteo files never loads it.
+coordinator/criteo.py, their checks in coordinator/checks.py). A path with a scheme
+(``gs://``, ``hdfs://``, ``s3://`` through a plugin, ``file://``) is listed, sized and read
+through ``tf.io.gfile``, so on any file system TensorFlow reads; local paths through Python
+(measured on 2,000 local files: ``glob.glob`` 12-14 ms, ``tf.io.gfile.glob`` the same, and
+26 ms with the ``isdir`` calls that leave directories out), which keeps ``psctl check-data``
+of local CSV or Criteo files free of TensorFlow's import.
 """
 
 from __future__ import annotations
 
 import glob as globlib
+import io
 import multiprocessing
 import os
+import re
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -26,14 +32,25 @@ PARALLEL_BYTES = 64 << 20
 T = TypeVar("T")
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def has_scheme(path: str) -> bool:
+    """Whether TensorFlow's file systems, not Python's, read this path."""
+    return _SCHEME.match(path) is not None
+
+
 def expand(pattern: str, field: str) -> list[str]:
     """The regular files a glob (or a directory: every file in it) names, sorted."""
     if not pattern.strip():
         raise ConfigError(field, "is empty", "give a file or a glob such as 'data/train-*.csv'")
-    expanded = os.path.expanduser(pattern)
-    if os.path.isdir(expanded):
-        expanded = os.path.join(expanded, "*")
-    paths = sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
+    if has_scheme(pattern):
+        paths = _expand_gfile(pattern, field)
+    else:
+        expanded = os.path.expanduser(pattern)
+        if os.path.isdir(expanded):
+            expanded = os.path.join(expanded, "*")
+        paths = sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
     if not paths:
         raise ConfigError(
             field,
@@ -43,17 +60,91 @@ def expand(pattern: str, field: str) -> list[str]:
     return paths
 
 
+def _expand_gfile(pattern: str, field: str) -> list[str]:
+    import tensorflow as tf
+
+    try:
+        if tf.io.gfile.isdir(pattern):
+            pattern = pattern.rstrip("/") + "/*"
+        return sorted(p for p in tf.io.gfile.glob(pattern) if not tf.io.gfile.isdir(p))
+    except tf.errors.OpError as err:
+        raise ConfigError(
+            field,
+            f"cannot list {pattern!r}: {_tf_message(err)}",
+            "check the path and that TensorFlow reads its file system (gs:// and hdfs:// are "
+            "built in; others come with plugins such as tensorflow-io)",
+        ) from None
+
+
+def _tf_message(err: Any) -> str:
+    return str(getattr(err, "message", "") or err).strip().splitlines()[0]
+
+
 def absolute(path: str) -> str:
     """The path every worker opens (workers may run in another directory)."""
-    return os.path.abspath(path)
+    return path if has_scheme(path) else os.path.abspath(path)
 
 
 def size_of(path: str) -> int:
-    return os.path.getsize(path)
+    if not has_scheme(path):
+        return os.path.getsize(path)
+    import tensorflow as tf
+
+    try:
+        return int(tf.io.gfile.stat(path).length)
+    except tf.errors.OpError as err:
+        raise OSError(_tf_message(err)) from None
 
 
 def open_bytes(path: str) -> BinaryIO:
-    return open(path, "rb")
+    """``path`` opened for reading bytes: seek, tell, read, readline."""
+    if not has_scheme(path):
+        return open(path, "rb")
+    return io.BufferedReader(_GFileReader(path), buffer_size=1 << 20)  # type: ignore[return-value]
+
+
+class _GFileReader(io.RawIOBase):
+    """A ``tf.io.gfile.GFile`` as a raw binary stream (so gzip, io.TextIOWrapper and
+    readline work on it), its errors as OSError (as Python's own files raise)."""
+
+    def __init__(self, path: str) -> None:
+        import tensorflow as tf
+
+        self._errors = tf.errors.OpError
+        try:
+            self._file = tf.io.gfile.GFile(path, "rb")
+            self._file.size()  # opens it: a missing file fails here, not at the first read
+        except self._errors as err:
+            raise OSError(_tf_message(err)) from None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            data = self._file.read(len(buffer))
+        except self._errors as err:
+            raise OSError(_tf_message(err)) from None
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        try:
+            self._file.seek(offset, whence)
+            return int(self._file.tell())
+        except self._errors as err:
+            raise OSError(_tf_message(err)) from None
+
+    def tell(self) -> int:
+        return int(self._file.tell())
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
 
 
 @dataclass(frozen=True)

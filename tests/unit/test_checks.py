@@ -110,3 +110,42 @@ def test_trimmed_lines_are_counted_over_pieces_and_the_first_is_named(tmp_path: 
     write(tmp_path / "e.tsv", lines)
     with pytest.raises(ConfigError, match=r"e.tsv line 31: 41 tab-separated cells, the Criteo"):
         checks.scan_criteo(path, field="f", piece_bytes=300)
+
+
+def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path):
+    import tensorflow as tf
+
+    from psctl.coordinator import data
+    from psctl.coordinator.job import DataContext
+
+    tf.io.gfile.makedirs("ram://checks/csv")
+    text = csv_text(range(50))
+    for part in range(2):
+        with tf.io.gfile.GFile(f"ram://checks/csv/d-{part}.csv", "w") as out:
+            out.write(text)
+    info = checks.scan_table("ram://checks/csv", field="f", piece_bytes=64)  # a directory
+    assert info.files == ("ram://checks/csv/d-0.csv", "ram://checks/csv/d-1.csv")
+    assert info.records_per_file == (50, 50)
+    with tf.io.gfile.GFile("ram://checks/csv/d-2.csv", "w") as out:  # (ram:// appends)
+        out.write(text.replace("\n33,", "\n33x,"))
+    with pytest.raises(ConfigError, match=r"ram://checks/csv/d-2.csv line 35, column 'a'"):
+        checks.scan_table("ram://checks/csv/*.csv", field="f", piece_bytes=64)
+
+    body = "".join(f"{tsv_line(i % 2, i)}\n" for i in range(30)) + "1\t5\n"  # one trimmed
+    with tf.io.gfile.GFile("ram://checks/day.tsv.gz", "wb") as out:
+        out.write(gzip.compress(body.encode()))
+    tsv = checks.scan_criteo("ram://checks/day.tsv.gz", field="f")
+    assert (tsv.num_records, tsv.trimmed, tsv.positives) == (31, 1, 16)
+
+    local = tmp_path / "e.csv"
+    local.write_text(text)
+    found = data.inspect_files(f"file://{local}", field="f")  # a scheme TensorFlow has
+    assert found.files == (f"file://{local}",)
+    ctx = DataContext(worker_index=0, num_workers=1, batch_size=64, seed=1)
+    batches = list(data.make_dataset(f"file://{local}", ctx, training=False, field="f"))
+    assert sum(len(y) for _, y in batches) == 50
+
+    with pytest.raises(ConfigError, match=r"^f: no files match 'ram://checks/none-\*'"):
+        checks.scan_table("ram://checks/none-*", field="f")
+    with pytest.raises(ConfigError, match=r"^f: cannot list 'nope://x/\*': File system scheme"):
+        checks.scan_table("nope://x/*", field="f")
