@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +86,65 @@ def check(address: str, *, timeout: float = 2.0) -> HealthResult:
     return HealthResult(address, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
-def _channel(address: str) -> grpc.Channel:
+def _channel(address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
     ca = os.environ.get(TLS_CA_ENV, "")
     if not ca:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes())
-    return grpc.secure_channel(address, creds)
+    return grpc.secure_channel(address, creds, options=options)
+
+
+# A kept channel to a server that restarts reconnects on gRPC's backoff, 1 s growing to 120 s
+# by default: a server back after a minute would read UNREACHABLE for up to two more.
+_KEPT_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class HealthChecker:
+    """Checks many servers at once, over channels kept between rounds: one round costs at
+    most ``timeout`` seconds however many servers there are, and no channel set-up (a new
+    channel per check costs about 2 ms of CPU more than a kept one, measured here: 128 tasks
+    every 2 s would take a fifth of a core). Thread-safe; ``close()`` when done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, health_pb2_grpc.HealthStub]] = {}
+
+    def check_all(self, addresses: Sequence[str], *, timeout: float) -> dict[str, HealthResult]:
+        """One Check RPC to each address, all in flight together; never raises."""
+        wanted = list(dict.fromkeys(addresses))
+        with self._lock:
+            for address in set(self._stubs) - set(wanted):  # out of the cluster now
+                self._stubs.pop(address)[0].close()
+            calls = {}
+            for address in wanted:
+                if address not in self._stubs:
+                    channel = _channel(address, _KEPT_CHANNEL_OPTIONS)
+                    self._stubs[address] = (channel, health_pb2_grpc.HealthStub(channel))
+                request = health_pb2.HealthCheckRequest(service="")
+                calls[address] = self._stubs[address][1].Check.future(request, timeout=timeout)
+        results = {}
+        for address, call in calls.items():
+            try:
+                resp = call.result()
+            except grpc.RpcError as err:
+                code = err.code() if isinstance(err, grpc.Call) else None
+                detail = err.details() if isinstance(err, grpc.Call) else str(err)
+                status = f"{code.name if code else ''} {detail}"
+                results[address] = HealthResult(address, "UNREACHABLE", status)
+                continue
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            results[address] = HealthResult(address, name)
+        return results
+
+    def close(self) -> None:
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()
 
 
 def wait_serving(address: str, *, timeout: float, poll: float = 0.2) -> HealthResult:

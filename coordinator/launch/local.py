@@ -23,12 +23,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from psctl.cluster import health, ports
+from psctl.cluster import ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
+from psctl.cluster.health import HealthChecker
 from psctl.cluster.procs import spawn, stop_processes
-from psctl.cluster.spec import ClusterConfig, format_table
+from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.resize import Resizer, local_prepare, shape
 from psctl.coordinator.launch.supervisor import (
@@ -60,6 +61,17 @@ SERVER_NICE = 10
 # (seen: every step waited 7 min, until the test gave up), so leaving it frozen can stall
 # the whole job.
 WATCHDOG_SECONDS = 30.0
+# Every server process imports TensorFlow first: 8.5 CPU-seconds each here (7.6 user + 0.8
+# sys; creating the TF server is nothing beside it), all at once, so N servers need about
+# 8.5 N / CPUs seconds: 17 on 2 cores were SERVING after 84-99 s, and a busy machine (other
+# tests running) did not make it in 120 s. The default wait leaves 3 times that.
+SERVER_START_CPU_SECONDS = 8.5
+START_TIMEOUT = 120.0
+# Start-up progress off a terminal: a "N of M servers SERVING" line at most this often.
+PROGRESS_SECONDS = 10.0
+# More servers than this: the cluster printed as its summary line, not a line per task (the
+# whole table is in cluster.json and `psctl status`).
+TABLE_MAX_SERVERS = 12
 
 
 @dataclass
@@ -309,27 +321,38 @@ class LocalCluster:
         self._wait(self.servers, timeout=timeout)
 
     def _wait(self, servers: Sequence[ServerProcess], *, timeout: float) -> None:
+        """Every server checked at once each round (a round costs at most its deadline,
+        however many servers); progress as one "N of M servers SERVING" line."""
         deadline = time.monotonic() + timeout
         pending = list(servers)
-        while pending:
-            for server in list(pending):
-                code = server.proc.poll()
-                if code is not None:
+        progress = _Progress(len(pending))
+        checker = HealthChecker()
+        try:
+            while pending:
+                for server in pending:
+                    code = server.proc.poll()
+                    if code is not None:
+                        raise ServerFailed(
+                            f"{server.name} exited with status {code} during start-up; "
+                            f"last lines of {server.log_path}:\n{server.last_log_lines()}"
+                        )
+                results = checker.check_all([s.health_address for s in pending], timeout=1.0)
+                pending = [s for s in pending if not results[s.health_address].serving]
+                progress.show(len(servers) - len(pending))
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    server = pending[0]
                     raise ServerFailed(
-                        f"{server.name} exited with status {code} during start-up; "
+                        f"{len(pending)} of {len(servers)} servers not SERVING after "
+                        f"{timeout:.0f}s ({', '.join(s.name for s in pending[:8])}"
+                        f"{', ...' if len(pending) > 8 else ''}); "
                         f"last lines of {server.log_path}:\n{server.last_log_lines()}"
                     )
-                if health.check(server.health_address, timeout=1.0).serving:
-                    pending.remove(server)
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                server = pending[0]
-                raise ServerFailed(
-                    f"{server.name} not SERVING after {timeout:.0f}s; "
-                    f"last lines of {server.log_path}:\n{server.last_log_lines()}"
-                )
-            time.sleep(0.2)
+                time.sleep(0.5)
+        finally:
+            progress.done()
+            checker.close()
 
     def restart_failed_servers(self) -> None:
         """psctl local's restart policy (systemd's Restart=on-failure in production): a
@@ -380,6 +403,36 @@ def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any
     return {"targets": [address], "labels": labels}
 
 
+class _Progress:
+    """One "N of M servers SERVING" line while servers start: rewritten in place on a
+    terminal, else logged when it changed, at most every ``PROGRESS_SECONDS``."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._shown = -1
+        self._logged_at = self.started
+
+    def show(self, serving: int) -> None:
+        if serving == self._shown:
+            return
+        now = time.monotonic()
+        line = f"{serving} of {self.total} servers SERVING ({now - self.started:.0f}s)"
+        if self.tty:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        elif now - self._logged_at < PROGRESS_SECONDS and serving < self.total:
+            return
+        else:
+            log.info("%s", line)
+            self._logged_at = now
+        self._shown = serving
+
+    def done(self) -> None:
+        if self.tty and self._shown >= 0:
+            print(file=sys.stderr, flush=True)
+
+
 class FrozenServerWatchdog:
     """Kills a server that stopped answering its health checks (SIGKILL), so that
     ``LocalCluster.restart_failed_servers`` starts it again. Armed for a process once it has
@@ -397,6 +450,7 @@ class FrozenServerWatchdog:
         self.interval = interval
         self.killed: list[str] = []
         self._answered: dict[int, float] = {}  # pid -> when its health service last answered
+        self._checker = HealthChecker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="psctl-watchdog", daemon=True)
 
@@ -408,21 +462,24 @@ class FrozenServerWatchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval + 5.0)
+        self._checker.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.check()
 
     def check(self) -> None:
-        """One look at every server (the health checks' deadlines bound it)."""
-        for server in list(self.servers()):
+        """One look at every server, all at once (one health check's deadline bounds it)."""
+        servers = [s for s in self.servers() if s.proc.poll() is None]
+        for pid in set(self._answered) - {s.proc.pid for s in servers}:
+            del self._answered[pid]
+        results = self._checker.check_all(
+            [s.health_address for s in servers], timeout=min(2.0, self.timeout / 3)
+        )
+        now = time.monotonic()
+        for server in servers:
             pid = server.proc.pid
-            if server.proc.poll() is not None:
-                self._answered.pop(pid, None)
-                continue
-            result = health.check(server.health_address, timeout=min(2.0, self.timeout / 3))
-            now = time.monotonic()
-            if result.status != "UNREACHABLE":
+            if results[server.health_address].status != "UNREACHABLE":
                 self._answered[pid] = now
                 continue
             last = self._answered.get(pid)
@@ -442,6 +499,12 @@ class FrozenServerWatchdog:
 
 class ServerFailed(Exception):
     exit_status = EXIT_FAILURE
+
+
+def default_start_timeout(servers: int, cpus: int | None = None) -> float:
+    """``--start-timeout``'s default: 120 s, or 3 times the servers' TensorFlow imports."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(START_TIMEOUT, 3 * SERVER_START_CPU_SECONDS * servers / cpus)
 
 
 def default_workdir() -> Path:
@@ -506,6 +569,8 @@ def local_ps_main(
         data_service=settings.epochs > 0,
     )
     log.info("work dir %s", workdir)
+    if args.start_timeout is None:
+        args.start_timeout = default_start_timeout(len(local.cluster.tasks()) - 1)
     # A signal before the coordinator starts must still stop the servers: raise into `finally`.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
@@ -517,7 +582,11 @@ def local_ps_main(
     try:
         with launch_control(args.control_address, security, job=settings.job) as (front, security):
             local.start()
-            print(format_table(local.cluster, source=str(local.cluster_file)), flush=True)
+            source = str(local.cluster_file)
+            if len(local.servers) <= TABLE_MAX_SERVERS:
+                print(format_table(local.cluster, source=source), flush=True)
+            else:
+                print(summary(local.cluster, source=source), flush=True)
             started = time.monotonic()
             local.wait_serving(timeout=args.start_timeout)
             log.info(
