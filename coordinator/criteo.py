@@ -31,6 +31,7 @@ from psctl.coordinator.checks import (
     TsvFiles,
     scan_criteo,
 )
+from psctl.coordinator.data import read_batches
 from psctl.coordinator.dynamic import KEY_SPACE
 
 if TYPE_CHECKING:
@@ -123,41 +124,18 @@ def make_dataset(
     With at least as many files as workers, worker i reads files i, i + n, ...; with fewer,
     every worker reads them all and keeps lines i, i + n, ...
     """
-    workers = int(ctx.num_workers)
-    by_file = workers > 1 and len(info.files) >= workers
-    by_record = workers > 1 and not by_file
-    files = tf.data.Dataset.from_tensor_slices(tf.constant(list(info.files)))
-    if by_file:
-        files = files.shard(workers, ctx.worker_index)
-    if training and not by_record:
-        files = files.shuffle(len(info.files), seed=ctx.seed, reshuffle_each_iteration=True)
     compression = "GZIP" if info.compressed else ""
 
     def read(path: Any) -> tf.data.Dataset:
         return tf.data.TextLineDataset(path, compression_type=compression)
 
-    if by_record:  # the same line order on every worker, or the shards would overlap
-        lines = files.flat_map(read).shard(workers, ctx.worker_index)
-    else:
-        lines = files.interleave(
-            read,
-            cycle_length=max(1, min(len(info.files), 8)),
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=not training,
-        )
-    endless = training and not ctx.one_pass
-    if training:
-        lines = lines.shuffle(shuffle_buffer, seed=ctx.seed)
-    if endless:
-        lines = lines.repeat()
-    return (
-        lines.batch(ctx.batch_size, drop_remainder=endless)
-        .map(
-            lambda batch: parse_lines(batch, rows),
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=not training,
-        )
-        .prefetch(tf.data.AUTOTUNE)
+    return read_batches(
+        info.files,
+        read,
+        lambda batch: parse_lines(batch, rows),
+        ctx,
+        training=training,
+        shuffle_buffer=shuffle_buffer,
     )
 
 

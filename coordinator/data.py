@@ -38,7 +38,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -364,20 +364,51 @@ def make_dataset(
             f"{info.num_records} examples in {info.pattern} for {workers} workers",
             "give at least one example per worker",
         )
-    files = tf.data.Dataset.from_tensor_slices(tf.constant(list(info.files)))
-    if by_file:
-        files = files.shard(workers, ctx.worker_index)
-    if training and not by_record:
-        files = files.shuffle(len(info.files), seed=ctx.seed, reshuffle_each_iteration=True)
     read = _read_csv_lines if info.format == "csv" else tf.data.TFRecordDataset
+    parse = _csv_parser(info, label_dtype) if info.format == "csv" else _tfrecord_parser(info)
+    return read_batches(
+        info.files,
+        read,
+        lambda batch: _cast_label(parse(batch), label_dtype),
+        ctx,
+        training=training,
+        shuffle_buffer=shuffle_buffer,
+    )
+
+
+def read_batches(
+    files: Sequence[str],
+    read: Callable[[Any], tf.data.Dataset],
+    parse: Callable[[Any], Any],
+    ctx: DataContext,
+    *,
+    training: bool,
+    shuffle_buffer: int,
+) -> tf.data.Dataset:
+    """This worker's part of ``files`` (``read(path)``: a file's records), batched and
+    parsed (``parse(batch)``); shared by every file format (CSV, TFRecord, Criteo TSV).
+
+    With at least as many files as workers, worker i reads files i, i + n, ... (interleaved);
+    with fewer, every worker reads them all, one after the other, and keeps records i, i + n,
+    ... ``training``: shuffled, repeated, full batches only (with ``ctx.one_pass``: one pass,
+    the last batch partial); otherwise every record of this worker's part once, in order.
+    """
+    workers = int(ctx.num_workers)
+    by_file = workers > 1 and len(files) >= workers
+    by_record = workers > 1 and not by_file
+    names = tf.data.Dataset.from_tensor_slices(tf.constant(list(files)))
+    if by_file:
+        names = names.shard(workers, ctx.worker_index)
+    if training and not by_record:
+        names = names.shuffle(len(files), seed=ctx.seed, reshuffle_each_iteration=True)
     if by_record:
         # The same order on every worker and in every epoch, or the shards would overlap:
         # one file after the other.
-        records = files.flat_map(read).shard(workers, ctx.worker_index)
+        records = names.flat_map(read).shard(workers, ctx.worker_index)
     else:
-        records = files.interleave(
+        records = names.interleave(
             read,
-            cycle_length=max(1, min(len(info.files), 8)),
+            cycle_length=max(1, min(len(files), 8)),
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=not training,  # evaluation: in file order
         )
@@ -387,13 +418,11 @@ def make_dataset(
         records = records.shuffle(shuffle_buffer, seed=ctx.seed)
     if endless:
         records = records.repeat()
-    batches = records.batch(ctx.batch_size, drop_remainder=endless)
-    parse = _csv_parser(info, label_dtype) if info.format == "csv" else _tfrecord_parser(info)
-    return batches.map(
-        lambda batch: _cast_label(parse(batch), label_dtype),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=not training,
-    ).prefetch(tf.data.AUTOTUNE)
+    return (
+        records.batch(ctx.batch_size, drop_remainder=endless)
+        .map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=not training)
+        .prefetch(tf.data.AUTOTUNE)
+    )
 
 
 def _read_csv_lines(filename: Any) -> Any:

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import glob as globlib
 import io
+import logging
 import multiprocessing
 import os
 import re
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
 from psctl.cluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 32 << 20  # a plain text file is checked in pieces of about this size
 # Below this many bytes in all, checking in this process beats starting processes (each
@@ -220,9 +224,18 @@ def in_order(
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(pieces)), mp_context=context)
     futures: list[Future[Any]] = []
+    done = 0
     try:
         futures = [pool.submit(check, piece) for piece in pieces]
         for future in futures:
-            yield future.result()
+            result = future.result()
+            done += 1
+            yield result
+    except BrokenProcessPool:
+        # A process died starting (a script without `if __name__ == "__main__":`, which
+        # spawn imports again) or reading (out of memory): check the rest here.
+        log.warning("checking input files in processes failed; checking them in this one")
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    for piece in pieces[done:]:
+        yield check(piece)

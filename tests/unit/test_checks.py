@@ -7,13 +7,15 @@ processes through ``psctl check-data``."""
 from __future__ import annotations
 
 import gzip
+import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator import checks
-from psctl.coordinator.input_files import cut, read_piece
+from psctl.coordinator.input_files import Piece, cut, in_order, read_piece
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,3 +151,16 @@ def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path)
         checks.scan_table("ram://checks/none-*", field="f")
     with pytest.raises(ConfigError, match=r"^f: cannot list 'nope://x/\*': File system scheme"):
         checks.scan_table("nope://x/*", field="f")
+
+
+def _dies_in_a_child(piece: Piece) -> str:
+    if multiprocessing.parent_process() is not None:
+        os._exit(3)  # as a child of a script without a main guard does
+    return piece.path
+
+
+def test_a_broken_process_pool_falls_back_to_this_process(caplog):
+    pieces = [Piece(f"p{i}", i) for i in range(3)]
+    found = list(in_order(_dies_in_a_child, pieces, jobs=2, total_bytes=-1))
+    assert found == ["p0", "p1", "p2"]
+    assert "checking them in this one" in caplog.text
