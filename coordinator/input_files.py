@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import re
+import sys
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -207,6 +208,23 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
+def _spawn_imports_safely() -> bool:
+    """Whether a spawned process can import this program's main module without running it
+    (spawn imports it again, as ``__mp_main__``)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if name == "__main__" or name.endswith(".__main__"):  # `python -m pkg`: not imported
+        return True
+    path = getattr(main, "__file__", None)
+    if not path:  # python -c, an interactive session: nothing to import
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            return "__main__" in source.read()  # the guard (console scripts have it)
+    except OSError:
+        return False
+
+
 def in_order(
     check: Callable[[Piece], T], pieces: Sequence[Piece], *, jobs: int, total_bytes: int
 ) -> Generator[T, None, None]:
@@ -216,6 +234,12 @@ def in_order(
     piece), the pieces not started are dropped. ``check`` must be a module-level function
     (or a functools.partial of one) with arguments that pickle."""
     parallel = jobs > 1 and len(pieces) > 1 and (total_bytes < 0 or total_bytes >= PARALLEL_BYTES)
+    if parallel and not _spawn_imports_safely():
+        log.info(
+            "checking input files in this process only: spawned processes would run the main "
+            'script (it has no `if __name__ == "__main__":` guard) again'
+        )
+        parallel = False
     if not parallel:
         for piece in pieces:
             yield check(piece)

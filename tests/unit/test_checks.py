@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import multiprocessing
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator import checks
 from psctl.coordinator.input_files import Piece, cut, in_order, read_piece
+from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,3 +167,20 @@ def test_a_broken_process_pool_falls_back_to_this_process(caplog):
     found = list(in_order(_dies_in_a_child, pieces, jobs=2, total_bytes=-1))
     assert found == ["p0", "p1", "p2"]
     assert "checking them in this one" in caplog.text
+
+
+def test_a_script_without_a_main_guard_is_checked_in_its_own_process(tmp_path: Path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import multiprocessing\n"
+        "from psctl.coordinator.input_files import Piece, in_order\n"
+        "def where(piece):\n"
+        "    return piece.path, multiprocessing.parent_process() is None\n"
+        "pieces = [Piece('a', 0), Piece('b', 1)]\n"
+        "print(list(in_order(where, pieces, jobs=2, total_bytes=-1)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=child_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[('a', True), ('b', True)]"
