@@ -184,3 +184,23 @@ def test_a_script_without_a_main_guard_is_checked_in_its_own_process(tmp_path: P
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[('a', True), ('b', True)]"
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+@pytest.mark.parametrize(
+    ("cells", "column"), [({5: "-"}, "I5"), ({13: "-"}, "I13"), ({14: "-a"}, "C1")]
+)
+def test_the_quick_line_pattern_refuses_what_the_full_one_does(
+    tmp_path: Path, gzipped: bool, cells: dict[int, str], column: str
+):
+    good = tsv_line(0, -12).split("\t")
+    bad = list(good)
+    for index, cell in cells.items():
+        bad[index] = cell
+    body = "".join(f"{line}\n" for line in ["\t".join(good)] * 3 + ["\t".join(bad)])
+    path = tmp_path / ("q.tsv.gz" if gzipped else "q.tsv")
+    path.write_bytes(gzip.compress(body.encode()) if gzipped else body.encode())
+    with pytest.raises(ConfigError) as err:
+        checks.scan_criteo(str(path), field="f")
+    shown = cells[next(iter(cells))]
+    assert f"{path} line 4, column {column}: {shown!r} is not " in str(err.value)
