@@ -8,6 +8,8 @@ kinds in this order in every round:
 ``remove-worker``  1 ps + 3 workers -> 1 ps + 2 workers  (``--workers 2``)
 ``add-ps``         1 ps + 2 workers -> 2 ps + 2 workers  (``--ps 2``)
 ``remove-ps``      2 ps + 2 workers -> 1 ps + 2 workers  (``--ps 1``)
+``preemption``     1 ps + 3 workers -> 1 ps + 2 workers  (SIGTERM to the last worker server:
+                   a preemption notice; no ``psctl scale``)
 
 Where the job is not on a kind's first shape (``--kinds`` leaves some out), an unmeasured
 resize takes it there first. Per resize, from the job's output lines, each stamped as it
@@ -29,8 +31,11 @@ request) and the supervisor's (the summary's ``resizes[].seconds``: the request 
 process exited). Only the resizes' checkpoints are written (``--checkpoint-every`` is out of
 reach), so that no periodic one lands in a measured gap.
 
-Not measured: a preempted worker (a worker lost with no request, the job going on without
-it): psctl does not resize for that yet.
+A preemption is measured otherwise: the job goes on without the worker in the same training
+process (no checkpoint, no restart), so "seconds without steps" is the longest stretch
+between two progress lines showing a new step, from the signal until 5 s after ``psctl
+status`` shows the worker LEFT (the progress cadence, 0.2 s, when nothing stops), and "steps
+redone" is 0 unless a new training process restored a checkpoint meanwhile.
 
 Printed: a line per resize, a table per kind (median, max), and last::
 
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -83,6 +89,7 @@ class Kind:
     name: str
     start: tuple[int, int]  # (ps, workers)
     end: tuple[int, int]
+    preempt: bool = False  # SIGTERM to a worker server instead of psctl scale
 
 
 KINDS = (
@@ -90,7 +97,9 @@ KINDS = (
     Kind("remove-worker", (1, 3), (1, 2)),
     Kind("add-ps", (1, 2), (2, 2)),
     Kind("remove-ps", (2, 2), (1, 2)),
+    Kind("preemption", (1, 3), (1, 2), preempt=True),
 )
+AFTER_LEFT = 5.0  # seconds of steps watched after a preempted worker is shown LEFT
 
 
 class Output:
@@ -121,7 +130,7 @@ class Output:
         self._thread.join(timeout)
 
 
-def progress(lines: list[tuple[float, str]], lo: int, hi: int) -> list[tuple[float, int]]:
+def progress(lines: list[tuple[float, str]], lo: int, hi: int | None) -> list[tuple[float, int]]:
     """(time, step) of the progress lines at indices lo..hi-1."""
     found = []
     for at, line in lines[lo:hi]:
@@ -199,6 +208,7 @@ class Job:
             "--checkpoint-dir", str(out / "checkpoints"),
             "--checkpoint-every", str(10**8),  # the resizes' checkpoints only
             "--log-every", str(LOG_EVERY),
+            "--start-timeout", "300",  # a new server's start, on a loaded machine
             "--workdir", str(out / "work"),
             "--control-address", self.address,
             "--summary-json", str(self.summary),
@@ -263,6 +273,64 @@ class Job:
             time.sleep(0.1)
         before, self.shape = self.shape, to
         return {"from": list(before), "to": list(to), "scale_seconds": scale_seconds, **result}
+
+    def status(self) -> dict[str, Any]:
+        proc = self.cli("status", "--json", timeout=30)
+        if proc.returncode != 0:
+            raise SystemExit(f"elastic: psctl status failed: {proc.stderr.strip()}")
+        status: dict[str, Any] = json.loads(proc.stdout)
+        return status
+
+    def preempt(self, timeout: float) -> dict[str, Any]:
+        """SIGTERM to the last serving worker server; measured from the job's lines once the
+        worker is shown LEFT and AFTER_LEFT seconds of steps went by."""
+        workers = [
+            t
+            for t in self.status()["tasks"]
+            if t["type"] == "worker" and t.get("state") == "TASK_STATE_SERVING"
+        ]
+        victim = max(workers, key=lambda t: int(t["index"]))
+        mark = len(self.output.snapshot())
+        killed_at = time.monotonic()
+        os.kill(int(victim["pid"]), signal.SIGTERM)
+        deadline = killed_at + timeout
+        while not any(
+            t["address"] == victim["address"] and t.get("state") == "TASK_STATE_LEFT"
+            for t in self.status()["tasks"]
+        ):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"elastic: worker {victim['address']} not LEFT in {timeout}s")
+            time.sleep(0.2)
+        left_at = time.monotonic()
+        time.sleep(AFTER_LEFT)
+        self.check_alive()
+        lines = self.output.snapshot()
+        firsts: dict[int, float] = {}  # each step shown, when first shown
+        for at, step in progress(lines, last_index(lines, PROGRESS, mark) if mark else 0, None):
+            firsts.setdefault(step, at)
+        shown = sorted((at, step) for step, at in firsts.items() if at <= time.monotonic())
+        window = [(at, step) for at, step in shown if at >= killed_at - LOG_EVERY]
+        if len(window) < 2:
+            raise SystemExit("elastic: no steps after the preemption; see job.log")
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(window)]
+        restored = [int(m.group(1)) for _, t in lines[mark:] if (m := RESTORED.search(t))]
+        before = [step for at, step in shown if at < killed_at]
+        last_step = before[-1] if before else 0
+        before_shape, self.shape = self.shape, (self.shape[0], self.shape[1] - 1)
+        return {
+            "from": list(before_shape),
+            "to": list(self.shape),
+            "scale_seconds": 0.0,
+            "step_at_request": last_step,
+            "old_last_step": last_step,
+            "checkpoint_step": None,
+            "restored_step": restored[-1] if restored else None,
+            "first_step_after": window[-1][1],
+            "seconds_without_steps": round(max(gaps), 3),
+            "seconds_to_left": round(left_at - killed_at, 3),
+            "steps_redone": max(0, last_step - restored[-1]) if restored else 0,
+        }
 
     def stop(self, timeout: float) -> dict[str, Any]:
         proc = self.cli("stop", "--timeout", str(timeout), timeout=timeout + 30)
@@ -335,14 +403,23 @@ def main(argv: list[str] | None = None) -> int:
                     job.resize(kind.start, args.resize_timeout)  # unmeasured: to its first shape
                     resizes += 1
                 run = {"kind": kind.name, "round": round_, "resize": resizes}
-                run.update(job.resize(kind.end, args.resize_timeout))
+                if kind.preempt:
+                    run.update(job.preempt(args.resize_timeout))
+                else:
+                    run.update(job.resize(kind.end, args.resize_timeout))
                 resizes += 1
                 runs.append(run)
+                how = (
+                    f"step {run['old_last_step']} -> {run['first_step_after']} in the same "
+                    f"process, LEFT after {run['seconds_to_left']:.1f} s"
+                    if kind.preempt
+                    else f"step {run['old_last_step']} -> restored {run['restored_step']} -> "
+                    f"{run['first_step_after']}"
+                )
                 print(
                     f"{kind.name:<14} round {round_}: {run['seconds_without_steps']:5.1f} s "
-                    f"without steps (step {run['old_last_step']} -> restored "
-                    f"{run['restored_step']} -> {run['first_step_after']}), "
-                    f"{run['steps_redone']} redone, psctl scale {run['scale_seconds']:.1f} s",
+                    f"without steps ({how}), {run['steps_redone']} redone, psctl scale "
+                    f"{run['scale_seconds']:.1f} s",
                     flush=True,
                 )
         summary = job.stop(timeout=120)

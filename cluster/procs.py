@@ -73,13 +73,17 @@ def spawn(
 
 
 def stop_processes(
-    procs: Sequence[subprocess.Popen[bytes]], *, timeout: float = STOP_TIMEOUT
+    procs: Sequence[subprocess.Popen[bytes]],
+    *,
+    timeout: float = STOP_TIMEOUT,
+    signum: int = signal.SIGTERM,
 ) -> None:
-    """SIGTERM, wait, then SIGKILL whatever is left. Never leaves a child behind."""
+    """``signum`` (SIGTERM), wait, then SIGKILL whatever is left. Never leaves a child
+    behind."""
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signum)
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:

@@ -1,8 +1,9 @@
 """Server bootstrap shared by `ps-server` and `worker-server`.
 
 Start order: check every port is free, health service (NOT_SERVING), /metrics, the
-TensorFlow server, then health SERVING and systemd READY=1. SIGTERM or SIGINT turns health
-NOT_SERVING, drains for a moment and exits 0: a TF server cannot be stopped in-process.
+TensorFlow server, then health SERVING and systemd READY=1. SIGTERM turns health
+NOT_SERVING for --shutdown-grace and exits 0 (SIGINT: at once): a TF server cannot be
+stopped in-process.
 """
 
 from __future__ import annotations
@@ -328,16 +329,15 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     sdnotify.keep_watchdog_fed(stop.event)
     while not stop.event.wait(1.0):
         pass
-    log.info(
-        "%s got %s: health NOT_SERVING, exiting in %.1fs",
-        name,
-        stop.signal_name,
-        opts.shutdown_grace,
-    )
+    # SIGTERM is a preemption notice (systemctl stop, a spot reclaim): NOT_SERVING for the
+    # grace, so that the coordinator sees a worker leave, not fail. SIGINT (Ctrl-C, or
+    # psctl local stopping its own servers) stops at once.
+    grace = 0.0 if stop.signal_name == "SIGINT" else opts.shutdown_grace
+    log.info("%s got %s: health NOT_SERVING, exiting in %.1fs", name, stop.signal_name, grace)
     sdnotify.notify("STOPPING=1")
     health.set_serving(False)
     metrics.health.state("not_serving")
-    time.sleep(opts.shutdown_grace)
+    time.sleep(grace)
     health.stop(grace=0.2)
     return 0
 

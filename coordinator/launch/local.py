@@ -31,7 +31,7 @@ from psctl.cluster.health import HealthChecker
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
-from psctl.coordinator.launch.resize import Resizer, local_prepare, shape
+from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -40,7 +40,7 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
-from psctl.coordinator.operations.front import launch_control
+from psctl.coordinator.operations.front import Refused, launch_control
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings
 
@@ -83,6 +83,7 @@ class ServerProcess:
     metrics_port: int
     log_path: Path
     proc: subprocess.Popen[bytes]
+    left: bool = False  # out of the cluster: the next training process starts without it
 
     @property
     def name(self) -> str:
@@ -176,7 +177,7 @@ class LocalCluster:
 
     def resize(self, *, num_ps: int, num_workers: int, timeout: float) -> None:
         """A new shape: servers started for the new tasks (SERVING within ``timeout``, else
-        ServerFailed and nothing changed), the cluster file and task list rewritten. Tasks
+        Refused and nothing changed), the cluster file and task list rewritten. Tasks
         past the new counts (the highest indices) are retired: they serve on until
         ``retire()``, once the training process that uses them has exited."""
         keep = {"ps": num_ps, "worker": num_workers}
@@ -205,11 +206,16 @@ class LocalCluster:
         started = [self._start_server(*task) for task in plan]
         try:
             self._wait(started, timeout=timeout)
-        except ServerFailed:
+        except ServerFailed as err:
             stop_processes([s.proc for s in started])
             self.cluster = previous
             self._write_cluster_file([(s.task_type, s.health_port) for s in self.servers])
-            raise
+            first = str(err).split("; last lines of ")[0]
+            log.error("resize refused: %s", err)
+            raise Refused(
+                f"{first}; the job goes on on the old cluster (see the server logs in "
+                f"{self.workdir / 'logs'}; a larger --start-timeout gives them longer)"
+            ) from None
         self.servers = sorted(kept + started, key=lambda s: (s.task_type, s.index))
         self.retiring += leaving
         if self._tasks_written:
@@ -218,6 +224,7 @@ class LocalCluster:
     def _left(self, server: ServerProcess) -> bool:
         return (
             self.on_left is not None
+            and not server.left
             and server.task_type == "worker"
             and server.proc.poll() == 0
             and self.cluster.num_workers > 1
@@ -248,12 +255,38 @@ class LocalCluster:
             self.drop(server)
         return leaving
 
+    def mark_left(self, addresses: Sequence[str]) -> tuple[str, str]:
+        """Servers that left while a training process runs: marked (``"left": true`` in
+        the tasks file, never restarted) but kept at their indices, which that process
+        still uses; ``drop_left`` takes them out before the next one starts. Returns
+        (old shape, new shape)."""
+
+        def members() -> str:
+            counts = {
+                kind: sum(s.task_type == kind and not s.left for s in self.servers)
+                for kind in ("ps", "worker")
+            }
+            return f"{counts['ps']} ps + {counts['worker']} workers"
+
+        old = members()
+        for server in self.servers:
+            if server.address in addresses:
+                server.left = True
+        if self._tasks_written:
+            self.write_tasks()
+        return old, members()
+
+    def drop_left(self) -> None:
+        """Before a training process starts: the servers that left go out of the cluster
+        (the others renumbered); those still draining are stopped by ``retire``."""
+        self.retiring += self.drop_tasks([(s.task_type, s.index) for s in self.servers if s.left])
+
     def retire(self) -> None:
         """Stop the servers a resize took out of the cluster."""
         leaving, self.retiring = self.retiring, []
         if leaving:
             log.info("stopping %s (out of the cluster)", ", ".join(s.name for s in leaving))
-            stop_processes([s.proc for s in leaving])
+            stop_processes([s.proc for s in leaving], signum=signal.SIGINT)
 
     def _start_server(
         self, task_type: str, index: int, address: str, health_port: int, metrics_port: int
@@ -272,9 +305,6 @@ class LocalCluster:
                 str(metrics_port),
                 "--bind-host",
                 "127.0.0.1",
-                # Its own departures are seen by their exit status: no grace to wait for.
-                "--shutdown-grace",
-                "0.5",
             ]
             + (["--verbose"] if self.verbose else [])
         )
@@ -307,6 +337,7 @@ class LocalCluster:
                     "health_address": s.health_address,
                     "metrics_url": f"http://{metrics}/metrics",
                     "pid": s.proc.pid,
+                    **({"left": True} if s.left else {}),
                 }
             )
             targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
@@ -365,7 +396,7 @@ class LocalCluster:
         now = time.monotonic()
         for i, server in enumerate(self.servers):
             code = server.proc.poll()
-            if code is None:
+            if code is None or server.left:
                 continue
             due = self._restart_due.get(server.name)
             if due is None:
@@ -395,7 +426,8 @@ class LocalCluster:
                     self.write_tasks()
 
     def stop(self) -> None:
-        stop_processes([s.proc for s in self.servers + self.retiring])
+        # SIGINT: stop at once. SIGTERM (a preemption notice) would drain for --shutdown-grace.
+        stop_processes([s.proc for s in self.servers + self.retiring], signum=signal.SIGINT)
 
 
 def _target(address: str, job: str, task_type: str, index: int) -> dict[str, Any]:
@@ -603,6 +635,7 @@ def local_ps_main(
             def start(counters: Counters) -> subprocess.Popen[bytes]:
                 # Without the launcher the servers go too, and a coordinator waiting for them
                 # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
+                local.drop_left()  # workers that left while the last process ran
                 local.retire()  # a resize's leaving servers: the last process is gone
                 counters_json = json.dumps(dataclasses.asdict(counters))
                 return spawn(
@@ -618,26 +651,24 @@ def local_ps_main(
             front.on_stop = supervisor.control_stop
 
             def left(server: ServerProcess) -> None:
-                old = shape(local.cluster)
                 log.warning("%s (pid %d) left: stopped by a signal", server.name, server.proc.pid)
-                local.drop(server)
-                new = shape(local.cluster)
-                if not supervisor.request_resize(old=old, new=new, reason=f"{server.name} left"):
-                    log.info("the next training process starts on %s", new)
+                supervisor.depart([(server.task_type, server.index, server.address)])
 
             local.on_left = left
+            membership = Membership(supervisor)
+            front.membership = membership.apply
 
-            def left_seen(tasks: list[tuple[str, int]]) -> tuple[str, str]:
-                # The training process saw them stop (health NOT_SERVING) before they exited.
-                old = shape(local.cluster)
-                local.retiring += local.drop_tasks(tasks)  # they exit by themselves
-                return old, shape(local.cluster)
+            def take_out(tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
+                membership.left(tasks)
+                return local.mark_left([address for _, _, address in tasks])
 
-            supervisor.on_left = left_seen
+            supervisor.on_left = take_out
             front.on_scale = Resizer(
                 supervisor,
                 local_prepare(local, timeout=args.start_timeout, epochs=settings.epochs > 0),
                 checkpoints=bool(settings.checkpoint_dir),
+                cluster=lambda: local.cluster,
+                membership=membership,
             )
             try:
                 with forward_stop_signals(supervisor):

@@ -43,7 +43,7 @@ from psctl.coordinator.failures import (
     tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
-from psctl.coordinator.launch.resize import ClusterFile, Resizer
+from psctl.coordinator.launch.resize import ClusterFile, Membership, Resizer
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartPolicy,
@@ -74,15 +74,36 @@ def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> N
         metrics.nonfinite_loss()
 
 
-def leave_cluster(control: JobControl, counters: Counters, task: TaskInfo) -> None:
-    """A worker is stopping (health NOT_SERVING): resize without it (the launcher takes it
-    out of the cluster, see TrainingSupervisor.on_left), unless it is the last one."""
+def leave_cluster(
+    control: JobControl,
+    counters: Counters,
+    task: TaskInfo,
+    metrics: CoordinatorMetrics | None = None,
+) -> bool:
+    """A worker is stopping (health NOT_SERVING) or lost (--drop-after): it leaves, unless
+    it is the last one. Training goes on without a pause: TensorFlow moves its calls to the
+    other workers, and this process stops counting its checks. The supervisor reads the
+    report at once and takes it out of the launcher's cluster (TrainingSupervisor.on_left),
+    so the next training process starts without it."""
     workers = sum(t.type == "worker" for t in control.tasks)
-    if [task.type, task.index] in counters.left or workers - len(counters.left) <= 1:
-        return
-    counters.left.append([task.type, task.index])
+    if any(entry[2] == task.address for entry in counters.left):
+        return True
+    if not task.left and workers - len(counters.left) <= 1:  # left: the launcher's word
+        log.warning("%s:%d is the last worker: it stays in the cluster", task.type, task.index)
+        return False
+    num_ps = sum(t.type == "ps" for t in control.tasks)
+    before = f"{num_ps} ps + {workers - len(counters.left)} workers"
+    counters.left.append([task.type, task.index, task.address])
     counters.leave_report()
-    control.request_resize()
+    # For this process's summary (the supervisor records it too, for the next processes).
+    after = f"{num_ps} ps + {workers - len(counters.left)} workers"
+    reason = f"{task.type}:{task.index} left"
+    counters.resizes.append(
+        {"time": time.time(), "from": before, "to": after, "reason": reason, "seconds": 0.0}
+    )
+    if metrics is not None:
+        metrics.task_left(task.type)
+    return True
 
 
 def end_on_error(
@@ -148,7 +169,7 @@ def run_training_process(
     control.cluster_generation = len(counters.resizes)
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if serve_control and settings.strategy == "async":
-        control.on_task_leaving = lambda task: leave_cluster(control, counters, task)
+        control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
         control.drop_after = settings.drop_after
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
@@ -197,6 +218,8 @@ def complete(
         summary.coordinator_failures = counters.coordinator_failures
         summary.recoveries = control.recoveries
         summary.resizes = list(counters.resizes)
+        # Workers that left while this process trained: out of the cluster it ends on.
+        summary.num_workers -= sum(entry[0] == "worker" for entry in counters.left)
         print_summary(summary)
         if settings.summary_json:
             write_summary(summary, settings.summary_json)
@@ -324,11 +347,22 @@ def supervise_train(
         if serve_control:
             front.on_stop = supervisor.control_stop
         if cluster_file is not None:
+            membership = Membership(supervisor)
+            front.membership = membership.apply
             resizer = Resizer(
-                supervisor, cluster_file.prepare, checkpoints=bool(settings.checkpoint_dir)
+                supervisor,
+                cluster_file.prepare,
+                checkpoints=bool(settings.checkpoint_dir),
+                cluster=lambda: cluster_file.cluster,
+                membership=membership,
             )
             front.on_scale = resizer
-            supervisor.on_left = cluster_file.without
+
+            def take_out(tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
+                membership.left(tasks)
+                return cluster_file.without(tasks)
+
+            supervisor.on_left = take_out
             stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
         with forward_stop_signals(supervisor):
             return supervisor.run()

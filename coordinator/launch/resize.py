@@ -13,6 +13,7 @@ re-split over the new number of ps tasks. No restart is counted.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import shutil
@@ -35,9 +36,84 @@ from psctl.coordinator.operations.front import Refused
 
 log = logging.getLogger(__name__)
 
+LEFT_SHOWN = 16  # tasks that left in earlier generations, listed LEFT by psctl status
+Member = tuple[str, int, str]  # (type, index, address) of a ps or worker task
+
 
 def shape(cluster: ClusterConfig) -> str:
     return f"{cluster.num_ps} ps + {cluster.num_workers} workers"
+
+
+def members(cluster: ClusterConfig) -> list[Member]:
+    return [t for t in cluster.tasks() if t[0] in ("ps", "worker")]
+
+
+class Membership:
+    """What psctl status shows of the cluster beyond the running training process's own
+    tasks, as the launcher knows it: the generation (the supervisor's resizes), during a
+    resize the tasks JOINING (in the new cluster only) and DRAINING (in the old only), and
+    the tasks that left (the newest ``LEFT_SHOWN``, matched by address). ``apply`` is the
+    control front's hook on every status it answers."""
+
+    def __init__(self, supervisor: TrainingSupervisor) -> None:
+        self.supervisor = supervisor
+        self._lock = threading.Lock()
+        self._left: collections.deque[Member] = collections.deque(maxlen=LEFT_SHOWN)
+        self._target: list[Member] | None = None  # where a resize under way goes
+        self._going: list[Member] = []
+        self._coming: set[str] = set()  # addresses in the target only
+
+    def resize(self, old: ClusterConfig, new: ClusterConfig) -> None:
+        """A resize from ``old`` to ``new`` was asked for."""
+        target = members(new)
+        addresses = {address for _, _, address in target}
+        before = {address for _, _, address in members(old)}
+        with self._lock:
+            self._target = target
+            self._going = [t for t in members(old) if t[2] not in addresses]
+            self._coming = addresses - before
+
+    def left(self, tasks: list[Member]) -> None:
+        """Tasks that left the cluster (a worker stopped, or was lost for --drop-after)."""
+        with self._lock:
+            self._left.extend(tasks)
+
+    def apply(self, status: control_pb2.Status) -> None:
+        status.cluster_generation = len(self.supervisor.counters.resizes)
+        with self._lock:
+            if self._target is not None and not self.supervisor.resizing:
+                self._left.extend(self._going)  # done: the new process runs without them
+                self._target, self._going, self._coming = None, [], set()
+            target, coming, left = self._target, set(self._coming), list(self._left)
+        listed = {t.address for t in status.tasks if t.type in ("ps", "worker")}
+        if target is not None:
+            addresses = {address for _, _, address in target}
+            for task in status.tasks:
+                going = task.type in ("ps", "worker") and task.address not in addresses
+                if going and task.state != control_pb2.TASK_STATE_LEFT:
+                    task.state = control_pb2.TASK_STATE_DRAINING
+                elif task.address in coming:  # psctl local lists its new servers at once
+                    task.state = control_pb2.TASK_STATE_JOINING
+            for task_type, index, address in target:
+                if address not in listed:
+                    status.tasks.append(
+                        _row(task_type, index, address, control_pb2.TASK_STATE_JOINING)
+                    )
+                    listed.add(address)
+        for task_type, index, address in reversed(left):
+            if address not in listed:
+                status.tasks.append(_row(task_type, index, address, control_pb2.TASK_STATE_LEFT))
+                listed.add(address)
+
+
+def _row(task_type: str, index: int, address: str, state: Any) -> control_pb2.Task:
+    return control_pb2.Task(
+        type=task_type,
+        index=index,
+        address=address,
+        health=control_pb2.TASK_HEALTH_UNKNOWN,
+        state=state,
+    )
 
 
 class Resizer:
@@ -51,10 +127,14 @@ class Resizer:
         prepare: Callable[[Any], tuple[str, str]],
         *,
         checkpoints: bool,
+        cluster: Callable[[], ClusterConfig],
+        membership: Membership | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.prepare = prepare
         self.checkpoints = checkpoints
+        self.cluster = cluster  # the launcher's, before and after ``prepare``
+        self.membership = membership
         self._lock = threading.Lock()
 
     def __call__(self, request: Any) -> control_pb2.ScaleResponse:
@@ -69,11 +149,14 @@ class Resizer:
         try:
             if self.supervisor.resizing:
                 raise Refused("a resize is under way: try again when psctl status says RUNNING")
+            before = self.cluster()
             try:
                 old, new = self.prepare(request)
             except (ConfigError, Refused) as err:
                 log.warning("resize refused: %s", err)
                 raise
+            if self.membership is not None:
+                self.membership.resize(before, self.cluster())
             if not self.supervisor.request_resize(old=old, new=new):
                 raise Refused("the job is stopping")
             # The resize under way, or one recorded already for the next training process.
@@ -92,6 +175,7 @@ def local_prepare(local: Any, *, timeout: float, epochs: bool) -> Callable[[Any]
     """psctl local's: start (or retire) servers for the requested counts."""
 
     def prepare(request: Any) -> tuple[str, str]:
+        local.drop_left()  # workers that left: a resize re-forms the cluster without them
         if request.cluster_json:
             raise ConfigError(
                 "--cluster",
@@ -157,11 +241,18 @@ class ClusterFile:
         self.cluster = new
         return shape(old), shape(new)
 
-    def without(self, tasks: list[tuple[str, int]]) -> tuple[str, str]:
-        """The cluster less ``tasks`` (workers that left; the others renumbered in order),
-        as the next generation's file; (old shape, new shape)."""
+    def without(self, tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
+        """The cluster less ``tasks`` ((type, index, address) of workers that left, found
+        by address: the running training process may number them otherwise; the others
+        renumbered in order), as the next generation's file; (old shape, new shape)."""
         old = self.cluster
-        gone = {(t, i) for t, i in tasks}
+        addresses_gone = {address for _, _, address in tasks}
+        gone = {
+            (kind, i)
+            for kind, addresses in old.jobs.items()
+            for i, a in enumerate(addresses)
+            if a in addresses_gone
+        }
         jobs = {
             kind: tuple(a for i, a in enumerate(addresses) if (kind, i) not in gone)
             for kind, addresses in old.jobs.items()

@@ -89,8 +89,9 @@ class Counters:
     worker_failures: int = 0  # worker servers psctl local restarted
     nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
-    # Tasks the training process saw leave ([type, index]: a worker stopping), reported
-    # when it exits for a resize without them.
+    # Tasks the training process saw leave ([type, index, address]: a worker stopping or
+    # lost), reported at once (``leave_report``); the supervisor takes them out of the
+    # launcher's cluster while training goes on.
     left: list[list[object]] = field(default_factory=list)
     # Where a training process leaves what only it sees (nonfinite_losses) just before it
     # exits; the supervisor reads and removes it, and hands the counts to the next one.
@@ -103,6 +104,20 @@ class Counters:
                 self.report_file, {"nonfinite_losses": self.nonfinite_losses, "left": self.left}
             )
 
+    def peek_left(self) -> list[tuple[str, int, str]]:
+        """In the supervisor, while the training process runs: the tasks it saw leave so
+        far, (type, index, address); the report stays for ``take_report``."""
+        if not self.report_file:
+            return []
+        try:
+            report = json.loads(Path(self.report_file).read_text())
+            return [(str(t), int(i), str(a)) for t, i, a in report.get("left", [])]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, TypeError) as err:
+            log.debug("the training process's report is not readable yet: %s", err)
+            return []
+
     def take_report(self) -> None:
         """In the supervisor, after a training process exited: take in what it left."""
         if not self.report_file:
@@ -112,7 +127,7 @@ class Counters:
             report = json.loads(path.read_text())
             path.unlink()
             count = int(report["nonfinite_losses"])
-            left = [[str(t), int(i)] for t, i in report.get("left", [])]
+            left = [[str(t), int(i), str(a)] for t, i, a in report.get("left", [])]
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
@@ -165,9 +180,11 @@ class TrainingSupervisor:
         self.sleep = sleep
         self.child: subprocess.Popen[bytes] | None = None
         self.stopping = False
-        # The launcher's: take the tasks a training process saw leave out of the cluster,
-        # returning (old shape, new shape); None: such an exit is a plain restart.
-        self.on_left: Callable[[list[tuple[str, int]]], tuple[str, str]] | None = None
+        # The launcher's: take tasks that left ((type, index, address) in the running
+        # training process's cluster) out of the cluster the next one starts on, returning
+        # (old shape, new shape); None: nothing leaves (sync mode).
+        self.on_left: Callable[[list[tuple[str, int, str]]], tuple[str, str]] | None = None
+        self._departed: set[str] = set()  # addresses taken out while this child runs
         self._resize: dict[str, object] | None = None  # asked for, not done yet
         self._resize_started = self._resize_sent = 0.0
         # Children inherit it ignored: a resize signal that reaches a training process
@@ -201,6 +218,27 @@ class TrainingSupervisor:
         self._signal_resize(child)
         return True
 
+    def depart(self, tasks: list[tuple[str, int, str]], *, reason: str = "") -> None:
+        """Tasks that left ((type, index, address) in the running training process's
+        cluster: it saw them stop, or psctl local saw their servers exit 0) go out of the
+        launcher's cluster now; the training process goes on without them (no pause, no
+        restart) and the next one starts without them. Recorded as a resize of 0 s."""
+        new = [t for t in tasks if t[2] not in self._departed]
+        if not new or self.on_left is None:
+            return
+        self._departed.update(address for _, _, address in new)
+        old, shape = self.on_left(new)
+        names = ", ".join(f"{t}:{i}" for t, i, _ in new)
+        record = {"time": time.time(), "from": old, "to": shape, "seconds": 0.0}
+        self.counters.resizes.append({**record, "reason": reason or f"{names} left"})
+        log.warning(
+            "%s left: %s -> %s; training goes on without it, the next training process "
+            "starts on the new cluster",
+            names,
+            old,
+            shape,
+        )
+
     def _signal_resize(self, child: subprocess.Popen[bytes]) -> None:
         # Sent again every RESIZE_RESEND seconds until the process exits: one that is still
         # starting ignores the signal (inherited SIG_IGN, see __init__) until it can act on it.
@@ -212,16 +250,12 @@ class TrainingSupervisor:
         consecutive_crashes = 0
         while True:
             self.child = self.start(self.counters)
+            self._departed = set()  # the new process's cluster has none of them
             code = self._wait(self.child)
             self.counters.take_report()
             resize, self._resize = self._resize, None
             left, self.counters.left = self.counters.left, []
-            if resize is None and left and self.on_left is not None and code == EXIT_RESTART:
-                tasks = [(str(t), int(str(i))) for t, i in left]
-                old, new = self.on_left(tasks)
-                names = ", ".join(f"{t}:{i}" for t, i in tasks)
-                resize = {"time": time.time(), "from": old, "to": new, "reason": f"{names} left"}
-                self._resize_started = self.clock()
+            self.depart([(str(t), int(str(i)), str(a)) for t, i, a in left])
             if resize is not None and code == EXIT_RESTART and not self.stopping:
                 resize["seconds"] = round(self.clock() - self._resize_started, 3)
                 self.counters.resizes.append(resize)
@@ -278,6 +312,7 @@ class TrainingSupervisor:
                 return child.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 self.tick()
+                self.depart(self.counters.peek_left())
                 if self._resize is not None and self.clock() - self._resize_sent >= RESIZE_RESEND:
                     self._signal_resize(child)
 

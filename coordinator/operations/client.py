@@ -114,6 +114,19 @@ def health_name(value: int) -> str:
     return name.removeprefix("TASK_HEALTH_")
 
 
+def task_state_name(value: int) -> str:
+    """SERVING for a coordinator that does not say (before task states existed)."""
+    if value == control_pb2.TASK_STATE_UNSPECIFIED:
+        return "SERVING"
+    name: str = control_pb2.TaskState.Name(value)
+    return name.removeprefix("TASK_STATE_")
+
+
+def is_member(task: control_pb2.Task) -> bool:
+    """In the cluster the job trains on now (SERVING or DRAINING)."""
+    return task_state_name(task.state) in ("SERVING", "DRAINING")
+
+
 def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     from google.protobuf import json_format  # only --json needs it
 
@@ -159,7 +172,10 @@ def format_status(status: control_pb2.Status) -> str:
         age = time.time() - ckpt.time_unix_seconds
         lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
     lines.extend(format_table(t) for t in status.tables)
-    counts = {kind: sum(t.type == kind for t in status.tasks) for kind in ("ps", "worker")}
+    counts = {
+        kind: sum(t.type == kind and is_member(t) for t in status.tasks)
+        for kind in ("ps", "worker")
+    }
     if status.tasks:
         lines.append(
             f"cluster: {counts['ps']} ps + {counts['worker']} workers "
@@ -167,13 +183,14 @@ def format_status(status: control_pb2.Status) -> str:
         )
     if status.message:
         lines.append(f"note: {status.message}")
-    rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH", "FAILURES", "PID", "METRICS")]
+    rows = [("TYPE", "INDEX", "ADDRESS", "STATE", "HEALTH", "FAILURES", "PID", "METRICS")]
     for t in status.tasks:
         rows.append(
             (
                 t.type,
                 str(t.index),
                 t.address,
+                task_state_name(t.state),
                 health_name(t.health),
                 str(t.failures),
                 str(t.pid or "-"),

@@ -84,6 +84,9 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         # the answer out; a ConfigError is the operator's to fix (INVALID_ARGUMENT), a
         # Refused one to retry later (FAILED_PRECONDITION).
         self.on_scale: Callable[[Any], control_pb2.ScaleResponse] | None = None
+        # The launcher's view of the cluster, added to every status it answers (a resize's
+        # tasks joining and draining, the tasks that left; launch/resize.py Membership).
+        self.membership: Callable[[control_pb2.Status], None] | None = None
         self._lock = threading.Lock()
         self._last: control_pb2.Status | None = None  # what the training process said last
         self._last_seen = 0.0
@@ -160,12 +163,21 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
     # -- the RPCs ----------------------------------------------------------------------------
 
     def GetStatus(self, request: Any, context: grpc.ServicerContext) -> control_pb2.Status:
-        return self.refresh(timeout=_timeout(context, FORWARD_SECONDS))
+        return self._shown(self.refresh(timeout=_timeout(context, FORWARD_SECONDS)))
 
     def WatchStatus(
         self, request: Any, context: grpc.ServicerContext
     ) -> Iterator[control_pb2.Status]:
-        return stream_status(self.current, request, context)
+        return stream_status(lambda: self._shown(self.current()), request, context)
+
+    def _shown(self, status: control_pb2.Status) -> control_pb2.Status:
+        """``status`` with the launcher's view of the cluster (``membership``), a copy."""
+        if self.membership is None:
+            return status
+        shown = control_pb2.Status()
+        shown.CopyFrom(status)
+        self.membership(shown)
+        return shown
 
     def Checkpoint(
         self, request: Any, context: grpc.ServicerContext
@@ -298,6 +310,14 @@ class ControlFront:
     @on_scale.setter
     def on_scale(self, callback: Callable[[Any], control_pb2.ScaleResponse] | None) -> None:
         self.servicer.on_scale = callback
+
+    @property
+    def membership(self) -> Callable[[control_pb2.Status], None] | None:
+        return self.servicer.membership
+
+    @membership.setter
+    def membership(self, callback: Callable[[control_pb2.Status], None] | None) -> None:
+        self.servicer.membership = callback
 
     @property
     def on_stop(self) -> Callable[[bool], None]:

@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN = "SERVING", "NOT_SERVING", "UNREACHABLE", "UNKNOWN"
 HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
 
+# A task's place in the cluster (the proto's TaskState names, TASK_STATE_ left off). The
+# training process knows SERVING, DRAINING and LEFT for the tasks of its own cluster; the
+# launcher adds JOINING (and DRAINING) during a resize, and the tasks of earlier generations
+# that LEFT (launch/membership.py).
+JOINING, DRAINING, LEFT = "JOINING", "DRAINING", "LEFT"
+TASK_STATES = (JOINING, SERVING, DRAINING, LEFT)
+
 # What the training side counts of each dynamic embedding table: its live rows, and the ids
 # admitted and rows evicted in total (restored with each checkpoint, so a restarted process
 # goes on from the checkpoint's totals).
@@ -60,6 +67,7 @@ class TaskInfo:
     health_address: str = ""
     metrics_url: str = ""
     pid: int = 0
+    left: bool = False  # psctl local's tasks file: its server left (exit 0 after SIGTERM)
 
 
 @dataclass
@@ -129,7 +137,10 @@ class JobControl:
         # Held while the callback runs, so that the last call reports the latest state.
         self._notify_lock = threading.Lock()
         self.on_task_failure: Callable[[str], None] | None = None
-        self.on_task_leaving: Callable[[TaskInfo], None] | None = None
+        # Asked whether a worker that stops (or is lost for drop_after) may leave: True
+        # takes it out (no failure counted for it from then on), False keeps it a member.
+        self.on_task_leaving: Callable[[TaskInfo], bool] | None = None
+        self._leaving: set[tuple[str, int]] = set()  # (type, index) of tasks that left
         self.drop_after = 0.0  # --drop-after: seconds a worker may be down; 0: forever
         self.clock = time.monotonic
         self._down_since: dict[tuple[str, int], float] = {}  # (type, index) -> since when
@@ -334,26 +345,47 @@ class JobControl:
                 health=dict(self._health),
                 failures=dict(self._failures),
                 cluster_generation=self.cluster_generation,
+                states={
+                    (t.type, t.index): self._task_state(t, self._health.get((t.type, t.index)))
+                    for t in self.tasks
+                },
             )
+
+    def _task_state(self, task: TaskInfo, health: str | None) -> str:  # under self._lock
+        if (task.type, task.index) not in self._leaving and not task.left:
+            return SERVING
+        # Stopping while its health still answers (NOT_SERVING, its drain), gone after.
+        return DRAINING if health in (SERVING, NOT_SERVING) else LEFT
 
     # -- health of the cluster's tasks -----------------------------------------------------
 
     def set_tasks(self, tasks: list[TaskInfo]) -> None:
         """The job's tasks as now (a restarted task's new pid): status and the health
-        checks read the new list from their next look."""
+        checks read the new list from their next look. A task newly marked ``left`` (psctl
+        local saw its server exit 0) leaves as if its checks had seen it stop."""
         self.tasks = list(tasks)
+        for task in tasks:
+            with self._lock:
+                known = (task.type, task.index) in self._leaving
+            if task.left and not known:
+                self._leave(task)
 
     def set_health(self, task: TaskInfo, health: str) -> None:
         """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py). A task
         going from SERVING to anything else counts as a failure of that task; its return to
         SERVING after a failure counts as a recovery (SERVING for the first time, a task
         starting, does not). A worker going NOT_SERVING is stopping, and one down for longer
-        than ``drop_after`` is lost: either leaves (``on_task_leaving``)."""
+        than ``drop_after`` is lost: either leaves (``on_task_leaving``), and from then on
+        its checks count nothing: the job goes on without it. So does a task the launcher
+        marked ``left`` (psctl local saw its server exit 0)."""
         key = (task.type, task.index)
         now = self.clock()
         with self._lock:
             before = self._health.get(key)
             self._health[key] = health
+            if task.left or key in self._leaving:
+                self._down_since.pop(key, None)
+                return
             failed_before = self._failures.get(key, 0) > 0
             if health == SERVING:
                 self._down_since.pop(key, None)
@@ -370,15 +402,15 @@ class JobControl:
                 task.index,
                 down,
             )
-            if self.on_task_leaving is not None:
-                self.on_task_leaving(task)
+            if self._leave(task):
+                return
         if before == SERVING and health == NOT_SERVING and task.type == "worker":
             # A worker server says NOT_SERVING only while it stops (SIGTERM: a preemption
             # notice, cluster/server.py): it is leaving, not failing.
             log.warning("%s:%d is NOT_SERVING: it is stopping and leaves", task.type, task.index)
-            if self.on_task_leaving is not None:
-                self.on_task_leaving(task)
-        elif before == SERVING and health != SERVING:
+            if self._leave(task):
+                return
+        if before == SERVING and health != SERVING:
             log.warning("%s:%d is %s", task.type, task.index, health)
             self.task_failed(task.type, task.index)
             if self.on_task_failure is not None:
@@ -389,6 +421,14 @@ class JobControl:
                 self.recoveries += 1
             if self.on_recovery is not None:
                 self.on_recovery()
+
+    def _leave(self, task: TaskInfo) -> bool:
+        """``task`` leaves if ``on_task_leaving`` lets it (not the last worker, ...)."""
+        if self.on_task_leaving is None or not self.on_task_leaving(task):
+            return False
+        with self._lock:
+            self._leaving.add((task.type, task.index))
+        return True
 
     def failure_counts(self) -> dict[str, int]:
         with self._lock:
@@ -420,3 +460,4 @@ class JobView:
     health: dict[tuple[str, int], str]
     failures: dict[tuple[str, int], int]
     cluster_generation: int = 0
+    states: dict[tuple[str, int], str] = field(default_factory=dict)  # a TASK_STATES name

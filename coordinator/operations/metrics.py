@@ -226,6 +226,7 @@ class CoordinatorMetrics:
         )
         tasks.labels("ps").set(num_ps)
         tasks.labels("worker").set(num_workers)
+        self._cluster_tasks = tasks
         self._resizes = Counter(
             "psctl_resizes",
             "Resizes of the job's cluster (psctl scale, SIGHUP); carried across restarts.",
@@ -518,6 +519,13 @@ class CoordinatorMetrics:
 
     def recovery(self) -> None:
         self._recoveries.inc()
+
+    def task_left(self, task_type: str) -> None:
+        """A task left the cluster while this process trains on (a worker stopped, or was
+        lost for --drop-after): one task fewer, a resize that cost no pause."""
+        self._cluster_tasks.labels(task_type).dec()
+        self._resizes.inc()
+        self._resize_seconds.observe(0.0)
 
     def carry_over(
         self,

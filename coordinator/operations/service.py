@@ -23,7 +23,7 @@ from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.health_poll import poll_health_forever
-from psctl.coordinator.operations.job_state import UNKNOWN, JobControl, Rejected
+from psctl.coordinator.operations.job_state import SERVING, UNKNOWN, JobControl, Rejected
 from psctl.coordinator.operations.security import (
     MAX_STREAMS,
     UNARY_THREADS,
@@ -102,6 +102,10 @@ def status_proto(job: JobControl) -> control_pb2.Status:
                 failures=view.failures.get(key, 0),
                 metrics_url=task.metrics_url,
                 pid=task.pid,
+                state=cast(
+                    control_pb2.TaskState,
+                    control_pb2.TaskState.Value(f"TASK_STATE_{view.states.get(key, SERVING)}"),
+                ),
             )
         )
     return status

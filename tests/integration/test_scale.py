@@ -25,8 +25,17 @@ from tests.integration.test_control import start_local_job, status, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
+def members(s: dict) -> list[dict]:
+    """The tasks of the cluster the job trains on (not those JOINING or LEFT)."""
+    return [
+        t
+        for t in s.get("tasks", [])
+        if t.get("state", "TASK_STATE_SERVING") in ("TASK_STATE_SERVING", "TASK_STATE_DRAINING")
+    ]
+
+
 def shape(s: dict) -> tuple[int, int]:
-    tasks = s.get("tasks", [])
+    tasks = members(s)
     return (
         sum(t["type"] == "ps" for t in tasks),
         sum(t["type"] == "worker" for t in tasks),
@@ -46,7 +55,7 @@ def wait_shape(address: str, want: tuple[int, int], generation: int, after: int)
             and shape(s) == want
             and int(s.get("cluster_generation", 0)) == generation
             and int(s["global_step"]) > after
-            and all(t["health"] == "TASK_HEALTH_SERVING" for t in s["tasks"])
+            and all(t["health"] == "TASK_HEALTH_SERVING" for t in members(s))
             and s
         ),
         timeout=200,
@@ -112,19 +121,35 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
     try:
         s = wait_shape(address, (1, 3), 0, 0)
         (worker,) = [t for t in s["tasks"] if t["type"] == "worker" and t["index"] == 1]
-        before = int(s["global_step"])
+        before, uptime = int(s["global_step"]), float(s["uptime_seconds"])
         os.kill(int(worker["pid"]), signal.SIGTERM)  # a preemption notice
         s = wait_shape(address, (1, 2), 1, before)
-        assert worker["address"] not in [t["address"] for t in s["tasks"]]
+        (gone,) = [t for t in s["tasks"] if t["address"] == worker["address"]]
+        assert gone["state"] in ("TASK_STATE_DRAINING", "TASK_STATE_LEFT"), gone
+        s = wait_until(
+            lambda: (
+                (now := status_or_none(address))
+                and any(
+                    t["address"] == worker["address"] and t["state"] == "TASK_STATE_LEFT"
+                    for t in now["tasks"]
+                )
+                and now
+            ),
+            timeout=30,
+            what="the worker shown LEFT",
+        )
         assert all(int(t["failures"]) == 0 for t in s["tasks"]), s["tasks"]
-        wait_shape(address, (1, 2), 1, 2000)  # trains on after it
+        # No pause: the same training process trains on (no restart, its uptime goes on).
+        s = wait_shape(address, (1, 2), 1, 2000)
+        assert float(s["uptime_seconds"]) > uptime, s
+        assert "LEFT" in control_cli(address, "status", timeout=30).stdout
         stop = control_cli(address, "stop", timeout=150)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=150) == 0
     finally:
         kill_if_running(job, timeout=30)
     summary = read_json(out)
-    assert [r["reason"] for r in summary["resizes"]] == ["worker:1 left"], summary["resizes"]
+    assert [(r["reason"], r["seconds"]) for r in summary["resizes"]] == [("worker:1 left", 0.0)]
     assert summary["worker_failures"] == 0 and summary["restarts"] == 0, summary
     assert summary["num_workers"] == 2 and summary["eval_accuracy"] >= 0.98, summary
     assert processes_mentioning(str(workdir)) == []

@@ -33,7 +33,7 @@ from tests.conftest import (
     status_or_none,
 )
 from tests.integration.test_control import status, wait_until
-from tests.integration.test_scale import shape
+from tests.integration.test_scale import members, shape
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -102,8 +102,8 @@ def wait_running(address: str, *, workers: int, generation: int, after: int, ps:
             and shape(s) == (1, workers)
             and int(s.get("cluster_generation", 0)) == generation
             and int(s["global_step"]) > after
-            and [t["address"] for t in s["tasks"] if t["type"] == "ps"] == [ps]
-            and all(t["health"] == "TASK_HEALTH_SERVING" for t in s["tasks"])
+            and [t["address"] for t in members(s) if t["type"] == "ps"] == [ps]
+            and all(t["health"] == "TASK_HEALTH_SERVING" for t in members(s))
             and s
         ),
         timeout=150,
@@ -212,11 +212,14 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
         assert int(status(address).get("cluster_generation", 0)) == 2
 
         # (d) A worker stopped by SIGTERM (a preemption notice: NOT_SERVING, then exit 0)
-        # leaves: the job resizes without it, no failure counted.
-        before = int(status(address)["global_step"])
+        # leaves: the job goes on without it in the same process, no failure counted.
+        s = status(address)
+        before, uptime = int(s["global_step"]), float(s["uptime_seconds"])
         servers[2].terminate()  # worker:1
         s = wait_running(address, workers=2, generation=3, after=before, ps=new_ps)
-        assert f"127.0.0.1:{w1}" not in [t["address"] for t in s["tasks"]], s["tasks"]
+        (gone,) = [t for t in s["tasks"] if t["address"] == f"127.0.0.1:{w1}"]
+        assert gone["state"] in ("TASK_STATE_DRAINING", "TASK_STATE_LEFT"), s["tasks"]
+        assert float(s["uptime_seconds"]) > uptime, s  # no new training process
         assert servers[2].wait(timeout=30) == 0
 
         stop = control_cli(address, "stop", timeout=150)
@@ -237,7 +240,7 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
         ("1 ps + 3 workers", "1 ps + 3 workers"),
         ("1 ps + 3 workers", "1 ps + 2 workers"),
     ], resizes
-    assert resizes[-1]["reason"] == "worker:1 left", resizes
+    assert (resizes[-1]["reason"], resizes[-1]["seconds"]) == ("worker:1 left", 0.0), resizes
     assert all(r["seconds"] > 0 for r in resizes[:2]), resizes  # requested: timed
     assert summary["restarts"] == 0 and summary["num_workers"] == 2, summary
     assert summary["worker_failures"] == 0, summary

@@ -92,3 +92,46 @@ def test_a_resize_between_two_processes_is_recorded_for_the_next():
         ("a", "b", 0.0)
     ]
     assert not supervisor.resizing
+
+
+def test_a_worker_that_left_is_taken_out_while_the_process_trains_on(tmp_path):
+    """The training process reports a departure (its report file); the supervisor takes
+    it out of the launcher's cluster at its next look, once, without signalling the process
+    (no pause), and records a resize of 0 s."""
+    clock = Clock()
+    child = Child(clock)
+    taken: list[list[tuple[str, int, str]]] = []
+    counters = Counters(report_file=str(tmp_path / "report.json"))
+    looks = [0]
+
+    def tick() -> None:
+        looks[0] += 1
+        if looks[0] == 2:  # the training process saw worker:1 stop
+            counters.left.append(["worker", 1, "127.0.0.1:2"])
+            counters.leave_report()
+        if looks[0] == 6:
+            child.code = 0  # it trains to its last step
+
+    def on_left(tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
+        taken.append(tasks)
+        return "1 ps + 3 workers", "1 ps + 2 workers"
+
+    supervisor = TrainingSupervisor(
+        lambda c: child,  # type: ignore[arg-type,return-value]
+        policy=RestartPolicy(),
+        tick=tick,
+        counters=counters,
+        clock=clock,
+        sleep=lambda _: None,
+    )
+    supervisor.on_left = on_left
+    assert supervisor.run() == 0
+    assert taken == [[("worker", 1, "127.0.0.1:2")]]  # once, though the report stays
+    assert child.signals == []
+    (resize,) = supervisor.counters.resizes
+    assert (resize["to"], resize["reason"], resize["seconds"]) == (
+        "1 ps + 2 workers",
+        "worker:1 left",
+        0.0,
+    )
+    assert supervisor.counters.restarts == 0

@@ -1,12 +1,14 @@
 """Workers that leave (operations/job_state.py): a worker's NOT_SERVING is a departure, not a
 failure; a worker down for longer than --drop-after is taken out once; a ps is a failure
-either way."""
+either way; a task that left counts nothing more and shows DRAINING, then LEFT."""
 
 from __future__ import annotations
 
 import pytest
 
 from psctl.coordinator.operations.job_state import (
+    DRAINING,
+    LEFT,
     NOT_SERVING,
     SERVING,
     UNREACHABLE,
@@ -20,21 +22,36 @@ WORKER = TaskInfo("worker", 1, "127.0.0.1:2")
 PS = TaskInfo("ps", 0, "127.0.0.1:1")
 
 
-def control_with(clock: list[float], drop_after: float = 0.0) -> tuple[JobControl, list]:
+def control_with(
+    clock: list[float], drop_after: float = 0.0, *, allow: bool = True
+) -> tuple[JobControl, list]:
     control = JobControl(
         job="j", target_steps=10, steps_per_execution=1, tasks=[PS, WORKER], can_checkpoint=True
     )
     control.clock = lambda: clock[0]
     control.drop_after = drop_after
     leaving: list[TaskInfo] = []
-    control.on_task_leaving = leaving.append
+
+    def leave(task: TaskInfo) -> bool:
+        leaving.append(task)
+        return allow
+
+    control.on_task_leaving = leave
     return control, leaving
+
+
+def state(control: JobControl, task: TaskInfo) -> str:
+    return control.view().states[(task.type, task.index)]
 
 
 def test_a_stopping_worker_leaves_and_is_no_failure():
     control, leaving = control_with([0.0])
     control.set_health(WORKER, SERVING)
+    assert state(control, WORKER) == SERVING
     control.set_health(WORKER, NOT_SERVING)  # SIGTERM: health NOT_SERVING, then exit
+    assert state(control, WORKER) == DRAINING
+    control.set_health(WORKER, UNREACHABLE)
+    assert state(control, WORKER) == LEFT
     control.set_health(WORKER, UNREACHABLE)
     assert leaving == [WORKER]
     assert control.failure_counts() == {"worker": 0, "ps": 0}
@@ -72,3 +89,25 @@ def test_a_worker_back_in_time_keeps_its_slot():
     clock[0] = 1800.0
     control.set_health(WORKER, UNREACHABLE)
     assert leaving == []  # down 600 s this time
+
+
+def test_the_last_worker_may_not_leave_and_its_loss_is_a_failure():
+    control, leaving = control_with([0.0], allow=False)
+    control.set_health(WORKER, SERVING)
+    control.set_health(WORKER, NOT_SERVING)
+    control.set_health(WORKER, UNREACHABLE)
+    assert leaving == [WORKER]  # asked, refused
+    assert state(control, WORKER) == SERVING  # still a member, failing
+    assert control.failure_counts()["worker"] == 1
+
+
+def test_a_task_the_launcher_marked_left_counts_nothing():
+    control, leaving = control_with([0.0])
+    control.set_health(WORKER, SERVING)
+    gone = TaskInfo("worker", 1, "127.0.0.1:2", left=True)  # psctl local saw it exit 0
+    control.set_tasks([PS, gone])
+    assert leaving == [gone]  # reported as leaving, as if its checks had seen it stop
+    control.set_tasks([PS, gone])
+    control.set_health(gone, UNREACHABLE)
+    assert control.failure_counts() == {"worker": 0, "ps": 0} and leaving == [gone]
+    assert state(control, gone) == LEFT

@@ -26,6 +26,14 @@ class TaskHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_HEALTH_NOT_SERVING: _ClassVar[TaskHealth]
     TASK_HEALTH_UNREACHABLE: _ClassVar[TaskHealth]
     TASK_HEALTH_UNKNOWN: _ClassVar[TaskHealth]
+
+class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_STATE_UNSPECIFIED: _ClassVar[TaskState]
+    TASK_STATE_JOINING: _ClassVar[TaskState]
+    TASK_STATE_SERVING: _ClassVar[TaskState]
+    TASK_STATE_DRAINING: _ClassVar[TaskState]
+    TASK_STATE_LEFT: _ClassVar[TaskState]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_STARTING: JobState
 JOB_STATE_RUNNING: JobState
@@ -40,9 +48,14 @@ TASK_HEALTH_SERVING: TaskHealth
 TASK_HEALTH_NOT_SERVING: TaskHealth
 TASK_HEALTH_UNREACHABLE: TaskHealth
 TASK_HEALTH_UNKNOWN: TaskHealth
+TASK_STATE_UNSPECIFIED: TaskState
+TASK_STATE_JOINING: TaskState
+TASK_STATE_SERVING: TaskState
+TASK_STATE_DRAINING: TaskState
+TASK_STATE_LEFT: TaskState
 
 class Task(_message.Message):
-    __slots__ = ("type", "index", "address", "health", "health_address", "failures", "metrics_url", "pid")
+    __slots__ = ("type", "index", "address", "health", "health_address", "failures", "metrics_url", "pid", "state")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +64,7 @@ class Task(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     type: str
     index: int
     address: str
@@ -59,7 +73,8 @@ class Task(_message.Message):
     failures: int
     metrics_url: str
     pid: int
-    def __init__(self, type: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., health: _Optional[_Union[TaskHealth, str]] = ..., health_address: _Optional[str] = ..., failures: _Optional[int] = ..., metrics_url: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    state: TaskState
+    def __init__(self, type: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., health: _Optional[_Union[TaskHealth, str]] = ..., health_address: _Optional[str] = ..., failures: _Optional[int] = ..., metrics_url: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("path", "step", "time_unix_seconds")

@@ -1,0 +1,90 @@
+"""What psctl status shows of a resizing cluster (launch/resize.py Membership): the tasks
+joining and draining while a resize is under way, the tasks that left once it is done or
+once they departed, the generation from the launcher's count; matched by address."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from psctl.cluster.spec import ClusterConfig
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.launch.resize import LEFT_SHOWN, Membership
+
+pytestmark = pytest.mark.timeout(30)
+
+CHIEF = ("127.0.0.1:1",)
+PS = ("127.0.0.1:10",)
+
+
+def cluster(*workers: str, ps: tuple[str, ...] = PS) -> ClusterConfig:
+    return ClusterConfig(jobs={"chief": CHIEF, "ps": ps, "worker": tuple(workers)})
+
+
+def status_of(c: ClusterConfig) -> control_pb2.Status:
+    status = control_pb2.Status()
+    for task_type, index, address in c.tasks():
+        status.tasks.append(
+            control_pb2.Task(
+                type=task_type,
+                index=index,
+                address=address,
+                health=control_pb2.TASK_HEALTH_SERVING,
+                state=control_pb2.TASK_STATE_SERVING,
+            )
+        )
+    return status
+
+
+def states(status: control_pb2.Status) -> list[tuple[str, str]]:
+    return [
+        (t.address, control_pb2.TaskState.Name(t.state).removeprefix("TASK_STATE_"))
+        for t in status.tasks
+        if t.type != "chief"
+    ]
+
+
+def membership() -> tuple[Membership, SimpleNamespace]:
+    supervisor = SimpleNamespace(resizing=False, counters=SimpleNamespace(resizes=[]))
+    return Membership(supervisor), supervisor  # type: ignore[arg-type]
+
+
+def test_a_resize_shows_joining_and_draining_then_left():
+    m, supervisor = membership()
+    old, new = cluster("w:1", "w:2"), cluster("w:1", "w:3")
+    supervisor.resizing = True
+    m.resize(old, new)
+    status = status_of(old)
+    m.apply(status)
+    assert states(status) == [
+        ("127.0.0.1:10", "SERVING"),
+        ("w:1", "SERVING"),
+        ("w:2", "DRAINING"),
+        ("w:3", "JOINING"),
+    ]
+    supervisor.resizing = False
+    supervisor.counters.resizes.append({})
+    status = status_of(new)  # the new training process answers
+    m.apply(status)
+    assert status.cluster_generation == 1
+    assert states(status) == [
+        ("127.0.0.1:10", "SERVING"),
+        ("w:1", "SERVING"),
+        ("w:3", "SERVING"),
+        ("w:2", "LEFT"),
+    ]
+
+
+def test_a_departure_is_listed_once_and_the_list_is_bounded():
+    m, _ = membership()
+    c = cluster("w:1", "w:2")
+    m.left([("worker", 1, "w:2")])
+    status = status_of(c)  # the running process still lists it (its own state)
+    m.apply(status)
+    assert [a for a, _ in states(status)].count("w:2") == 1
+    m.left([("worker", i, f"gone:{i}") for i in range(2 * LEFT_SHOWN)])
+    status = status_of(cluster("w:1"))
+    m.apply(status)
+    left = [a for a, s in states(status) if s == "LEFT"]
+    assert len(left) == LEFT_SHOWN and left[0] == f"gone:{2 * LEFT_SHOWN - 1}"  # newest first
