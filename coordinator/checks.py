@@ -129,7 +129,7 @@ def _format_of(paths: Sequence[str], field: str) -> str:
     return formats.pop()
 
 
-class _Labels:
+class Labels:
     """Running label statistics over a scan."""
 
     def __init__(self) -> None:
@@ -145,7 +145,7 @@ class _Labels:
         if self.high is None or value > self.high.value:
             self.high = Extreme(value, path, line)
 
-    def merge(self, later: _Labels) -> None:
+    def merge(self, later: Labels) -> None:
         """Add the statistics of a later part of the scan."""
         self.integer = self.integer and later.integer
         if later.low is not None and (self.low is None or later.low.value < self.low.value):
@@ -286,7 +286,7 @@ class Checked:
     positives: int = 0  # Criteo: lines with label 1
     trimmed: int = 0  # Criteo: lines with fewer than 40 cells
     first_trimmed: int = 0  # the first one's line, counted from the piece's start
-    labels: _Labels | None = None  # CSV, TFRecord
+    labels: Labels | None = None  # CSV, TFRecord
     error: tuple[str, str, str] | None = None  # a ConfigError's field, problem and fix
 
 
@@ -613,8 +613,8 @@ def _scan_tfrecord(
     )
 
 
-def _merged_labels(results: Sequence[Checked]) -> _Labels:
-    labels = _Labels()
+def _merged_labels(results: Sequence[Checked]) -> Labels:
+    labels = Labels()
     for found in results:
         assert found.labels is not None
         labels.merge(found.labels)
@@ -662,7 +662,7 @@ def check_csv_piece(
 ) -> Checked:
     """Check one piece of a CSV file against the first file's header, counting lines from
     ``first_line``; the file's first piece starts with its header."""
-    found = Checked(labels=_Labels())
+    found = Checked(labels=Labels())
     assert found.labels is not None
     try:
         text = io.TextIOWrapper(io.BytesIO(read_piece(piece)), encoding="utf-8", newline="")
@@ -700,7 +700,7 @@ def _csv_rows(
     first_line: int,
     header: list[str],
     label_column: str,
-    labels: _Labels,
+    labels: Labels,
     field: str,
 ) -> int:
     """Check the data rows from ``handle`` (the first is line ``first_line``); returns how

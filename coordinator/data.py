@@ -48,7 +48,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.coordinator.checks import (
     Checked,
     DataFiles,
-    _Labels,
+    Labels,
     scan_table,
 )
 from psctl.coordinator.input_files import Piece, size_of
@@ -181,7 +181,7 @@ def check_tfrecord_piece(
 ) -> Checked:
     """Check every record of one file (a piece is a whole file) against the first record's
     features (``schema``, read at ``schema_where``)."""
-    found = Checked(labels=_Labels())
+    found = Checked(labels=Labels())
     try:
         found.records = found.lines = _check_records(
             piece.path, schema, schema_where, label_column, found.labels, field
