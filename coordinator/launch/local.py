@@ -31,7 +31,7 @@ from psctl.cluster.health import HealthChecker
 from psctl.cluster.procs import spawn, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
-from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare
+from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -262,11 +262,11 @@ class LocalCluster:
         (old shape, new shape)."""
 
         def members() -> str:
-            counts = {
-                kind: sum(s.task_type == kind and not s.left for s in self.servers)
+            counts = [
+                sum(s.task_type == kind and not s.left for s in self.servers)
                 for kind in ("ps", "worker")
-            }
-            return f"{counts['ps']} ps + {counts['worker']} workers"
+            ]
+            return shape_of(*counts)
 
         old = members()
         for server in self.servers:

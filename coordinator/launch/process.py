@@ -43,7 +43,7 @@ from psctl.coordinator.failures import (
     tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
-from psctl.coordinator.launch.resize import ClusterFile, Membership, Resizer
+from psctl.coordinator.launch.resize import ClusterFile, Membership, Resizer, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartPolicy,
@@ -92,11 +92,11 @@ def leave_cluster(
         log.warning("%s:%d is the last worker: it stays in the cluster", task.type, task.index)
         return False
     num_ps = sum(t.type == "ps" for t in control.tasks)
-    before = f"{num_ps} ps + {workers - len(counters.left)} workers"
+    before = shape_of(num_ps, workers - len(counters.left))
     counters.left.append([task.type, task.index, task.address])
     counters.leave_report()
     # For this process's summary (the supervisor records it too, for the next processes).
-    after = f"{num_ps} ps + {workers - len(counters.left)} workers"
+    after = shape_of(num_ps, workers - len(counters.left))
     reason = f"{task.type}:{task.index} left"
     counters.resizes.append(
         {"time": time.time(), "from": before, "to": after, "reason": reason, "seconds": 0.0}

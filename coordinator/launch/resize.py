@@ -41,7 +41,12 @@ Member = tuple[str, int, str]  # (type, index, address) of a ps or worker task
 
 
 def shape(cluster: ClusterConfig) -> str:
-    return f"{cluster.num_ps} ps + {cluster.num_workers} workers"
+    return shape_of(cluster.num_ps, cluster.num_workers)
+
+
+def shape_of(num_ps: int, num_workers: int) -> str:
+    """How a resize's shapes read everywhere (summary, status, logs)."""
+    return f"{num_ps} ps + {num_workers} workers"
 
 
 def members(cluster: ClusterConfig) -> list[Member]:
