@@ -15,6 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# A server still starting answers UNKNOWN, one stopping (its drain) NOT_SERVING: a worker
+# restarted so fast that no health poll saw it unreachable must not read as one leaving.
+UNKNOWN = health_pb2.HealthCheckResponse.UNKNOWN
 
 # gRPC enables SO_REUSEPORT by default: a second server on a taken port would bind silently.
 _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
@@ -26,7 +29,8 @@ TLS_CA_ENV = "PSCTL_HEALTH_TLS_CA"
 
 
 class HealthService:
-    """A grpc health server whose overall status starts NOT_SERVING."""
+    """A grpc health server whose overall status is UNKNOWN while the server starts,
+    SERVING once it serves and NOT_SERVING while it stops."""
 
     def __init__(
         self,
@@ -38,7 +42,7 @@ class HealthService:
         tls_key: str = "",
     ) -> None:
         self._servicer = health.HealthServicer()
-        self._servicer.set("", NOT_SERVING)
+        self._servicer.set("", UNKNOWN)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS
         )

@@ -1,6 +1,6 @@
 """Server bootstrap shared by `ps-server` and `worker-server`.
 
-Start order: check every port is free, health service (NOT_SERVING), /metrics, the
+Start order: check every port is free, health service (UNKNOWN: starting), /metrics, the
 TensorFlow server, then health SERVING and systemd READY=1. SIGTERM turns health
 NOT_SERVING for --shutdown-grace and exits 0 (SIGINT: at once): a TF server cannot be
 stopped in-process.

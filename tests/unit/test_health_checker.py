@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_statuses_and_one_deadline_for_a_round() -> None:
     serving = HealthService(host="127.0.0.1", port=0)
     serving.set_serving(True)
-    starting = HealthService(host="127.0.0.1", port=0)  # NOT_SERVING until told
+    starting = HealthService(host="127.0.0.1", port=0)  # UNKNOWN (starting) until told
     (dead,) = free_ports(1)
     # Listens but never speaks HTTP/2 (a frozen process): only the deadline ends its check.
     silent = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(3)]
@@ -37,7 +37,7 @@ def test_statuses_and_one_deadline_for_a_round() -> None:
         results = checker.check_all([*addresses.values(), *frozen], timeout=1.0)
         took = time.monotonic() - started
         assert results[addresses["serving"]].status == "SERVING"
-        assert results[addresses["starting"]].status == "NOT_SERVING"
+        assert results[addresses["starting"]].status == "UNKNOWN"
         assert results[addresses["dead"]].status == "UNREACHABLE"
         assert all(results[a].status == "UNREACHABLE" for a in frozen)
         assert took < 2.5, f"3 frozen servers took {took:.1f}s: checked one after another?"

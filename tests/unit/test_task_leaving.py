@@ -11,6 +11,7 @@ from psctl.coordinator.operations.job_state import (
     LEFT,
     NOT_SERVING,
     SERVING,
+    UNKNOWN,
     UNREACHABLE,
     JobControl,
     TaskInfo,
@@ -58,6 +59,18 @@ def test_a_stopping_worker_leaves_and_is_no_failure():
     control.set_health(PS, SERVING)
     control.set_health(PS, NOT_SERVING)  # a ps is never "leaving"
     assert control.failure_counts()["ps"] == 1 and leaving == [WORKER]
+
+
+def test_a_worker_restarted_between_two_polls_is_a_failure_not_a_departure():
+    # SIGKILL, and psctl local restarted it before the next poll: the new server, still
+    # starting, answers UNKNOWN (not NOT_SERVING, which only a stopping server says).
+    control, leaving = control_with([0.0])
+    control.set_health(WORKER, SERVING)
+    control.set_health(WORKER, UNKNOWN)
+    assert leaving == [] and state(control, WORKER) != DRAINING
+    assert control.failure_counts()["worker"] == 1
+    control.set_health(WORKER, SERVING)
+    assert control.recoveries == 1
 
 
 def test_a_worker_down_past_drop_after_is_taken_out_once():
