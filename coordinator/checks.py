@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gzip
 import io
+import itertools
 import logging
 import math
 import re
@@ -33,6 +34,7 @@ from psctl.coordinator.input_files import (
     in_order,
     open_bytes,
     read_piece,
+    size_of,
 )
 
 log = logging.getLogger(__name__)
@@ -42,12 +44,14 @@ __all__ = [
     "DataFiles",
     "Extreme",
     "TsvFiles",
+    "describe_bad_criteo_line",
     "scan_criteo",
     "scan_table",
 ]
 
 
 CSV_SUFFIXES = (".csv",)
+CRITEO_SUFFIXES = (".tsv", ".txt", ".tsv.gz", ".txt.gz")  # Criteo's own: train.txt
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords", ".tfr")
 # What TensorFlow's CSV reader (tf.data.TextLineDataset, then tf.io.decode_csv) parses, and so
 # what the check accepts: lines end in \n or \r\n (TextLineDataset drops every \r, so a lone
@@ -108,6 +112,12 @@ class DataFiles:
         return f"{self.paths[0]} record 1"
 
 
+def criteo_named(pattern: str, field: str) -> bool:
+    """Whether the files ``pattern`` names are all called as Criteo TSV files are
+    (``*.tsv``, ``*.txt``, gzipped or not)."""
+    return all(path.lower().endswith(CRITEO_SUFFIXES) for path in expand(pattern, field))
+
+
 def _format_of(paths: Sequence[str], field: str) -> str:
     formats = set()
     for path in paths:
@@ -120,7 +130,8 @@ def _format_of(paths: Sequence[str], field: str) -> str:
             raise ConfigError(
                 field,
                 f"cannot tell the format of {path} from its name",
-                "name CSV files *.csv and TFRecord files *.tfrecord",
+                "name CSV files *.csv and TFRecord files *.tfrecord (Criteo TSV: *.tsv, "
+                "*.txt, or the ctr job)",
             )
     if len(formats) > 1:
         raise ConfigError(
@@ -353,6 +364,20 @@ _LINE = re.compile(rb"[01]" + (rb"\t(?:" + _INT + rb")?") * 13 + (rb"\t(?:" + _H
 # would do as well, but psctl runs on 3.10).
 _QUICK_LINE = re.compile(rb"[01]" + rb"\t-?[0-9]{0,18}" * 13 + rb"\t[0-9a-fA-F]{0,16}" * 26)
 _LONE_MINUS = b"\t-\t"
+# The lines _QUICK_LINE and _trimmed accept, as one RE2 pattern for the workers' readers
+# (tf.strings.regex_full_match): the label, then up to 13 integers (none a lone "-"), then,
+# only after all 13, up to 26 ids (fewer cells: trailing empty cells trimmed).
+_RE2_INT = r"(?:\t(?:-?[0-9]{1,18})?)"
+CRITEO_LINE_RE2 = (
+    r"[01](?:" + _RE2_INT + r"{13}(?:\t[0-9a-fA-F]{0,16}){0,26}|" + _RE2_INT + r"{0,12})"
+)
+# Inputs larger than this are not read before training (psctl local/train --full-check-mb);
+# of those, the coordinator checks the first HEAD_BYTES of each of the first HEAD_FILES
+# files (gzipped: the first HEAD_LINES lines).
+FULL_CHECK_BYTES = 256 << 20
+HEAD_FILES = 16
+HEAD_BYTES = 1 << 20
+HEAD_LINES = 4096
 
 
 @dataclass(frozen=True)
@@ -367,9 +392,15 @@ class TsvFiles:
     # Lines with fewer than 40 cells: trailing empty cells trimmed, read as empty.
     trimmed: int = 0
     total_bytes: int = 0
+    # False: too large to read before training (over FULL_CHECK_BYTES): only the first lines
+    # of the first files were checked (records_per_file and positives count those), and the
+    # readers check every line on the workers (coordinator/bad_records.py).
+    complete: bool = True
+    field: str = "--data"  # the flag that named the files, for the workers' errors
 
     @property
     def num_records(self) -> int:
+        """Every line (with ``complete``; otherwise the lines checked)."""
         return sum(self.records_per_file)
 
     @property
@@ -378,18 +409,32 @@ class TsvFiles:
 
 
 def scan_criteo(
-    pattern: str, *, field: str, jobs: int | None = None, piece_bytes: int = PIECE_BYTES
+    pattern: str,
+    *,
+    field: str,
+    jobs: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
+    full_below: int | None = None,
 ) -> TsvFiles:
     """Expand ``pattern`` (a glob, a file or a directory) and check every line of every
-    file. ``jobs``: processes (None: one per core when there is enough to read)."""
+    file. ``jobs``: processes (None: one per core when there is enough to read).
+    ``full_below``: bytes; a larger input (gzipped: its compressed bytes) is checked only
+    in its first lines (HEAD_BYTES of each of its first HEAD_FILES files), and the readers
+    check the rest on the workers (``complete=False``). None: every line, however large."""
     paths = expand(pattern, field)
     if len({p.endswith(".gz") for p in paths}) > 1:
         raise ConfigError(
             field, "the glob matches gzipped and plain files", "give one kind per glob"
         )
-    pieces, total = cut(paths, splittable=not paths[0].endswith(".gz"), piece_bytes=piece_bytes)
+    gzipped = paths[0].endswith(".gz")
+    sizes = [size_of(path) for path in paths]
+    complete = full_below is None or sum(sizes) <= full_below
+    if complete:
+        pieces, total = cut(paths, splittable=not gzipped, piece_bytes=piece_bytes)
+    else:
+        pieces, total = _heads(paths, sizes, gzipped=gzipped), sum(sizes)
     records, results, first_trimmed = _check_pieces(
-        functools.partial(check_criteo_piece, field=field),
+        functools.partial(check_criteo_piece, field=field, max_lines=0 if complete else HEAD_LINES),
         pieces,
         jobs=jobs,
         total_bytes=total,
@@ -415,19 +460,40 @@ def scan_criteo(
         positives=sum(found.positives for found in results),
         trimmed=trimmed,
         total_bytes=total,
+        complete=complete,
+        field=field,
     )
 
 
-def check_criteo_piece(piece: Piece, *, field: str, first_line: int = 1) -> Checked:
-    """Check the lines of one piece (a gzipped file is one piece), counting from
-    ``first_line``."""
+def _heads(paths: Sequence[str], sizes: Sequence[int], *, gzipped: bool) -> list[Piece]:
+    """The first lines of the first HEAD_FILES files: plain files to the line that crosses
+    HEAD_BYTES, gzipped ones (read from their start) to HEAD_LINES lines."""
+    pieces = []
+    for index, (path, size) in enumerate(zip(paths[:HEAD_FILES], sizes, strict=False)):
+        if gzipped or size <= HEAD_BYTES:
+            pieces.append(Piece(path, index))
+            continue
+        with open_bytes(path) as handle:
+            handle.seek(HEAD_BYTES - 1)
+            handle.readline()
+            end = handle.tell()
+        pieces.append(Piece(path, index, 0, end, last=True))
+    return pieces
+
+
+def check_criteo_piece(
+    piece: Piece, *, field: str, first_line: int = 1, max_lines: int = 0
+) -> Checked:
+    """Check the lines of one piece (a gzipped file is one piece: its first ``max_lines``
+    lines when that is not 0), counting from ``first_line``."""
     found = Checked()
     try:
         if piece.path.endswith(".gz"):
             with open_bytes(piece.path) as raw, gzip.GzipFile(fileobj=raw) as unzipped:
-                _criteo_lines(
-                    (line.rstrip(b"\n") for line in unzipped), piece.path, first_line, field, found
-                )
+                unzipped_lines: Iterable[bytes] = (line.rstrip(b"\n") for line in unzipped)
+                if max_lines:
+                    unzipped_lines = itertools.islice(unzipped_lines, max_lines)
+                _criteo_lines(unzipped_lines, piece.path, first_line, field, found)
         else:
             data = read_piece(piece)
             lines = data.split(b"\n")
@@ -462,7 +528,9 @@ def _criteo_lines(
             if match(line) is None or _LONE_MINUS in line:
                 if not _trimmed(line):
                     where = first_line + count - 1
-                    raise ConfigError(field, _what_is_wrong(line, path, where), CRITEO_FIX)
+                    raise ConfigError(
+                        field, describe_bad_criteo_line(line, path, where), CRITEO_FIX
+                    )
                 trimmed += 1
                 if trimmed == 1:
                     found.first_trimmed = count
@@ -483,7 +551,7 @@ def _trimmed(line: bytes) -> bool:
     return _LINE.fullmatch(line + b"\t" * (NUM_CELLS - 1 - tabs)) is not None
 
 
-def _what_is_wrong(line: bytes, path: str, line_no: int) -> str:
+def describe_bad_criteo_line(line: bytes, path: str, line_no: int) -> str:
     """The problem of a line that does not match, as ``path line N[, column C]: ...``."""
     where = f"{path} line {line_no}"
     if not line.strip():

@@ -5,9 +5,12 @@ Display Advertising Challenge, Criteo 1TB): the label (0 or 1), 13 integer featu
 ``I1``-``I13`` (counts; may be negative) and 26 categorical features ``C1``-``C26`` as
 hexadecimal ids. Any feature cell may be empty. Files may be gzipped (``*.gz``).
 
-Every file is read in full on the coordinator before training (cached per glob;
-coordinator/checks.py, in parallel processes for large inputs), so a bad line is one
-:class:`~cluster.errors.ConfigError` naming the file, the line and the column. The model
+An input of up to ``--full-check-mb`` (256 MB) is read in full on the coordinator before
+training (cached per glob; coordinator/checks.py, in parallel processes), so a bad line is
+one :class:`~cluster.errors.ConfigError` naming the file, the line and the column. A larger
+one is checked there only in its first lines, and the workers check every line as they read
+it: a bad one ends the job with the same error (exit 78; coordinator/bad_records.py), or
+with ``--bad-records skip`` is dropped and logged by the worker. The model
 input is one int64 vector of 39 per example: the 13 integers (an empty cell is 0) then the
 26 ids hashed into a table of ``rows`` rows: ``to_hash_bucket_fast("C<j>:" + id)``, so equal
 ids of different features land on different rows, and an empty cell is one "missing" id per
@@ -16,15 +19,19 @@ feature. Sharding over workers is as for CSV files (coordinator/data.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from psctl.coordinator import bad_records
 from psctl.coordinator.checks import (
     COLUMNS,
     CRITEO_FIX,
+    CRITEO_LINE_RE2,
+    FULL_CHECK_BYTES,
     NUM_CELLS,
     NUM_DENSE,
     NUM_SPARSE,
@@ -36,6 +43,8 @@ from psctl.coordinator.dynamic import KEY_SPACE
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
+
+log = logging.getLogger(__name__)
 
 # What jobs use (``from psctl.job import criteo``): the format, the check, the reader.
 __all__ = [
@@ -61,14 +70,27 @@ _cache_lock = threading.Lock()
 
 
 @tf.autograph.experimental.do_not_convert
-def check_files(pattern: str, *, field: str = "--data") -> TsvFiles:
-    """Expand ``pattern`` (a glob, a file or a directory) and check every line of every file
-    (coordinator/checks.py); cached per glob. Raises ConfigError (``field``: the flag) naming
-    the file and line."""
+def check_files(
+    pattern: str, *, field: str = "--data", full_below: int = FULL_CHECK_BYTES
+) -> TsvFiles:
+    """Expand ``pattern`` (a glob, a file or a directory) and check its lines
+    (coordinator/checks.py): every line of an input up to ``full_below`` bytes (pass
+    ``ctx.full_check_bytes``: ``--full-check-mb``), the first lines of a larger one (the
+    workers check the rest as they read it, ``make_dataset``); cached per glob. Raises
+    ConfigError (``field``: the flag) naming the file and line."""
     with _cache_lock:
         found = _cache.get(pattern)
         if found is None:
-            found = _cache[pattern] = scan_criteo(pattern, field=field)
+            found = scan_criteo(pattern, field=field, full_below=full_below)
+            _cache[pattern] = found
+            if not found.complete:
+                log.info(
+                    "%s: %.1f GB in %d file(s), over --full-check-mb: their first lines "
+                    "checked; the workers check every line as they read it",
+                    field,
+                    found.total_bytes / 1e9,
+                    len(found.paths),
+                )
     return found
 
 
@@ -129,14 +151,61 @@ def make_dataset(
     def read(path: Any) -> tf.data.Dataset:
         return tf.data.TextLineDataset(path, compression_type=compression)
 
+    if info.complete:  # every line was checked before training
+        return read_batches(
+            info.files,
+            read,
+            lambda batch: parse_lines(batch, rows),
+            ctx,
+            training=training,
+            shuffle_buffer=shuffle_buffer,
+        )
+
+    def read_numbered(path: Any) -> tf.data.Dataset:
+        # (file, line number from 1, line): a bad line is named where it is found.
+        return read(path).enumerate(start=1).map(lambda number, line: (path, number, line))
+
+    skip = ctx.bad_records == "skip"
     return read_batches(
         info.files,
-        read,
-        lambda batch: parse_lines(batch, rows),
+        read_numbered,
+        # tf.data passes a batch of (file, number, line) as three arguments.
+        lambda paths, numbers, lines: parse_lines(
+            checked_lines(paths, numbers, lines, field=info.field, skip=skip), rows
+        ),
         ctx,
         training=training,
         shuffle_buffer=shuffle_buffer,
     )
+
+
+def checked_lines(paths: Any, numbers: Any, lines: Any, *, field: str, skip: bool) -> Any:
+    """The lines of a batch that are Criteo lines (as the full check accepts them). A bad
+    one fails the batch with the reader's assertion (coordinator/bad_records.py: the job
+    ends with one error naming its file and line, exit 78); with ``skip`` bad lines are
+    dropped and the worker logs each (its file and line)."""
+    good = tf.strings.regex_full_match(lines, CRITEO_LINE_RE2)
+    if not skip:
+        first = tf.argmin(tf.cast(good, tf.int32))
+        named = [bad_records.MARKER, field, "criteo", paths[first], numbers[first]]
+        with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(good), named)]):
+            return tf.identity(lines)
+    bad = tf.logical_not(good)
+
+    def report() -> Any:
+        where = tf.strings.join(
+            [tf.boolean_mask(paths, bad), tf.strings.as_string(tf.boolean_mask(numbers, bad))],
+            separator=" line ",
+        )
+        printed = tf.print(
+            "psctl: skipped bad Criteo line(s) (--bad-records skip):", where, summarize=-1
+        )
+        with tf.control_dependencies([printed]):
+            return tf.constant(True)
+
+    printed = tf.cond(tf.reduce_any(bad), report, lambda: tf.constant(False))
+    with tf.control_dependencies([printed]):
+        return tf.boolean_mask(lines, good)
 
 
 # -- writing ----------------------------------------------------------------------------------

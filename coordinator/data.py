@@ -379,7 +379,7 @@ def make_dataset(
 def read_batches(
     files: Sequence[str],
     read: Callable[[Any], tf.data.Dataset],
-    parse: Callable[[Any], Any],
+    parse: Callable[..., Any],  # a batch; of tuple records: one argument per part
     ctx: DataContext,
     *,
     training: bool,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
+from psctl.coordinator import bad_records
 
 __all__ = [
     "CALL_DECISIONS",
@@ -203,8 +204,8 @@ def classify(err: BaseException) -> Failure:
     """Names what ``err`` means for the job (see ``Failure``)."""
     if isinstance(err, RestartFromCheckpoint):
         return Failure.NON_FINITE
-    if isinstance(err, ConfigError):
-        return Failure.CONFIG_ERROR
+    if isinstance(err, ConfigError) or bad_records.found_in(err) is not None:
+        return Failure.CONFIG_ERROR  # a bad record a worker's reader found: as a bad file
     if isinstance(err, Unreachable):
         return Failure.UNREACHABLE
     if isinstance(err, PeerLost):

@@ -63,6 +63,11 @@ class DataContext:
     # batch; no sharding, the context says worker 0 of 1). psctl repeats it and the tf.data
     # service hands its pieces to the workers, so every example is read once per epoch.
     one_pass: bool = False
+    # --full-check-mb (in bytes): larger inputs are checked in their first lines only, and
+    # the readers check every record on the workers; --bad-records: "fail" ends the job on
+    # a bad one (exit 78), "skip" drops it (the worker logs where it was).
+    full_check_bytes: int = 256 << 20
+    bad_records: str = "fail"
 
     # tf.distribute.InputContext's names, so that a dataset function written for
     # distribute_datasets_from_function (as in TensorFlow's tutorials) reads the same.
@@ -96,6 +101,8 @@ class DataContext:
             train_data=settings.train_data,
             eval_data=settings.eval_data,
             label_column=settings.label_column,
+            full_check_bytes=settings.full_check_mb << 20,
+            bad_records=settings.bad_records,
         )
 
 

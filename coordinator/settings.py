@@ -59,6 +59,7 @@ UPDATE_MODES = ("default", "local")
 # "async": ParameterServerStrategy driven by a coordinator (the default); "sync":
 # MultiWorkerMirroredStrategy, every worker runs the loop and all-reduces gradients.
 STRATEGIES = ("async", "sync")
+BAD_RECORDS = ("fail", "skip")  # --bad-records (coordinator/bad_records.py)
 AUTO = "auto"  # --steps-per-execution auto, stored as 0
 IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).
@@ -92,6 +93,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "min_shard_bytes": (1, INT64_MAX),
     "max_in_flight": (0, INT32_MAX),  # 0: IN_FLIGHT_PER_WORKER per worker
     "max_restarts": (0, INT32_MAX),
+    "full_check_mb": (0, INT32_MAX),
 }
 # Finite float settings: name -> (above this, at most this).
 _FLOAT_RANGES: dict[str, tuple[float, float]] = {
@@ -114,6 +116,7 @@ _ZERO_MEANS = {
     "epochs": "off, train to --steps",
     "steps_per_execution": "auto",
     "max_in_flight": f"{IN_FLIGHT_PER_WORKER} per worker",
+    "full_check_mb": "check only the first lines",
 }
 
 
@@ -178,6 +181,11 @@ class TrainSettings:
     train_data: str = ""  # file glob handed to the job's dataset_fn (DataContext.train_data)
     eval_data: str = ""
     label_column: str = "label"
+    # Inputs (Criteo TSV) up to this many MB are checked in full before training; larger
+    # ones in their first lines, the workers checking the rest as they read it (a full
+    # check costs about 30 MB/s per core: 5 GB would wait minutes for the first step).
+    full_check_mb: int = 256
+    bad_records: str = "fail"  # a bad record the workers find: "fail" (exit 78) or "skip"
     eval_every: int = 0  # >0: distributed evaluation on the workers every N steps
     epochs: int = 0  # >0: train this many passes over the data through the tf.data service
     # The training process's supervision (launchers: psctl train and psctl local).
@@ -230,7 +238,11 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
                 raise ConfigError(where(name), f"{echo(value)} holds a NUL character", "remove it")
         elif kind == "bool" and not isinstance(value, bool):
             raise ConfigError(where(name), f"{echo(value)} is not true or false", "give true/false")
-    for name, choices in (("strategy", STRATEGIES), ("update_mode", UPDATE_MODES)):
+    for name, choices in (
+        ("strategy", STRATEGIES),
+        ("update_mode", UPDATE_MODES),
+        ("bad_records", BAD_RECORDS),
+    ):
         if name in values and values[name] not in choices:
             raise ConfigError(
                 where(name), f"got {echo(values[name])}", f"use one of {', '.join(choices)}"

@@ -528,17 +528,17 @@ def loss_fn(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return log_loss(labels, logits)
 
 
-def _files(pattern: str, field: str) -> criteo.TsvFiles:
+def _files(pattern: str, field: str, ctx: DataContext) -> criteo.TsvFiles:
     with tf.init_scope():  # eagerly, also when first called while a dataset fn is traced
-        return criteo.check_files(pattern, field=field)
+        return criteo.check_files(pattern, field=field, full_below=ctx.full_check_bytes)
 
 
 def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
     cfg = config()
     if ctx.eval_data:  # checked before training, not at the end
-        _files(ctx.eval_data, "--eval-data")
+        _files(ctx.eval_data, "--eval-data", ctx)
     if ctx.train_data:
-        info = _files(ctx.train_data, "--train-data")
+        info = _files(ctx.train_data, "--train-data", ctx)
         return criteo.make_dataset(info, ctx, rows=cfg.buckets, training=True)
     source = SyntheticData(cfg)
     blocks = tf.data.Dataset.range(cfg.train_blocks)
@@ -554,7 +554,7 @@ def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
 def eval_dataset_fn(ctx: DataContext) -> tf.data.Dataset:
     cfg = config()
     if ctx.eval_data:
-        info = _files(ctx.eval_data, "--eval-data")
+        info = _files(ctx.eval_data, "--eval-data", ctx)
         return criteo.make_dataset(info, ctx, rows=cfg.buckets, training=False)
     blocks = tf.data.Dataset.range(EVAL_FIRST_BLOCK, EVAL_FIRST_BLOCK + cfg.eval_blocks)
     blocks = blocks.shard(ctx.num_workers, ctx.worker_index)

@@ -24,9 +24,9 @@ def add_check_data_command(sub: Any) -> dict[str, Any]:
     parser.add_argument(
         "--job",
         default="",
-        help="ctr: Criteo TSV files (the ctr job's); otherwise CSV or TFRecord, told apart by "
-        "the file names (the job's own needs, such as mlp's 32 features, are checked when "
-        "it trains)",
+        help="ctr: Criteo TSV files (the ctr job's); otherwise told apart by the file names: "
+        "*.tsv and *.txt (gzipped or not) Criteo TSV, *.csv CSV, *.tfrecord TFRecord (the "
+        "job's own needs, such as mlp's 32 features, are checked when it trains)",
     )
     parser.add_argument(
         "--label-column", default="label", help="CSV / TFRecord label column (default label)"
@@ -46,7 +46,7 @@ def cmd_check_data(args: argparse.Namespace) -> int:
     from psctl.coordinator import checks
 
     started = time.monotonic()
-    if args.job == "ctr":
+    if args.job == "ctr" or (not args.job and checks.criteo_named(args.glob, "check-data")):
         tsv = checks.scan_criteo(args.glob, field="check-data", jobs=args.jobs)
         files, records, size = len(tsv.paths), tsv.num_records, tsv.total_bytes
         kind = "Criteo TSV" + (" (gzipped)" if tsv.compressed else "")

@@ -125,6 +125,18 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
     ("--eval-data", "evaluation files (glob) for the job"),
     ("--label-column", f"CSV label column {default_help('label_column')}"),
     (
+        "--full-check-mb",
+        "Criteo inputs up to this many MB are checked in full before training; larger ones "
+        "in their first lines, the workers checking every line as they read it (0: always "
+        f"so) {default_help('full_check_mb')}",
+    ),
+    (
+        "--bad-records",
+        "a bad record the workers find in a large input: fail (one error naming its file "
+        f"and line, exit 78) or skip (dropped, logged by the worker) "
+        f"{default_help('bad_records', repr)}",
+    ),
+    (
         "--connect-timeout",
         "seconds to wait for every server's TF port (sync: for every worker), then exit 69 "
         + default_help("connect_timeout", _seconds),

@@ -30,6 +30,7 @@ from psctl.cluster.logs import forward_stderr
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
+from psctl.coordinator import bad_records
 from psctl.coordinator.failures import (
     EXIT_RESTART,
     Decision,
@@ -188,6 +189,9 @@ def run_training_process(
     except BaseException as err:
         if classify(err) is Failure.NON_FINITE:
             count_nonfinite(counters, metrics)
+        bad_record = bad_records.as_config_error(err)  # one line naming the file and line
+        if bad_record is not None:
+            err = bad_record
         return end_on_error(err, control, failures, recovery_timeout=settings.recovery_timeout)
     finally:
         at_exit()

@@ -165,6 +165,43 @@ def test_a_malformed_criteo_line_ends_the_run_in_one_line(run_cli, workdir: Path
 
 
 @pytest.mark.timeout(240)
+def test_a_bad_line_the_workers_find_ends_the_run_and_skip_goes_on(
+    run_cli, workdir: Path, tmp_path: Path
+):
+    # --full-check-mb 0: the coordinator checks the first lines only (as for an input too
+    # large to read before training); worker 1 finds line 20000 (2.8 MB in, its 10,000th)
+    # near global step 310, when its shuffle buffer (10,000 lines) reaches it.
+    good = "\t".join(["1", *map(str, range(13)), IDS])
+    train = tmp_path / "day_0.tsv"
+    train.write_text(
+        "".join(f"{good}\n" if n != 20_000 else "1\t3\tx7\n" for n in range(1, 20_001))
+    )
+    common = ["--job", "ctr", "--train-data", str(train), "--full-check-mb", "0"]
+    common += ["--checkpoint-every", "50", "--steps-per-execution", "5"]
+    proc = run_cli(local_argv(workdir, *common, "--steps", "600"), timeout=150)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert "over --full-check-mb: their first lines checked" in proc.stderr
+    assert f"--train-data: {train} line 20000, column I2: 'x7' is not an integer" in proc.stderr
+    assert "--bad-records skip" in proc.stderr and "Traceback" not in proc.stderr
+    saved = sorted(
+        int(p.stem.split("-")[1]) for p in (workdir / "checkpoints").glob("ckpt-*.index")
+    )
+    assert saved, "no checkpoint kept from before the bad line"
+    out = tmp_path / "summary.json"
+    proc = run_cli(
+        local_argv(
+            workdir, *common, "--steps", "800", "--bad-records", "skip", "--summary-json", str(out)
+        ),
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"(global step {saved[-1]})" in proc.stderr  # went on from the kept progress
+    assert read_json(out)["global_step"] == 800
+    logs = "".join(p.read_text() for p in (workdir / "logs").glob("worker-*.log"))
+    assert f'skipped bad Criteo line(s) (--bad-records skip): ["{train} line 20000"]' in logs
+
+
+@pytest.mark.timeout(240)
 def test_ctr_dynamic_table_trains_on_a_criteo_file_and_scores_the_synthetic_stream(
     run_cli, workdir: Path, tmp_path: Path
 ):
