@@ -46,7 +46,7 @@ __all__ = [
     "TsvFiles",
     "describe_bad_criteo_line",
     "scan_criteo",
-    "scan_table",
+    "scan_csv",
 ]
 
 
@@ -118,7 +118,7 @@ def criteo_named(pattern: str, field: str) -> bool:
     return all(path.lower().endswith(CRITEO_SUFFIXES) for path in expand(pattern, field))
 
 
-def _format_of(paths: Sequence[str], field: str) -> str:
+def format_of(paths: Sequence[str], field: str) -> str:
     formats = set()
     for path in paths:
         lower = path.lower()
@@ -588,22 +588,21 @@ def describe_bad_criteo_line(line: bytes, path: str, line_no: int) -> str:
 # -- CSV and TFRecord --------------------------------------------------------------------------
 
 
-def scan_table(
+def scan_csv(
     pattern: str,
+    paths: Sequence[str],
     *,
-    label_column: str = "label",
-    field: str = "--data",
+    label_column: str,
+    field: str,
     jobs: int | None = None,
     piece_bytes: int = PIECE_BYTES,
 ) -> DataFiles:
-    """Expand ``pattern`` and check every CSV line or TFRecord record of every file.
-    ``jobs``: processes (None: one per core when there is enough to read)."""
-    paths = expand(pattern, field)
-    if _format_of(paths, field) == "tfrecord":
-        return _scan_tfrecord(pattern, paths, label_column, field, jobs)
+    """Check every line of every CSV file (``paths``, ``pattern``'s) against the first
+    file's header; ``jobs``: processes (None: one per core when there is enough to read)."""
     header = _first_header(paths[0], label_column, field)
     pieces, total = cut(paths, splittable=True, piece_bytes=piece_bytes)
-    records, results, _ = _check_pieces(
+    features = tuple(c for c in header if c != label_column)
+    return checked_table(
         functools.partial(
             check_csv_piece,
             header=tuple(header),
@@ -612,72 +611,59 @@ def scan_table(
             field=field,
         ),
         pieces,
-        jobs=jobs,
+        pattern=pattern,
+        paths=paths,
         total_bytes=total,
+        jobs=jobs,
         empty=lambda path: ConfigError(
             field, f"{path} has a header but no data rows", "add examples or remove the file"
         ),
-    )
-    labels = _merged_labels(results)
-    features = tuple(c for c in header if c != label_column)
-    return DataFiles(
-        pattern=pattern,
-        paths=tuple(paths),
-        files=tuple(absolute(p) for p in paths),
         format="csv",
         label_column=label_column,
         feature_names=features,
         feature_lengths=tuple(1 for _ in features),
-        num_records=sum(records),
-        records_per_file=tuple(records),
-        integer_labels=labels.integer,
-        label_min=labels.low,  # type: ignore[arg-type]
-        label_max=labels.high,  # type: ignore[arg-type]
         columns=tuple(header),
-        total_bytes=total,
     )
 
 
-def _scan_tfrecord(
-    pattern: str, paths: list[str], label_column: str, field: str, jobs: int | None
+def checked_table(
+    check: Callable[..., Checked],
+    pieces: Sequence[Piece],
+    *,
+    pattern: str,
+    paths: Sequence[str],
+    total_bytes: int,
+    jobs: int | None,
+    empty: Callable[[str], ConfigError],
+    format: str,
+    label_column: str,
+    feature_names: tuple[str, ...],
+    feature_lengths: tuple[int, ...],
+    **extra: Any,
 ) -> DataFiles:
-    from psctl.coordinator import data as records_io  # TensorFlow reads the records
-
-    schema = records_io.first_schema(paths[0], label_column, field)
-    pieces, total = cut(paths, splittable=False)
+    """Check the pieces of a CSV or TFRecord glob (``check(piece)``, in parallel when worth
+    it; the first error in file order raised) and describe it (``extra``: the format's own
+    DataFiles fields)."""
     records, results, _ = _check_pieces(
-        functools.partial(
-            records_io.check_tfrecord_piece,
-            schema=schema,
-            schema_where=f"{paths[0]} record 1",
-            label_column=label_column,
-            field=field,
-        ),
-        pieces,
-        jobs=jobs,
-        total_bytes=total,
-        empty=lambda path: ConfigError(
-            field, f"{path} holds no records", "add examples or remove it"
-        ),
+        check, pieces, jobs=jobs, total_bytes=total_bytes, empty=empty
     )
     labels = _merged_labels(results)
-    features = sorted(name for name in schema if name != label_column)
+    assert labels.low is not None and labels.high is not None
     return DataFiles(
         pattern=pattern,
         paths=tuple(paths),
         files=tuple(absolute(p) for p in paths),
-        format="tfrecord",
+        format=format,
         label_column=label_column,
-        feature_names=tuple(features),
-        feature_lengths=tuple(schema[n][1] for n in features),
+        feature_names=feature_names,
+        feature_lengths=feature_lengths,
         num_records=sum(records),
         records_per_file=tuple(records),
         integer_labels=labels.integer,
-        label_min=labels.low,  # type: ignore[arg-type]
-        label_max=labels.high,  # type: ignore[arg-type]
-        feature_kinds=tuple(schema[n][0] for n in features),
-        label_kind=schema[label_column][0],
-        total_bytes=total,
+        label_min=labels.low,
+        label_max=labels.high,
+        total_bytes=total_bytes,
+        **extra,
     )
 
 

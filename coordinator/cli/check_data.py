@@ -43,7 +43,7 @@ def add_check_data_command(sub: Any) -> dict[str, Any]:
 
 
 def cmd_check_data(args: argparse.Namespace) -> int:
-    from psctl.coordinator import checks
+    from psctl.coordinator import checks, table_scan
 
     started = time.monotonic()
     if args.job == "ctr" or (not args.job and checks.criteo_named(args.glob, "check-data")):
@@ -52,7 +52,7 @@ def cmd_check_data(args: argparse.Namespace) -> int:
         kind = "Criteo TSV" + (" (gzipped)" if tsv.compressed else "")
         extra = f", {tsv.trimmed:,} with trimmed trailing cells" if tsv.trimmed else ""
     else:
-        table = checks.scan_table(
+        table = table_scan.scan_table(
             args.glob, label_column=args.label_column, field="check-data", jobs=args.jobs
         )
         files, records, size = len(table.paths), table.num_records, table.total_bytes

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import checks
+from psctl.coordinator import checks, table_scan
 from psctl.coordinator.input_files import Piece, cut, in_order, read_piece
 from tests.conftest import child_env
 
@@ -86,18 +86,18 @@ def csv_text(rows: range, header: str = "a,label,b") -> str:
 def test_csv_pieces_add_up_to_the_whole_files(tmp_path: Path, piece_bytes: int):
     (tmp_path / "d-0.csv").write_text(csv_text(range(30)))
     (tmp_path / "d-1.csv").write_text(csv_text(range(30, 41)))
-    info = checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+    info = table_scan.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
     assert info.records_per_file == (30, 11) and info.columns == ("a", "label", "b")
     assert info.integer_labels and (info.label_min.value, info.label_max.value) == (0, 3)
     assert (info.label_min.path, info.label_min.line) == (str(tmp_path / "d-0.csv"), 2)
     text = csv_text(range(30, 41)).replace("38,", "38x,")
     (tmp_path / "d-1.csv").write_text(text)
     with pytest.raises(ConfigError) as err:
-        checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+        table_scan.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
     assert f"{tmp_path / 'd-1.csv'} line 10, column 'a': '38x' is not a number" in str(err.value)
     (tmp_path / "d-1.csv").write_text(csv_text(range(3), header="a,label,c"))
     with pytest.raises(ConfigError) as err:
-        checks.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
+        table_scan.scan_table(str(tmp_path / "d-*.csv"), field="f", piece_bytes=piece_bytes)
     assert "d-1.csv line 1: header [a, label, c] differs from" in str(err.value)
 
 
@@ -128,13 +128,13 @@ def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path)
     for part in range(2):
         with tf.io.gfile.GFile(f"ram://checks/csv/d-{part}.csv", "w") as out:
             out.write(text)
-    info = checks.scan_table("ram://checks/csv", field="f", piece_bytes=64)  # a directory
+    info = table_scan.scan_table("ram://checks/csv", field="f", piece_bytes=64)  # a directory
     assert info.files == ("ram://checks/csv/d-0.csv", "ram://checks/csv/d-1.csv")
     assert info.records_per_file == (50, 50)
     with tf.io.gfile.GFile("ram://checks/csv/d-2.csv", "w") as out:  # (ram:// appends)
         out.write(text.replace("\n33,", "\n33x,"))
     with pytest.raises(ConfigError, match=r"ram://checks/csv/d-2.csv line 35, column 'a'"):
-        checks.scan_table("ram://checks/csv/*.csv", field="f", piece_bytes=64)
+        table_scan.scan_table("ram://checks/csv/*.csv", field="f", piece_bytes=64)
 
     body = "".join(f"{tsv_line(i % 2, i)}\n" for i in range(30)) + "1\t5\n"  # one trimmed
     with tf.io.gfile.GFile("ram://checks/day.tsv.gz", "wb") as out:
@@ -151,9 +151,9 @@ def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path)
     assert sum(len(y) for _, y in batches) == 50
 
     with pytest.raises(ConfigError, match=r"^f: no files match 'ram://checks/none-\*'"):
-        checks.scan_table("ram://checks/none-*", field="f")
+        table_scan.scan_table("ram://checks/none-*", field="f")
     with pytest.raises(ConfigError, match=r"^f: cannot list 'nope://x/\*': File system scheme"):
-        checks.scan_table("nope://x/*", field="f")
+        table_scan.scan_table("nope://x/*", field="f")
 
 
 def _dies_in_a_child(piece: Piece) -> str:

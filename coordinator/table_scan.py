@@ -1,0 +1,30 @@
+"""Checking a CSV or TFRecord glob in full: the format told by the file names, then
+coordinator/checks.py's CSV check or coordinator/tfrecord_check.py's TFRecord check (which
+imports TensorFlow, so it is imported only for TFRecord files)."""
+
+from __future__ import annotations
+
+from psctl.coordinator.checks import DataFiles, format_of, scan_csv
+from psctl.coordinator.input_files import PIECE_BYTES, expand
+
+__all__ = ["scan_table"]
+
+
+def scan_table(
+    pattern: str,
+    *,
+    label_column: str = "label",
+    field: str = "--data",
+    jobs: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
+) -> DataFiles:
+    """Expand ``pattern`` and check every CSV line or TFRecord record of every file.
+    ``jobs``: processes (None: one per core when there is enough to read)."""
+    paths = expand(pattern, field)
+    if format_of(paths, field) == "tfrecord":
+        from psctl.coordinator.tfrecord_check import scan_tfrecord
+
+        return scan_tfrecord(pattern, paths, label_column=label_column, field=field, jobs=jobs)
+    return scan_csv(
+        pattern, paths, label_column=label_column, field=field, jobs=jobs, piece_bytes=piece_bytes
+    )
