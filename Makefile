@@ -9,7 +9,7 @@ STAMP := $(VENV)/.psctl-installed
 # the wheels overwrite each other's files, so `make clean` before switching.
 TF_EXTRA ?= cpu
 
-.PHONY: demo test install lint unit integration chaos bench clean prometheus systemd-tools \
+.PHONY: demo test install lint unit integration chaos bench soak clean prometheus systemd-tools \
 	package-check
 
 # dev: the protobuf code generator (the drift test); test: pytest, ruff, mypy, ...
@@ -55,6 +55,11 @@ chaos: install systemd-tools
 
 bench: install
 	$(BIN)/python bench/throughput.py
+
+# One job through 30 minutes of random, overlapping faults; invariants checked at the end
+# (SEED=N for another schedule).
+soak: install
+	$(BIN)/python bench/soak.py --minutes 30 --seed $(or $(SEED),1)
 
 # Builds the wheel and checks it against the package index (not part of `make test`): its
 # contents, the protobuf floor in a fresh venv, and that it resolves for aarch64 Linux.

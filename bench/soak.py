@@ -1,0 +1,687 @@
+"""A soak under random faults: one ``psctl local`` job through a seeded schedule of kills,
+freezes, preemptions and operator commands that overlap, then every invariant checked.
+
+The job (``mlp`` on 2 ps + 3 workers by default; ``--job``, ``--ps``, ``--workers``,
+``--max-shards``, ``--strategy`` passed through; ``--epochs`` is not: the operator's stop
+and restart set a new target step) trains with checkpoints every ``--checkpoint-every`` steps
+while the schedule (``--seed``, ``--minutes``, ``--faults``: about one every 30 s by
+default; printed first) injects, at random times, so that recoveries overlap:
+
+``kill-worker``   SIGKILL of a worker server (psctl local restarts it at its address)
+``kill-ps``       SIGKILL of a ps server (a new training process restores the checkpoint)
+``kill-trainer``  SIGKILL of the training process (its supervisor starts a new one)
+``freeze``        SIGSTOP of a worker, a ps or the training process for 2-15 s, then SIGCONT
+``preempt``       SIGTERM of a worker server (a preemption notice: it leaves the cluster),
+                  then ``psctl scale --workers N`` 15-40 s later: a resize back to N
+``pause``         ``psctl pause``, 2-6 s, ``psctl resume``
+``checkpoint``    ``psctl checkpoint``
+
+``psctl status`` is read twice a second all along (and its CLI run once per fault). Half
+way, the operator stops the job (``psctl stop``: a final checkpoint) and starts it again on
+the same checkpoint directory with a target step that the measured rate reaches before the
+time is up; the faults go on against the second run. The network-namespace variant (link
+cuts) is not built: tests/chaos/test_netns_chaos.py cuts links one at a time.
+
+Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
+
+- the second run reaches its target step (exit 0, the summary's global step);
+- its eval accuracy is within 0.01 of a fault-free run of the same seed (``--baseline``:
+  ``psctl local`` with the same flags and as many steps, at most ``--baseline-steps``);
+- the checkpoints' steps only grow, in the order they were written, and each kept one
+  restores (every tensor read back with ``tf.train.load_checkpoint``);
+- every restart was within the restart budget (both runs exit 0, or 70 with ``FAILED``);
+- the failures the summaries count cover what was injected where a fault is observable (a
+  ``kill-worker`` while the job RUNS: a worker failure; a ``kill-ps`` or ``kill-trainer``
+  while it RUNS: a restart), and no more restarts than the faults that can cause one;
+- no process of the job is left.
+
+Then a table per fault kind (count, seconds to the first step after it: p50, p95, max;
+steps redone) and the last line::
+
+    soak: F faults in M min, invariants held = K/K, recovery p95 = S s
+
+"Seconds to the first step after it": from the fault (for a freeze or a pause: from its
+end) to the first status sample that shows a step finished after it, in a training process
+that already ran a step since (a restarted one restores first). "Steps redone": the
+highest step seen before the fault less the step a training process restored after it.
+
+    .venv/bin/python bench/soak.py --minutes 30 --seed 1     # 60 faults, about 35 min
+    .venv/bin/python bench/soak.py --minutes 3 --faults 10   # a smoke run, about 5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.elastic import Output, progress  # noqa: E402
+from psctl.cluster.ports import free_ports  # noqa: E402
+from psctl.cluster.procs import die_with_parent  # noqa: E402
+from psctl.control.v1 import control_pb2  # noqa: E402
+from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402
+
+LAST_LINE = "soak: "
+# Relative frequency of each kind of fault.
+WEIGHTS = {
+    "kill-worker": 3,
+    "kill-ps": 1,
+    "kill-trainer": 1,
+    "freeze": 3,
+    "preempt": 1,
+    "pause": 1,
+    "checkpoint": 1,
+}
+RESTARTING = ("kill-ps", "kill-trainer")  # faults that need a new training process
+RUNNING = ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING")
+RESTORED = re.compile(r"restored .* \(global step (\d+)\)")
+WARMUP = 20.0  # seconds of training before the first fault
+STOP_AT = 0.5  # of --minutes: the operator's stop and restart
+ENDGAME = 0.85  # of --minutes: the second run's target is reached about then
+PATTERNS = {
+    "worker": r"worker_server\.main .*--index {index}( |$)",
+    "ps": r"ps_server\.main .*--index {index}( |$)",
+    "trainer": r"-m psctl train .*--once",
+}
+
+
+@dataclass
+class Fault:
+    at: float  # seconds since the soak started
+    kind: str
+    target: str = ""  # freeze: "worker", "ps" or "trainer"
+    hold: float = 0.0  # freeze, pause: seconds
+    # Filled in when injected:
+    injected: float = 0.0  # time.monotonic()
+    released: float = 0.0  # the end of a freeze or a pause
+    victim: str = ""
+    while_running: bool = False
+    step_before: int = 0
+    skipped: str = ""  # why it was not injected
+    recovery: float | None = None
+    redone: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def make_schedule(seed: int, minutes: float, count: int) -> list[Fault]:
+    rng = random.Random(seed)
+    span = minutes * 60.0
+    kinds, weights = zip(*WEIGHTS.items(), strict=True)
+    faults = []
+    for _ in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        fault = Fault(at=rng.uniform(WARMUP, span * 0.95), kind=kind)
+        if kind == "freeze":
+            fault.target = rng.choice(["worker", "worker", "ps", "trainer"])
+            fault.hold = round(rng.uniform(2.0, 15.0), 1)
+        elif kind == "pause":
+            fault.hold = round(rng.uniform(2.0, 6.0), 1)
+        faults.append(fault)
+    return sorted(faults, key=lambda f: f.at)
+
+
+def processes_of(workdir: Path) -> dict[int, str]:
+    """pid -> command line of every process that names ``workdir``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(workdir) in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+class Run:
+    """One ``psctl local`` run, its output stamped as it arrives."""
+
+    def __init__(self, argv: list[str], log: Path, address: str) -> None:
+        self.address = address
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
+        assert self.proc.stdout is not None
+        self.output = Output(self.proc.stdout, log)
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(
+                psctl_argv(*args, "--address", self.address),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=REPO,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout}s")
+
+    def restores(self) -> list[tuple[float, int]]:
+        return [
+            (at, int(m.group(1)))
+            for at, line in self.output.snapshot()
+            if (m := RESTORED.search(line))
+        ]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class Sampler:
+    """``GetStatus`` twice a second: (time, step, state, uptime) while it answers."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, str, float]] = []
+        self.address = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            if not self.address:
+                continue
+            try:
+                status = call(self.address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2)
+            except ControlError:
+                continue
+            found = status_dict(status)
+            self.samples.append(
+                (
+                    time.monotonic(),
+                    int(found.get("global_step", 0)),
+                    str(found.get("state", "")),
+                    float(found.get("uptime_seconds", 0.0)),
+                )
+            )
+
+    def latest(self) -> tuple[float, int, str, float] | None:
+        return self.samples[-1] if self.samples else None
+
+    def max_step_before(self, at: float) -> int:
+        return max((s for t, s, _, _ in self.samples if t <= at), default=0)
+
+    def first_step_after(self, at: float, *, new_process: bool = False) -> float | None:
+        """When a status first showed a step finished after ``at``: two samples of one
+        training process (its uptime growing) with the step growing, the second after it;
+        with ``new_process``, of a training process started after ``at``."""
+        after = [s for s in self.samples if s[0] > at]
+        before = [s for s in self.samples if s[0] <= at][-1:]
+        for a, b in itertools.pairwise(before + after):
+            fresh = not new_process or b[3] < b[0] - at
+            if b[0] > at and b[3] > a[3] and b[1] > a[1] and b[2] in RUNNING and fresh:
+                return b[0] - at
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args = args
+        self.out = out
+        self.workdir = out / "work"
+        self.checkpoints = self.workdir / "checkpoints"
+        self.sampler = Sampler()
+        self.started = time.monotonic()
+        self.runs: list[Run] = []
+        self.summaries: list[dict[str, Any]] = []
+        self.codes: list[int] = []
+        self.written: list[tuple[float, int]] = []  # checkpoints as they appeared
+        self.workers = args.workers
+        self.timers: list[threading.Timer] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def job_argv(self, workdir: Path, steps: int, address: str, summary: Path) -> list[str]:
+        a = self.args
+        return psctl_argv(
+            "local",
+            "--job", a.job,
+            "--ps", str(a.ps),
+            "--workers", str(a.workers),
+            "--max-shards", str(a.max_shards),
+            "--strategy", a.strategy,
+            "--steps", str(steps),
+            "--seed", str(a.seed),
+            "--checkpoint-every", str(a.checkpoint_every),
+            "--keep-checkpoints", "1000",  # every one kept: each must restore
+            "--log-every", "1",
+            "--start-timeout", "300",
+            "--workdir", str(workdir),
+            "--control-address", address,
+            "--summary-json", str(summary),
+        )  # fmt: skip
+
+    def start(self, steps: int) -> Run:
+        (port,) = free_ports(1)
+        address = f"127.0.0.1:{port}"
+        n = len(self.runs) + 1
+        argv = self.job_argv(self.workdir, steps, address, self.out / f"summary-{n}.json")
+        run = Run(argv, self.out / f"job-{n}.log", address)
+        self.runs.append(run)
+        self.sampler.address = address
+        self.workers = self.args.workers
+        return run
+
+    def watch_checkpoints(self) -> None:
+        known = {step for _, step in self.written}
+        new = set()
+        for index in self.checkpoints.glob("ckpt-*.index"):
+            with contextlib.suppress(ValueError):
+                new.add(int(index.name[len("ckpt-") : -len(".index")]))
+        now = time.monotonic()
+        self.written += [(now, step) for step in sorted(new - known)]
+
+    def pid(self, kind: str, index: int = 0) -> int | None:
+        pattern = re.compile(PATTERNS[kind].format(index=index))
+        for pid, cmdline in sorted(processes_of(self.workdir).items()):
+            if pattern.search(cmdline):
+                return pid
+        return None
+
+    def running(self) -> bool:
+        latest = self.sampler.latest()
+        return latest is not None and latest[2] in RUNNING and time.monotonic() - latest[0] < 2
+
+    def inject(self, fault: Fault, run: Run, rng: random.Random, later: list[Fault]) -> None:
+        fault.injected = time.monotonic()
+        fault.while_running = self.running()
+        fault.step_before = self.sampler.max_step_before(fault.injected)
+        kind = fault.kind
+        if kind in ("kill-worker", "kill-ps", "kill-trainer", "freeze", "preempt"):
+            target = {"kill-worker": "worker", "kill-ps": "ps", "kill-trainer": "trainer"}.get(
+                kind, fault.target or "worker"
+            )
+            count = {"worker": self.workers, "ps": self.args.ps, "trainer": 1}[target]
+            if kind == "preempt" and self.workers < 2:
+                fault.skipped = "one worker left"
+                return
+            index = count - 1 if kind == "preempt" else rng.randrange(count)
+            pid = self.pid(target, index)
+            if pid is None:
+                fault.skipped = f"no {target}:{index} process (restarting)"
+                return
+            fault.victim = f"{target}:{index} (pid {pid})"
+            if kind == "freeze":
+                os.kill(pid, signal.SIGSTOP)
+                self.later(fault, lambda: os.kill(pid, signal.SIGCONT))
+            elif kind == "preempt":
+                os.kill(pid, signal.SIGTERM)
+                self.workers -= 1
+                back = Fault(at=self.elapsed() + rng.uniform(15.0, 40.0), kind="scale-back")
+                later.append(back)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        elif kind == "scale-back":
+            if self.workers >= self.args.workers:
+                fault.skipped = "already at its size"
+                return
+            proc = run.cli("scale", "--workers", str(self.args.workers), timeout=300)
+            fault.victim = f"psctl scale --workers {self.args.workers}: exit {proc.returncode}"
+            if proc.returncode == 0:
+                self.workers = self.args.workers
+            else:
+                fault.notes.append(proc.stderr.strip()[-300:])
+        elif kind == "pause":
+            proc = run.cli("pause")
+            fault.victim = f"psctl pause: exit {proc.returncode}"
+            self.later(
+                fault, lambda: fault.notes.append(f"resume: exit {run.cli('resume').returncode}")
+            )
+        elif kind == "checkpoint":
+            proc = run.cli("checkpoint", timeout=120)
+            fault.victim = f"psctl checkpoint: exit {proc.returncode}"
+        status = run.cli("status", timeout=30)
+        if status.returncode not in (0, 69):
+            fault.notes.append(f"psctl status: exit {status.returncode}")
+
+    def later(self, fault: Fault, release: Callable[[], object]) -> None:
+        """``release()`` after ``fault.hold`` seconds, on a thread of its own: other faults go
+        on meanwhile (a freeze overlaps the next kill)."""
+
+        def end() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                release()
+            fault.released = time.monotonic()
+
+        timer = threading.Timer(fault.hold, end)
+        timer.start()
+        self.timers.append(timer)
+
+    def release_all(self) -> None:
+        for timer in self.timers:
+            timer.join()
+
+    def drive(self, run: Run, faults: list[Fault], until: float, rng: random.Random) -> None:
+        """Inject the faults due before ``until`` (seconds since start) while ``run`` runs."""
+        while self.elapsed() < until and run.proc.poll() is None:
+            self.watch_checkpoints()
+            due = [f for f in faults if not f.injected and not f.skipped and f.at <= self.elapsed()]
+            if not due:
+                time.sleep(0.2)
+                continue
+            fault = due[0]
+            self.inject(fault, run, rng, faults)
+            faults.sort(key=lambda f: f.at)
+            print(
+                f"{self.elapsed():7.1f}s {fault.kind:<13} {fault.victim or fault.skipped}"
+                f"{' (job not running)' if fault.injected and not fault.while_running else ''}",
+                flush=True,
+            )
+
+    def wait_training(self, run: Run, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not progress(run.output.snapshot(), 0, None):
+            if run.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(line for _, line in run.output.snapshot()[-20:])
+                raise SystemExit(f"soak: the job did not train (exit {run.proc.poll()}):\n{tail}")
+            time.sleep(0.5)
+
+    def finish(self, run: Run, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while run.proc.poll() is None and time.monotonic() < deadline:
+            self.watch_checkpoints()
+            time.sleep(0.5)
+        if run.proc.poll() is None:
+            run.kill()
+            self.codes.append(-9)
+        else:
+            self.codes.append(run.proc.returncode)
+        run.output.join(timeout=10)
+        self.watch_checkpoints()
+        path = self.out / f"summary-{len(self.runs)}.json"
+        self.summaries.append(json.loads(path.read_text()) if path.exists() else {})
+
+
+def measure(faults: list[Fault], soak: Soak) -> None:
+    """Each fault's seconds to the first step after it (a ps or training-process kill: the
+    first step of the training process that replaced the killed one), and the steps redone
+    by the restores it caused: each restore is charged to the latest fault before it that
+    can make one (a kill of a ps or the training process, a freeze, a resize), not to the
+    operator's restart."""
+    done = [f for f in faults if f.injected and not f.skipped]
+    for fault in done:
+        start = fault.released or fault.injected
+        fault.recovery = soak.sampler.first_step_after(start, new_process=fault.kind in RESTARTING)
+    causes = [f for f in done if f.kind in (*RESTARTING, "freeze", "scale-back")]
+    for number, run in enumerate(soak.runs):
+        restores = run.restores()[1 if number else 0 :]  # a later run's start restores: planned
+        for at, step in restores:
+            before = [f for f in causes if f.injected < at]
+            if before:
+                fault = before[-1]
+                fault.redone = max(fault.redone, fault.step_before - step)
+
+
+def restores_every_checkpoint(directory: Path) -> tuple[bool, str]:
+    code = (
+        "import sys, tensorflow as tf\n"
+        "bad = []\n"
+        "for prefix in sys.argv[1:]:\n"
+        "    try:\n"
+        "        r = tf.train.load_checkpoint(prefix)\n"
+        "        [r.get_tensor(k) for k in r.get_variable_to_shape_map()]\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{prefix}: {type(e).__name__}')\n"
+        "print('; '.join(bad) or 'ok')\n"
+    )
+    prefixes = sorted(str(p)[: -len(".index")] for p in directory.glob("ckpt-*.index"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *prefixes],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=False,
+    )
+    verdict = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-200:]]
+    return verdict == ["ok"], f"{len(prefixes)} checkpoint(s): {verdict[0]}"
+
+
+def baseline(args: argparse.Namespace, soak: Soak, steps: int) -> dict[str, Any]:
+    (port,) = free_ports(1)
+    workdir = soak.out / "baseline"
+    summary = soak.out / "summary-baseline.json"
+    argv = soak.job_argv(workdir, steps, f"127.0.0.1:{port}", summary)
+    run = Run(argv, soak.out / "baseline.log", f"127.0.0.1:{port}")
+    try:
+        run.proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+    run.output.join(timeout=10)
+    return json.loads(summary.read_text()) if summary.exists() else {}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def table(faults: list[Fault]) -> list[str]:
+    rows = [
+        f"{'kind':<13} {'count':>5} {'skipped':>7} {'p50 s':>6} {'p95 s':>6} {'max s':>6} "
+        f"{'no step':>7} {'redone':>6}"
+    ]
+    kinds = [*WEIGHTS, "scale-back"]
+    for kind in kinds:
+        mine = [f for f in faults if f.kind == kind and (f.injected or f.skipped)]
+        if not mine:
+            continue
+        done = [f for f in mine if not f.skipped]
+        times = [f.recovery for f in done if f.recovery is not None]
+        rows.append(
+            f"{kind:<13} {len(done):>5} {len(mine) - len(done):>7} "
+            f"{percentile(times, 0.5):>6.1f} {percentile(times, 0.95):>6.1f} "
+            f"{max(times, default=math.nan):>6.1f} {len(done) - len(times):>7} "
+            f"{sum(f.redone for f in done):>6}"
+        )
+    return rows
+
+
+def invariants(
+    soak: Soak, faults: list[Fault], target: int, base: dict[str, Any] | None
+) -> list[tuple[str, bool, str]]:
+    found: list[tuple[str, bool, str]] = []
+    last = soak.summaries[-1] if soak.summaries else {}
+    step = int(last.get("global_step", 0))
+    found.append(
+        (
+            "reaches its target step",
+            soak.codes[-1:] == [0] and step >= target,
+            f"exit {soak.codes}, global step {step} of {target}",
+        )
+    )
+    accuracy = float(last.get("eval_accuracy", math.nan))
+    if base is not None:
+        reference = float(base.get("eval_accuracy", math.nan))
+        found.append(
+            (
+                "eval accuracy within 0.01 of a fault-free run",
+                accuracy >= reference - 0.01,
+                f"{accuracy:.4f} against {reference:.4f} "
+                f"({base.get('global_step', '?')} steps without faults)",
+            )
+        )
+    steps = [s for _, s in sorted(soak.written)]
+    growing = all(b > a for a, b in itertools.pairwise(steps))
+    ok, detail = restores_every_checkpoint(soak.checkpoints)
+    found.append(
+        (
+            "checkpoint steps only grow, and each restores",
+            growing and ok and bool(steps),
+            f"written in order: {steps[:6]}{' ...' if len(steps) > 6 else ''} "
+            f"({'growing' if growing else 'NOT growing'}); {detail}",
+        )
+    )
+    found.append(
+        (
+            "every restart within the budget",
+            all(code in (0, 70) for code in soak.codes),
+            f"exits {soak.codes}, restarts {[s.get('restarts') for s in soak.summaries]}",
+        )
+    )
+    # The summaries count per run: sum both runs.
+    restarts = sum(int(s.get("restarts", 0)) for s in soak.summaries)
+    worker_failures = sum(int(s.get("worker_failures", 0)) for s in soak.summaries)
+    done = [f for f in faults if f.injected and not f.skipped]
+    kills = [f for f in done if f.kind == "kill-worker"]
+    # Observable: while the job runs, and not the worker killed within 30 s (still down: one
+    # failure for both).
+    seen_kills = sum(
+        f.while_running
+        and not any(
+            g.victim.split()[0] == f.victim.split()[0] and 0 < f.injected - g.injected < 30
+            for g in kills
+        )
+        for f in kills
+    )
+    seen_restarts = sum(f.kind in RESTARTING and f.while_running for f in done)
+    can_restart = sum(f.kind in RESTARTING or f.kind in ("freeze", "scale-back") for f in done)
+    found.append(
+        (
+            "failures counted cover the observable faults",
+            worker_failures >= seen_kills and seen_restarts <= restarts <= can_restart + 1,
+            f"worker failures {worker_failures} for {seen_kills} worker kill(s) while running; "
+            f"restarts {restarts} for {seen_restarts} ps/trainer kill(s) while running "
+            f"(at most {can_restart + 1}: those, freezes, resizes and the stop)",
+        )
+    )
+    deadline = time.monotonic() + 20
+    while processes_of(soak.workdir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_of(soak.workdir)
+    found.append(("no process left", not left, f"{len(left)} left: {sorted(left)[:5]}"))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="length of the schedule")
+    parser.add_argument("--seed", type=int, default=1, help="the schedule's and the job's seed")
+    parser.add_argument("--faults", type=int, help="faults to inject (default: 2 a minute)")
+    parser.add_argument("--job", default="mlp")
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--max-shards", type=int, default=1)
+    parser.add_argument("--strategy", default="async", choices=("async", "sync"))
+    parser.add_argument("--checkpoint-every", type=int, default=300)
+    parser.add_argument(
+        "--baseline", action=argparse.BooleanOptionalAction, default=True,
+        help="run the job without faults too, for the accuracy invariant (default on)",
+    )  # fmt: skip
+    parser.add_argument("--baseline-steps", type=int, default=20_000, help="at most (20,000)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")
+    parser.add_argument("--out", help="results folder (default bench/results/soak-<time>/)")
+    args = parser.parse_args(argv)
+    if args.minutes <= 0 or args.workers < 1 or args.ps < 1:
+        parser.error("--minutes, --workers and --ps: give positive numbers")
+    count = args.faults if args.faults is not None else max(1, round(2 * args.minutes))
+    out = Path(args.out or REPO / "bench" / "results" / time.strftime("soak-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    faults = make_schedule(args.seed, args.minutes, count)
+    print(
+        f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers, seed {args.seed}, "
+        f"{count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
+        f"{os.getloadavg()[0]:.1f}\nschedule:",
+        flush=True,
+    )
+    for fault in faults:
+        extra = f" {fault.target}" if fault.target else ""
+        extra += f" for {fault.hold:g}s" if fault.hold else ""
+        print(f"  {fault.at:7.1f}s {fault.kind}{extra}", flush=True)
+    rng = random.Random(args.seed + 1)
+    soak = Soak(args, out)
+    span = args.minutes * 60.0
+    target = 0
+    try:
+        run = soak.start(10**8)  # until the operator's stop
+        soak.wait_training(run, timeout=300)
+        soak.started = time.monotonic()  # the schedule counts from the first step
+        soak.drive(run, faults, span * STOP_AT, rng)
+        soak.release_all()
+        stopped = run.cli("stop", "--timeout", "180", timeout=240)
+        print(f"{soak.elapsed():7.1f}s stop (operator)  exit {stopped.returncode}", flush=True)
+        soak.finish(run, timeout=240)
+        at_stop = int(soak.summaries[-1].get("global_step", 0))
+        rate = at_stop / max(1.0, soak.elapsed())
+        target = at_stop + max(500, int(rate * span * (ENDGAME - STOP_AT)))
+        run = soak.start(target)
+        print(f"{soak.elapsed():7.1f}s restart      on step {at_stop}, target {target}", flush=True)
+        soak.wait_training(run, timeout=300)
+        soak.drive(run, faults, span, rng)
+        soak.release_all()
+        soak.finish(run, timeout=args.timeout)
+    finally:
+        for run in soak.runs:
+            run.kill()
+        soak.sampler.stop()
+    measure(faults, soak)
+    base = baseline(args, soak, min(target, args.baseline_steps)) if args.baseline else None
+    checked = invariants(soak, faults, target, base)
+    for name, held, detail in checked:
+        print(f"invariant: {name}: {'held' if held else 'BROKEN'} ({detail})")
+    rows = table(faults)
+    print("\n".join(rows))
+    done = [f for f in faults if f.injected and not f.skipped]
+    times = [f.recovery for f in done if f.recovery is not None]
+    kept = sum(ok for _, ok, _ in checked)
+    last = (
+        f"{LAST_LINE}{len(done)} faults in {soak.elapsed() / 60:.1f} min, invariants held = "
+        f"{kept}/{len(checked)}, recovery p95 = {percentile(times, 0.95):.1f} s"
+    )
+    print(last)
+    report = {
+        "args": vars(args),
+        "faults": [vars(f) for f in faults],
+        "summaries": soak.summaries,
+        "baseline": base,
+        "invariants": [{"name": n, "held": h, "detail": d} for n, h, d in checked],
+        "table": rows,
+        "line": last,
+    }
+    (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "table.md").write_text("\n".join([*rows, last]) + "\n")
+    return 0 if kept == len(checked) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""bench/soak.py's short seeded soak: a `psctl local` job through 7 overlapping faults of 6
+kinds (worker, ps and training process killed, a worker and a ps frozen, a pause, a
+checkpoint) and the operator's stop and restart, every invariant holding at the end."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from tests.conftest import REPO, processes_mentioning
+
+pytestmark = pytest.mark.integration
+
+BENCH = str(REPO / "bench" / "soak.py")
+LAST = re.compile(
+    r"^soak: (\d+) faults in (\d+\.\d) min, invariants held = (\d+)/(\d+), "
+    r"recovery p95 = (\d+\.\d|nan) s$"
+)
+
+
+@pytest.mark.timeout(600)
+def test_a_short_seeded_soak_holds_every_invariant(run_cli, workdir):
+    out = workdir / "results"
+    # Seed 2's schedule over 1.5 min: kill-worker, kill-trainer, freeze worker, kill-ps,
+    # pause, freeze ps, checkpoint (printed first; the same on every machine).
+    argv = [sys.executable, BENCH, "--minutes", "1.5", "--faults", "7", "--seed", "2"]
+    argv += ["--baseline-steps", "3000", "--out", str(out)]
+    proc = run_cli(argv, timeout=590)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    match = LAST.fullmatch(lines[-1])
+    assert match, proc.stdout[-2000:]
+    faults, held, total = int(match[1]), int(match[3]), int(match[4])
+    assert held == total == 6 and faults >= 5, lines[-1]
+    invariants = [line for line in lines if line.startswith("invariant: ")]
+    assert len(invariants) == 6 and all(": held (" in line for line in invariants), invariants
+    report = json.loads((out / "results.json").read_text())
+    kinds = {f["kind"] for f in report["faults"] if f["injected"] and not f["skipped"]}
+    assert {"kill-worker", "kill-trainer", "freeze"} <= kinds, kinds
+    # Both runs' summaries: the first stopped by the operator, the second at its target.
+    first, second = report["summaries"]
+    assert second["global_step"] > first["global_step"] > 0
+    assert second["restarts"] + first["restarts"] >= 1
+    assert processes_mentioning(str(out / "work")) == []
