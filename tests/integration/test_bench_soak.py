@@ -21,14 +21,14 @@ LAST = re.compile(
 )
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_short_seeded_soak_holds_every_invariant(run_cli, workdir):
     out = workdir / "results"
     # Seed 2's schedule over 1.5 min: kill-worker, kill-trainer, freeze worker, kill-ps,
     # pause, freeze ps, checkpoint (printed first; the same on every machine).
     argv = [sys.executable, BENCH, "--minutes", "1.5", "--faults", "7", "--seed", "2"]
-    argv += ["--baseline-steps", "3000", "--out", str(out)]
-    proc = run_cli(argv, timeout=590)
+    argv += ["--baseline-steps", "2000", "--out", str(out)]
+    proc = run_cli(argv, timeout=880)  # 152-164 s here; CI machines run slower
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     match = LAST.fullmatch(lines[-1])
