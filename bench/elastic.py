@@ -130,6 +130,40 @@ class Output:
         self._thread.join(timeout)
 
 
+def start_job(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Output]:
+    """A psctl command of a benchmark: in a session of its own (Ctrl-C reaches the bench
+    only; the bench ends it), killed if the bench dies, its output stamped as it arrives
+    (and written to ``log``). ``env``: extra variables."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**environ, **(env or {})},
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=die_with_parent(signal.SIGKILL),
+    )
+    assert proc.stdout is not None
+    return proc, Output(proc.stdout, log)
+
+
+def control_cli(address: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``psctl ARGS --address ADDRESS`` (status, scale, stop, ...), its output captured."""
+    return subprocess.run(
+        psctl_argv(*args, "--address", address),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
+
+
 def progress(lines: list[tuple[float, str]], lo: int, hi: int | None) -> list[tuple[float, int]]:
     """(time, step) of the progress lines at indices lo..hi-1."""
     found = []
@@ -213,36 +247,12 @@ class Job:
             "--control-address", self.address,
             "--summary-json", str(self.summary),
         )  # fmt: skip
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "PYTHONUNBUFFERED": "1",
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-        }
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,  # Ctrl-C reaches the bench only; it ends the job
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
-        assert self.proc.stdout is not None
         self.log_path = out / "job.log"
-        self.output = Output(self.proc.stdout, self.log_path)
+        self.proc, self.output = start_job(argv, self.log_path, {"TF_CPP_MIN_LOG_LEVEL": "2"})
         self.shape = START
 
     def cli(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            psctl_argv(*args, "--address", self.address),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-            check=False,
-        )
+        return control_cli(self.address, *args, timeout=timeout)
 
     def wait_training(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

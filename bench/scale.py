@@ -69,12 +69,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import throughput  # noqa: E402
-from bench.elastic import PROGRESS, Output  # noqa: E402
+from bench.elastic import PROGRESS, start_job  # noqa: E402
 from bench.embeddings import memory_mb  # noqa: E402
 from psctl.cluster.files import write_json_atomic  # noqa: E402
 from psctl.cluster.health import HealthChecker  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import die_with_parent, spawn, stop_processes  # noqa: E402
+from psctl.cluster.procs import spawn, stop_processes  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "scale: largest N trained"
@@ -462,21 +462,8 @@ def train(cluster: Cluster, args: argparse.Namespace, row: dict[str, Any]) -> No
         "--connect-timeout", str(args.timeout),
         "--once",  # the training process itself: no supervisor between (its CPU, its RSS)
     )  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-        preexec_fn=die_with_parent(signal.SIGKILL),
-    )
-    assert proc.stdout is not None
-    output = Output(proc.stdout, cluster.out / "train.log")
+    proc, output = start_job(argv, cluster.out / "train.log")
     sampler = Sampler(proc.pid)
     sampler.start()
     deadline = started + args.timeout

@@ -72,9 +72,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.elastic import Output, progress  # noqa: E402
+from bench.elastic import control_cli, progress, start_job  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import die_with_parent  # noqa: E402
+from psctl.cluster.procs import command_lines  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402
@@ -138,51 +138,16 @@ def make_schedule(seed: int, minutes: float, count: int) -> list[Fault]:
     return sorted(faults, key=lambda f: f.at)
 
 
-def processes_of(workdir: Path) -> dict[int, str]:
-    """pid -> command line of every process that names ``workdir``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(workdir) in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
-
-
 class Run:
     """One ``psctl local`` run, its output stamped as it arrives."""
 
     def __init__(self, argv: list[str], log: Path, address: str) -> None:
         self.address = address
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
-        assert self.proc.stdout is not None
-        self.output = Output(self.proc.stdout, log)
+        self.proc, self.output = start_job(argv, log, {"TF_CPP_MIN_LOG_LEVEL": "2"})
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(
-                psctl_argv(*args, "--address", self.address),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                cwd=REPO,
-                check=False,
-            )
+            return control_cli(self.address, *args, timeout=timeout)
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout}s")
 
@@ -311,7 +276,7 @@ class Soak:
 
     def pid(self, kind: str, index: int = 0) -> int | None:
         pattern = re.compile(PATTERNS[kind].format(index=index))
-        for pid, cmdline in sorted(processes_of(self.workdir).items()):
+        for pid, cmdline in sorted(command_lines(str(self.workdir)).items()):
             if pattern.search(cmdline):
                 return pid
         return None
@@ -586,9 +551,9 @@ def invariants(
         )
     )
     deadline = time.monotonic() + 20
-    while processes_of(soak.workdir) and time.monotonic() < deadline:
+    while command_lines(str(soak.workdir)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = processes_of(soak.workdir)
+    left = command_lines(str(soak.workdir))
     found.append(("no process left", not left, f"{len(left)} left: {sorted(left)[:5]}"))
     return found
 

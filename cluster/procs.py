@@ -17,6 +17,22 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_TIMEOUT = 5.0
 
 
+def command_lines(text: str) -> dict[int, str]:
+    """pid -> command line of every process (but this one) whose command line contains
+    ``text`` (e.g. a job's work dir)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
 def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[], None]:
     """A ``preexec_fn``: the child gets ``sig`` when its parent dies, even by SIGKILL.
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.input_files import open_bytes
 
-__all__ = ["MARKER", "POLICIES", "BadRecord", "as_config_error", "found_in"]
+__all__ = ["MARKER", "BadRecord", "as_config_error", "found_in"]
 
 MARKER = "psctl-bad-record"
-POLICIES = ("fail", "skip")  # --bad-records
 
 _FOUND = re.compile(
     r"\[" + MARKER + r"\] \[(?P<field>[^\]]*)\] \[(?P<format>\w+)\] \[(?P<path>.*)\] "

@@ -430,7 +430,7 @@ def scan_criteo(
     sizes = [size_of(path) for path in paths]
     complete = full_below is None or sum(sizes) <= full_below
     if complete:
-        pieces, total = cut(paths, splittable=not gzipped, piece_bytes=piece_bytes)
+        pieces, total = cut(paths, splittable=not gzipped, piece_bytes=piece_bytes, sizes=sizes)
     else:
         pieces, total = _heads(paths, sizes, gzipped=gzipped), sum(sizes)
     records, results, first_trimmed = _check_pieces(

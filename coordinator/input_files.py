@@ -165,14 +165,19 @@ class Piece:
 
 
 def cut(
-    paths: Sequence[str], *, splittable: bool, piece_bytes: int = PIECE_BYTES
+    paths: Sequence[str],
+    *,
+    splittable: bool,
+    piece_bytes: int = PIECE_BYTES,
+    sizes: Sequence[int] | None = None,
 ) -> tuple[list[Piece], int]:
     """Every file as pieces (whole files unless ``splittable``: plain text, cut after a
-    newline near every ``piece_bytes``), and the bytes of all files."""
+    newline near every ``piece_bytes``), and the bytes of all files (``sizes``: each
+    file's, when the caller has them already)."""
     pieces: list[Piece] = []
     total = 0
     for index, path in enumerate(paths):
-        size = size_of(path)
+        size = size_of(path) if sizes is None else sizes[index]
         total += size
         if not splittable or size <= piece_bytes:
             pieces.append(Piece(path, index))

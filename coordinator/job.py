@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.checks import FULL_CHECK_BYTES
 
 if TYPE_CHECKING:
     from psctl.coordinator.settings import TrainSettings
@@ -66,7 +67,7 @@ class DataContext:
     # --full-check-mb (in bytes): larger inputs are checked in their first lines only, and
     # the readers check every record on the workers; --bad-records: "fail" ends the job on
     # a bad one (exit 78), "skip" drops it (the worker logs where it was).
-    full_check_bytes: int = 256 << 20
+    full_check_bytes: int = FULL_CHECK_BYTES
     bad_records: str = "fail"
 
     # tf.distribute.InputContext's names, so that a dataset function written for

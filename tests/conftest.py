@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from psctl.cluster.procs import command_lines
 from psctl.coordinator.launch import argv as launch_argv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,17 +50,7 @@ def require_tool(name: str, install: str) -> str:
 
 def processes_mentioning(text: str) -> list[int]:
     """Pids whose command line contains ``text`` (e.g. a test's work dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(int(entry.name))
-    return found
+    return list(command_lines(text))
 
 
 def describe_process(pid: int) -> str:
