@@ -217,8 +217,12 @@ class Probe(threading.Thread):
         self.error: BaseException | None = None
 
     def begin(self) -> None:
-        """At the first schedule(): the clock starts and so does the sampling."""
+        """At the first schedule(): the clock starts and so does the sampling. The model as
+        it is then is the curve's first point (0 s): every mode's curve starts at its step,
+        so the runs can be compared at any step below their last snapshot."""
         if self.t0 is None:
+            flat = self.read().numpy()
+            self.snapshots.append((0.0, int(flat[-1]), flat[:-1]))
             self.t0 = time.monotonic()
             self.start()
 
@@ -302,7 +306,7 @@ class Probe(threading.Thread):
             "probe_s": self.busy_s,
             "train_s": self.train_s,
             "steps": curve[-1][1] if curve else 0,  # at the last snapshot
-            "steps_per_s": curve[-1][1] / curve[-1][0] if curve else 0.0,
+            "steps_per_s": curve[-1][1] / curve[-1][0] if curve and curve[-1][0] else 0.0,
             "final_metric": curve[-1][2] if curve else None,
         }
 
