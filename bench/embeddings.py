@@ -44,16 +44,19 @@ configuration, the same line for the one nearest to it, said so the line before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import resource
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,11 @@ from bench import throughput
 
 JOB = "ctr"
 REPO = throughput.REPO
-MODES = ("psctl", "raw")
+MODES = ("psctl", "raw", "tf_keras", "local")
+QUICK_MODES = "psctl,raw"
+TF_KERAS_ENV = REPO / ".venv-tfkeras"  # tf-keras pulls in its own TensorFlow wheel
+TF_KERAS_PINS = ("tensorflow==2.21.0", "tf-keras==2.21.0")  # the TF psctl runs on
+LOOPBACK = "loopback"  # no --rtt: LocalCluster on 127.0.0.1, as before
 EMBEDDING_DIM = 16  # the ctr job's (jobs/ctr.py, EMBEDDING_DIM)
 ITEM_BYTES = 4  # float32
 SLOTS = {"adam": 2, "adagrad": 1}  # optimizer state per table row, in rows
@@ -200,15 +207,17 @@ def _read_steps(iterations: Any) -> int | None:
     return box[0] if box else None
 
 
-def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+def run_raw(args: argparse.Namespace, **build: Any) -> dict[str, Any]:
     """The TF tutorial loop (throughput.py's ``run_raw``): every call scheduled, then
     ``join()``, watched against the budget. At the budget the steps done so far are read
     off the optimizer's step counter on the ps, the result is printed, and the process
-    exits at once (the calls left would take as long again; the cluster goes with it)."""
+    exits at once (the calls left would take as long again; the cluster goes with it).
+    ``build``: throughput.build_raw's stand-ins (the tf-keras mode's)."""
     k = args.steps_per_execution
-    raw = throughput.build_raw(args.cluster, batch_size=args.batch_size, k=k, job_name=JOB)
+    raw = throughput.build_raw(args.cluster, batch_size=args.batch_size, k=k, job_name=JOB, **build)
     table = raw.model.get_layer("embedding").embeddings  # the ctr job's one table
-    tables = [{"rows": int(table.shape[0]), "shards": 1}]
+    shards = len(getattr(table, "variables", [table]))  # tf-keras: a ShardedVariable
+    tables = [{"rows": int(table.shape[0]), "shards": shards}]
     coordinator, train_fn = raw.coordinator, raw.train_fn
     num_calls = math.ceil(args.steps / k)
     raw.warm_up()  # as psctl does before its clock starts
@@ -255,7 +264,105 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     os._exit(0)  # not join(): the calls still queued would take as long again
 
 
-CHILDREN = {"psctl": run_psctl, "raw": run_raw}
+def tf_keras_ctr_model() -> Any:
+    """The ctr job's model (jobs/ctr.py ``create_model``) in tf-keras: the same layers, names
+    and sizes, TF ops where it uses ``keras.ops``."""
+    import tensorflow as tf
+
+    from jobs import ctr
+
+    keras = tf.keras  # tf-keras: TF_USE_LEGACY_KERAS=1
+    features = keras.Input((ctr.NUM_INPUTS,), dtype="int64", name="features")
+    counts = tf.cast(features[:, : ctr.NUM_DENSE], tf.float32)
+    bottom = tf.math.log1p(tf.maximum(counts, 0.0))
+    bottom = keras.layers.Dense(64, activation="relu", name="bottom_1")(bottom)
+    bottom = keras.layers.Dense(ctr.EMBEDDING_DIM, activation="relu", name="bottom_2")(bottom)
+    table = keras.layers.Embedding(ctr.config().rows, ctr.EMBEDDING_DIM, name="embedding")
+    embedded = table(features[:, ctr.NUM_DENSE :])
+    vectors = tf.concat([bottom[:, None, :], embedded], axis=1)
+    dots = tf.matmul(vectors, vectors, transpose_b=True)
+    n = ctr.NUM_SPARSE + 1
+    upper = [i * n + j for i in range(n) for j in range(i + 1, n)]
+    pairs = tf.gather(tf.reshape(dots, (-1, n * n)), upper, axis=1)
+    top = tf.concat([bottom, pairs], axis=1)
+    top = keras.layers.Dense(128, activation="relu", name="top_1")(top)
+    top = keras.layers.Dense(64, activation="relu", name="top_2")(top)
+    logit = keras.layers.Dense(1, name="logit")(top)
+    return keras.Model(features, logit, name="ctr")
+
+
+def tf_keras_optimizer(name: str) -> Any:
+    import tensorflow as tf
+
+    if name == "adagrad":  # the ctr job's learning rates
+        return tf.keras.optimizers.Adagrad(learning_rate=0.1)
+    return tf.keras.optimizers.Adam(learning_rate=1e-3)
+
+
+def run_tf_keras(args: argparse.Namespace) -> dict[str, Any]:
+    """The official path: TensorFlow's parameter-server tutorial with tf-keras (Keras 2), the
+    table split by the strategy's ``variable_partitioner`` (``MinSizePartitioner``, at most
+    one shard per ps) and tf-keras's own optimizers (sparse applies where they have them).
+    The same loop, data and timing as ``raw``."""
+    import tensorflow as tf
+
+    if not tf.keras.__name__.startswith("tf_keras"):
+        raise SystemExit("tf_keras mode: run with TF_USE_LEGACY_KERAS=1 and tf-keras installed")
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=256 << 10, max_shards=args.max_shards
+    )
+    return run_raw(
+        args,
+        create_model=tf_keras_ctr_model,
+        create_optimizer=lambda: tf_keras_optimizer(args.optimizer),
+        variable_partitioner=partitioner,
+    )
+
+
+def run_local(args: argparse.Namespace) -> dict[str, Any]:
+    """psctl's own step (the same replica step, its sparse updates on the table) in one
+    process with no cluster: the no-network limit of this machine. K steps per
+    ``tf.function`` call, like a scheduled call; timed like the others."""
+    import tensorflow as tf
+
+    from psctl.coordinator.job import DataContext, load_job
+    from psctl.coordinator.settings import TrainSettings
+    from psctl.coordinator.training.model import TrainState
+    from psctl.coordinator.training.programs import make_replica_step
+
+    job = load_job(JOB)
+    settings = TrainSettings(
+        job=JOB, batch_size=args.batch_size, max_shards=args.max_shards, checkpoint_dir=""
+    )
+    data = job.dataset_fn(DataContext(0, 1, args.batch_size, throughput.SEED))
+    x_spec, y_spec = data.element_spec[0], data.element_spec[1]
+    strategy = tf.distribute.get_strategy()
+    state = TrainState(job, x_spec, y_spec, settings=settings, strategy=strategy)
+    replica_step = make_replica_step(state, job.loss_fn)
+    k = args.steps_per_execution
+
+    @tf.function
+    def call(iterator: Any) -> Any:
+        for _ in tf.range(k):
+            replica_step(next(iterator))
+        return state.optimizer.iterations
+
+    tables = [{"rows": t.rows, "shards": len(t.shards)} for t in state.tables]
+    t_data = time.monotonic()
+    iterator = iter(job.dataset_fn(DataContext(0, 1, args.batch_size, throughput.SEED)))
+    t_first = time.monotonic()
+    call(iterator)
+    t_traced = time.monotonic()
+    done = k
+    while done < args.steps and time.monotonic() - t_data < args.max_seconds:
+        call(iterator)
+        done += k
+    result = throughput._timing(done, t_data, t_first, t_traced, time.monotonic(), ran=k)
+    result.update(budget_hit=done < args.steps, loss=None, tables=tables)
+    return result
+
+
+CHILDREN = {"psctl": run_psctl, "raw": run_raw, "tf_keras": run_tf_keras, "local": run_local}
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -303,28 +410,96 @@ def _restore_interrupts() -> None:
         signal.signal(sig, throughput._raise_interrupt)
 
 
-def measure(
-    mode: str, rows: int, optimizer: str, args: argparse.Namespace, work: Path, n: int
-) -> dict[str, Any]:
-    """One run on its own fresh cluster: the child's result, each ps's RSS when SERVING and
-    its peak at the end, and a status: ok, budget (stopped by --max-seconds), too slow,
-    failed."""
-    from psctl.coordinator.launch.local import LocalCluster
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]:
+    """A fresh cluster for one run: ``LocalCluster`` on loopback, else a NetLab (``rtt``:
+    "direct", or "N ms" through the delaying relay). Yields (cluster file, the ps servers
+    (their ``proc``), a function that wraps the child's argv to run on the coordinator's
+    host)."""
+    if rtt == LOOPBACK:
+        from psctl.coordinator.launch.local import LocalCluster
 
-    name = f"{rows_label(rows)}-{optimizer}-{mode}"
-    workdir = work / name
-    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-    record: dict[str, Any] = {"mode": mode, "rows": rows, "optimizer": optimizer}
-    try:
-        local.start()
-        local.wait_serving(timeout=args.start_timeout)
-        ps = sorted((s for s in local.servers if s.task_type == "ps"), key=lambda s: s.index)
+        local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
+        try:
+            local.start()
+            local.wait_serving(timeout=args.start_timeout)
+            ps = sorted((s for s in local.servers if s.task_type == "ps"), key=lambda s: s.index)
+            yield local.cluster_file, ps, list
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # nothing cuts the clean-up short
+                signal.signal(sig, signal.SIG_IGN)
+            local.stop()
+            _restore_interrupts()
+        return
+    from bench.netlab import lab_cluster
+
+    delay = None if rtt == "direct" else float(rtt.split()[0])
+    with lab_cluster(
+        args.ps, args.workers, rtt_ms=delay, work=workdir, timeout=args.start_timeout
+    ) as lab:
+        try:
+            yield lab.cluster_file, [s for s in lab.servers if s.task_type == "ps"], lab.child_argv
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+    _restore_interrupts()
+
+
+def tf_keras_python() -> Path:
+    """The tf-keras environment's Python (``.venv-tfkeras``), built on first use."""
+    python = TF_KERAS_ENV / "bin" / "python"
+    if python.exists():
+        return python
+    print(
+        f"building the tf-keras environment in {TF_KERAS_ENV} (once: {', '.join(TF_KERAS_PINS)})",
+        flush=True,
+    )
+    subprocess.run([sys.executable, "-m", "venv", str(TF_KERAS_ENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", *TF_KERAS_PINS]
+    if subprocess.run(pip).returncode != 0:
+        shutil.rmtree(TF_KERAS_ENV, ignore_errors=True)
+        raise throughput.ChildFailed(f"could not install {' '.join(TF_KERAS_PINS)}")
+    return python
+
+
+def measure(
+    mode: str,
+    rows: int,
+    optimizer: str,
+    args: argparse.Namespace,
+    work: Path,
+    n: int,
+    rtt: str = LOOPBACK,
+) -> dict[str, Any]:
+    """One run on its own fresh cluster (``local``: none): the child's result, each ps's RSS
+    when SERVING and its peak at the end, and a status: ok, budget (stopped by
+    --max-seconds), too slow, failed."""
+    name = f"{rows_label(rows)}-{optimizer}-{mode}" + ("" if rtt == LOOPBACK else f"-{rtt}")
+    workdir = work / name.replace(" ", "")
+    workdir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"mode": mode, "rows": rows, "optimizer": optimizer, "rtt": rtt}
+    python = sys.executable
+    env_prefix: list[str] = []
+    if mode == "tf_keras":
+        try:
+            python = str(tf_keras_python())
+        except (OSError, subprocess.SubprocessError, throughput.ChildFailed) as err:
+            record.update(status="failed", error=f"tf-keras environment: {err}", wall_s=0.0)
+            return record
+        env_prefix = ["env", "TF_USE_LEGACY_KERAS=1", f"PYTHONPATH={REPO}"]
+    stack = contextlib.ExitStack()
+    with stack:
+        if mode == "local":
+            cluster_file, ps, wrap = "", [], list
+        else:
+            cluster_file, ps, wrap = stack.enter_context(_cluster(args, rtt, workdir))
         record["ps_start_mb"] = [memory_mb(s.proc.pid, "VmRSS") for s in ps]
         argv = [
-            sys.executable,
+            *env_prefix,
+            python,
             str(Path(__file__).resolve()),
             "--run-mode", mode,
-            "--cluster", str(local.cluster_file),
+            "--cluster", str(cluster_file),
             "--table-rows", str(rows),
             "--optimizer", optimizer,
             "--steps", str(args.steps),
@@ -338,7 +513,7 @@ def measure(
         started = time.monotonic()
         try:
             result = throughput.run_measured(
-                name, argv, workdir / f"run{n:02d}-{name}.out", timeout=timeout
+                name, wrap(argv), workdir / f"run{n:02d}.out", timeout=timeout
             )
         except throughput.ChildFailed as err:
             wall = time.monotonic() - started
@@ -356,11 +531,6 @@ def measure(
             record["ps_exited"] = exited
             if record["status"] != "failed":
                 record.update(status="failed", error="; ".join(exited))
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # nothing cuts the clean-up short
-            signal.signal(sig, signal.SIG_IGN)
-        local.stop()
-        _restore_interrupts()
     return record
 
 
@@ -395,89 +565,169 @@ def _memory(record: dict[str, Any] | None) -> str:
 
 
 def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (rows, optimizer): both modes side by side."""
+    """One row per (rtt, rows, optimizer): every mode side by side (``local`` has no network:
+    its one run shows in every rtt's row)."""
     rows = []
-    for size in args.row_counts:
-        for optimizer in args.optimizer_list:
-            pair = {
-                r["mode"]: r for r in records if r["rows"] == size and r["optimizer"] == optimizer
-            }
-            if not pair:
-                continue
-            rows.append(
-                {
-                    "rows": size,
-                    "optimizer": optimizer,
-                    "psctl": pair.get("psctl"),
-                    "raw": pair.get("raw"),
-                    "ratio": _ratio(pair.get("psctl"), pair.get("raw")),
-                    "expected_mb": expected_mb(size, optimizer, args.ps),
-                }
-            )
+    for rtt in args.rtt_list:
+        for size in args.row_counts:
+            for optimizer in args.optimizer_list:
+                same = [r for r in records if r["rows"] == size and r["optimizer"] == optimizer]
+                runs = {r["mode"]: r for r in same if r["rtt"] == rtt or r["mode"] == "local"}
+                if not runs:
+                    continue
+                rows.append(
+                    {
+                        "rtt": rtt,
+                        "rows": size,
+                        "optimizer": optimizer,
+                        **{mode: runs.get(mode) for mode in MODES},
+                        "ratio": _ratio(runs.get("psctl"), runs.get("raw")),
+                        "ratio_tf_keras": _ratio(runs.get("psctl"), runs.get("tf_keras")),
+                        "ratio_local": _ratio(runs.get("psctl"), runs.get("local")),
+                        "expected_mb": expected_mb(size, optimizer, args.ps),
+                    }
+                )
+    for row in rows:
+        row["round_trips"] = round_trips(row, rows, args.workers)
     return rows
+
+
+def _ms(rtt: str) -> float | None:
+    return float(rtt.split()[0]) if rtt.endswith(" ms") else None
+
+
+def round_trips(row: dict[str, Any], rows: list[dict[str, Any]], workers: int) -> dict[str, float]:
+    """Sequential round trips per step on a worker's critical path, per mode: the slope of a
+    worker's step time (workers / steps/s) against the added round-trip time, from this
+    row's rtt and the 0 ms row (the same relay, no delay). Empty without both."""
+    ms = _ms(row["rtt"])
+    base = next(
+        (
+            r
+            for r in rows
+            if (r["rtt"], r["rows"], r["optimizer"]) == ("0 ms", row["rows"], row["optimizer"])
+        ),
+        None,
+    )
+    if not ms or base is None:
+        return {}
+    out = {}
+    for mode in ("psctl", "raw", "tf_keras"):
+        now, zero = row.get(mode), base.get(mode)
+        if not _ok(now) or not _ok(zero):
+            continue
+        assert now is not None and zero is not None
+        slope = workers / now["steps_per_sec"] - workers / zero["steps_per_sec"]
+        out[mode] = slope / (ms / 1000)
+    return out
+
+
+def _ok(record: dict[str, Any] | None) -> bool:
+    return bool(record and record["status"] in ("ok", "budget") and record.get("steps_per_sec"))
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     names = "/".join(f"ps{i}" for i in range(args.ps))
     lines = [
-        f"| rows | optimizer | psctl steps/s | raw steps/s | psctl/raw | psctl peak RSS MB "
-        f"{names} (growth) | raw peak RSS MB {names} (growth) | expected MB per ps |",
-        "|---|---|---|---|---|---|---|---|",
+        "| network | rows | optimizer | psctl steps/s | raw steps/s | tf_keras steps/s | local "
+        "steps/s | psctl/raw | psctl/tf_keras | psctl/local | round trips/step psctl, raw, "
+        f"tf_keras | psctl peak RSS MB {names} (growth) | raw peak RSS MB {names} (growth) | "
+        "expected MB per ps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def times(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for row in rows:
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        trips = row["round_trips"]
+        trip_text = ", ".join(
+            "-" if m not in trips else f"{trips[m]:.1f}" for m in ("psctl", "raw", "tf_keras")
+        )
         lines.append(
-            f"| {rows_label(row['rows'])} | {row['optimizer']} | {_rate(row['psctl'])} | "
-            f"{_rate(row['raw'])} | {ratio} | {_memory(row['psctl'])} | "
+            f"| {row['rtt']} | {rows_label(row['rows'])} | {row['optimizer']} | "
+            f"{_rate(row['psctl'])} | {_rate(row['raw'])} | {_rate(row['tf_keras'])} | "
+            f"{_rate(row['local'])} | {times(row['ratio'])} | {times(row['ratio_tf_keras'])} | "
+            f"{times(row['ratio_local'])} | {trip_text} | {_memory(row['psctl'])} | "
             f"{_memory(row['raw'])} | {row['expected_mb']:.1f} |"
         )
     lines += [
         "",
         f"{JOB} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
         f"{args.steps_per_execution} steps per call, up to {args.steps} steps or "
-        f"{args.max_seconds:g} s per run, one run each, a fresh cluster per run. psctl: "
-        f"Trainer with --max-shards {args.max_shards} (table split over the ps, sparse "
-        "updates); raw: the TF tutorial loop with plain Keras 3 (table whole on one ps, "
-        "Keras's apply_gradients). steps/s: from creating the per-worker datasets until "
-        "every call finished (set-up and tracing included; psctl: its Summary); * = the "
-        "--max-seconds budget ran out: steps/s over the steps done by then; too slow = no "
-        "step done in the budget, or the process outlived it by --setup-timeout. Peak RSS: "
-        "VmHWM of each ps server process, (growth) over its RSS when it was SERVING; "
+        f"{args.max_seconds:g} s per run, one run each, a fresh cluster per run. network: "
+        "loopback (no --rtt), or network-namespace hosts through a router (bench/netlab.py): "
+        "direct = forwarded by the kernel, N ms = through a relay that delays each direction "
+        "by N/2 ms. psctl: Trainer with "
+        f"--max-shards {args.max_shards} (table split over the ps, sparse updates); raw: the "
+        "TF tutorial loop with plain Keras 3 (table whole on one ps, Keras's apply_gradients); "
+        "tf_keras: the same loop with tf-keras (TF_USE_LEGACY_KERAS=1), the table split by "
+        "the strategy's variable_partitioner, tf-keras's optimizers; local: psctl's step and "
+        "sparse updates in one process, no cluster (its one run shows in every network's "
+        "row). steps/s: from creating the per-worker datasets until every call finished "
+        "(set-up and tracing included; psctl: its Summary); * = the --max-seconds budget ran "
+        "out: steps/s over the steps done by then; too slow = no step done in the budget, or "
+        "the process outlived it by --setup-timeout. psctl/local compares examples/s (a "
+        "step is one batch everywhere). round trips/step: (workers / steps/s at N ms - the "
+        "same at 0 ms) / N ms, the sequential round trips on a worker's critical path. Peak "
+        "RSS: VmHWM of each ps server process, (growth) over its RSS when it was SERVING; "
         "expected = table bytes x (1 + optimizer slots) / number of ps (MB = 10^6 bytes).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's last line, at 1M rows with Adam; else at the configuration nearest to
-    it that was run (Adam first, then the nearest size), said so the line before."""
+    """The issue's last lines, per network run (the last one's last): psctl over raw Keras 3
+    at 1M rows with Adam and over tf-keras at 1M rows with Adagrad; else at the configuration
+    nearest to it that was run (same optimizer first, then the nearest size), said so the
+    line before."""
     if not rows:
         return ["psctl/raw_keras steps/s = n/a (nothing was run)"]
+    lines = []
+    for rtt in dict.fromkeys(r["rtt"] for r in rows):
+        mine = [r for r in rows if r["rtt"] == rtt]
+        lines += _ratio_line(mine, "local", "adam", "ratio_local", "psctl/local examples/s")
+        lines += _ratio_line(mine, "raw", "adam", "ratio", "psctl/raw_keras steps/s")
+        lines += _ratio_line(
+            mine, "tf_keras", "adagrad", "ratio_tf_keras", "psctl/tf_keras steps/s"
+        )
+    return lines
 
-    def distance(row: dict[str, Any]) -> tuple[bool, float]:
-        return row["optimizer"] != "adam", abs(math.log(row["rows"] / 1_000_000))
+
+def _ratio_line(
+    rows: list[dict[str, Any]], mode: str, optimizer: str, key: str, what: str
+) -> list[str]:
+    """One ratio line at 1M rows with ``optimizer`` (or the nearest run); nothing when
+    ``mode`` was not run at all."""
+    if not any(r[mode] for r in rows):
+        return []
+
+    def distance(row: dict[str, Any]) -> tuple[bool, bool, float]:
+        return row[mode] is None, row["optimizer"] != optimizer, abs(math.log(row["rows"] / 1e6))
 
     chosen = min(rows, key=distance)
     lines = []
-    if chosen["rows"] != 1_000_000 or chosen["optimizer"] != "adam":
+    if chosen["rows"] != 1_000_000 or chosen["optimizer"] != optimizer:
         lines.append(
-            f"(1M rows with adam was not run: the ratio below is at "
+            f"(1M rows with {optimizer} was not run: the ratio below is at "
             f"{rows_label(chosen['rows'])} rows with {chosen['optimizer']})"
         )
-    label = f"psctl/raw_keras steps/s at {rows_label(chosen['rows'])} rows ({chosen['optimizer']})"
-    if chosen["ratio"] is None:
+    network = "" if chosen["rtt"] == LOOPBACK else f", rtt {chosen['rtt']}"
+    label = f"{what} at {rows_label(chosen['rows'])} rows ({chosen['optimizer']}{network})"
+    if chosen[key] is None:
         why = ", ".join(
-            f"{mode}: {chosen[mode]['status'] if chosen[mode] else 'not run'}" for mode in MODES
+            f"{m}: {chosen[m]['status'] if chosen[m] else 'not run'}" for m in ("psctl", mode)
         )
         lines.append(f"{label} = n/a ({why})")
     else:
-        lines.append(f"{label} = {chosen['ratio']:.2f}")
+        lines.append(f"{label} = {chosen[key]:.2f}")
     return lines
 
 
 def _run_line(record: dict[str, Any], n: int, total: int) -> str:
     size = rows_label(record["rows"])
-    what = f"[{n}/{total}] {size:>4} {record['optimizer']:<7} {record['mode']:<5}"
+    network = "" if record["rtt"] == LOOPBACK or record["mode"] == "local" else record["rtt"]
+    what = f"[{n}/{total}] {network:>6} {size:>4} {record['optimizer']:<7} {record['mode']:<8}"
     if record["status"] in ("too slow", "failed") and "error" in record:
         first = record["error"].splitlines()[0]
         return f"{what} {record['status']}: {first}"
@@ -491,6 +741,7 @@ def _run_line(record: dict[str, Any], n: int, total: int) -> str:
 
 
 def parent_main(args: argparse.Namespace) -> int:
+    from bench.netlab import LabError
     from psctl.cluster.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
@@ -500,15 +751,18 @@ def parent_main(args: argparse.Namespace) -> int:
     work = results / "work"
     work.mkdir(parents=True, exist_ok=True)
     plan = [
-        (rows, optimizer, mode)
+        (rtt, rows, optimizer, mode)
+        for i, rtt in enumerate(args.rtt_list)
         for rows in args.row_counts
         for optimizer in args.optimizer_list
         for mode in args.mode_list
+        if mode != "local" or i == 0  # no network: once
     ]
+    networks = ", ".join(args.rtt_list)
     print(
         f"results {results}; {len(plan)} runs ({', '.join(rows_label(r) for r in args.row_counts)}"
-        f" rows x {', '.join(args.optimizer_list)} x {', '.join(args.mode_list)}), each on a "
-        "fresh cluster of "
+        f" rows x {', '.join(args.optimizer_list)} x {', '.join(args.mode_list)}; network "
+        f"{networks}), each on a fresh cluster of "
         f"{args.ps} ps + {args.workers} workers, up to {args.max_seconds:g} s",
         flush=True,
     )
@@ -516,11 +770,11 @@ def parent_main(args: argparse.Namespace) -> int:
     _restore_interrupts()
     records: list[dict[str, Any]] = []
     try:
-        for n, (rows, optimizer, mode) in enumerate(plan, start=1):
-            record = measure(mode, rows, optimizer, args, work, n)
+        for n, (rtt, rows, optimizer, mode) in enumerate(plan, start=1):
+            record = measure(mode, rows, optimizer, args, work, n, rtt)
             records.append(record)
             print(_run_line(record, n, len(plan)), flush=True)
-    except ServerFailed as err:
+    except (ServerFailed, LabError) as err:
         print(f"embeddings: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -554,7 +808,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizers", default="adam,adagrad", help="ctr optimizers (default adam,adagrad)"
     )
     parser.add_argument(
-        "--modes", default="psctl,raw", help="what to run, comma-separated (default psctl,raw)"
+        "--modes",
+        help="what to run, comma-separated, of psctl, raw, tf_keras and local (default all "
+        f"four; --quick: {QUICK_MODES})",
+    )
+    parser.add_argument(
+        "--rtt",
+        help="run the cluster as network-namespace hosts with this much round-trip time "
+        "added between them, in ms (0: through the delaying relay with no delay; direct: no "
+        "relay), comma-separated for several (needs root, iproute2, cc); default: loopback",
     )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
@@ -601,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick and not args.run_mode
     if quick:  # a smoke test of the whole path (the suite runs it): not a measurement
         args.rows, args.optimizers = "10k", "adam"
+        args.modes = args.modes or QUICK_MODES
     for name, default, fast in (
         ("steps", 2000, 100),
         ("max_seconds", 60.0, 30.0),
@@ -614,15 +877,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.max_seconds > 0 or not args.setup_timeout > 0:
         parser.error("--max-seconds and --setup-timeout must be > 0")
     if args.run_mode:
-        if not args.cluster or not args.table_rows or not args.optimizer:
+        if (not args.cluster and args.run_mode != "local") or not args.table_rows:
+            parser.error("--run-mode needs --cluster, --table-rows and --optimizer")
+        if not args.optimizer:
             parser.error("--run-mode needs --cluster, --table-rows and --optimizer")
         return child_main(args)
+    from bench.netlab import parse_rtt, rtt_label
+
+    try:
+        args.rtt_list = [rtt_label(r) for r in parse_rtt(args.rtt)] if args.rtt else [LOOPBACK]
+    except ValueError as err:
+        parser.error(str(err))
     try:
         args.row_counts = parse_rows(args.rows)
     except ValueError as err:
         parser.error(f"--rows: {err}")
     args.optimizer_list = parse_names(parser, "--optimizers", args.optimizers, SLOTS)
-    args.mode_list = parse_names(parser, "--modes", args.modes, MODES)
+    args.mode_list = parse_names(parser, "--modes", args.modes or ",".join(MODES), MODES)
     return parent_main(args)
 
 

@@ -251,10 +251,23 @@ class RawLoop:
     warm_up: Any  # builds the job's arrays once, as psctl does before its clock starts
 
 
-def build_raw(cluster_file: str, *, batch_size: int, k: int, job_name: str = JOB) -> RawLoop:
-    """The TF tutorial's custom loop, with the job's Keras 3 model, optimizer, loss and data."""
-    import keras
+def build_raw(
+    cluster_file: str,
+    *,
+    batch_size: int,
+    k: int,
+    job_name: str = JOB,
+    create_model: Any = None,
+    create_optimizer: Any = None,
+    variable_partitioner: Any = None,
+) -> RawLoop:
+    """The TF tutorial's custom loop, with the job's Keras 3 model, optimizer, loss and data;
+    ``create_model``, ``create_optimizer`` and ``variable_partitioner`` stand in for the
+    job's own and the strategy's default (bench/embeddings.py's tf-keras mode: the official
+    path, with ``TF_USE_LEGACY_KERAS=1``, where ``tf.keras`` is tf-keras)."""
     import tensorflow as tf
+
+    keras = tf.keras  # Keras 3, or tf-keras with TF_USE_LEGACY_KERAS=1
 
     from psctl.coordinator.job import DataContext, load_job
 
@@ -265,13 +278,15 @@ def build_raw(cluster_file: str, *, batch_size: int, k: int, job_name: str = JOB
         {"cluster": cluster, "task": {"type": "chief", "index": 0}}
     )
     cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster_resolver)
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        cluster_resolver, variable_partitioner=variable_partitioner
+    )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
 
     with strategy.scope():
-        model = job.create_model()
-        optimizer = job.create_optimizer()
-        # Keras 3 creates optimizer slots lazily; create them on the ps now, not in a closure.
+        model = (create_model or job.create_model)()
+        optimizer = (create_optimizer or job.create_optimizer)()
+        # Keras creates optimizer slots lazily; create them on the ps now, not in a closure.
         optimizer.build(model.trainable_variables)
         accuracy = keras.metrics.SparseCategoricalAccuracy()
 

@@ -33,15 +33,19 @@ def test_embeddings_quick_runs_end_to_end(run_cli, workdir):
     )
     assert float(lines[-1].rsplit("=", 1)[1]) > 0
     assert lines[-2] == "(1M rows with adam was not run: the ratio below is at 10k rows with adam)"
-    assert "| rows | optimizer | psctl steps/s | raw steps/s | psctl/raw |" in proc.stdout
-    row = next(line for line in lines if line.startswith("| 10k | adam |"))
+    assert "| network | rows | optimizer | psctl steps/s | raw steps/s | tf_keras steps/s |" in (
+        proc.stdout
+    )
+    row = next(line for line in lines if line.startswith("| loopback | 10k | adam |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert len(cells) == 8, row
-    assert float(cells[2]) > 0 and float(cells[3]) > 0, row  # both ran every step: no "*"
-    assert re.fullmatch(r"\d+\.\d\dx", cells[4]), row
-    for peak in (cells[5], cells[6]):  # ps0/ps1 (growth/growth)
+    assert len(cells) == 14, row
+    assert float(cells[3]) > 0 and float(cells[4]) > 0, row  # both ran every step: no "*"
+    assert cells[5] == cells[6] == "-", row  # tf_keras and local: not run by --quick
+    assert re.fullmatch(r"\d+\.\d\dx", cells[7]), row
+    assert cells[10] == "-, -, -", row  # round trips need a run at 0 ms and one above
+    for peak in (cells[11], cells[12]):  # ps0/ps1 (growth/growth)
         assert re.fullmatch(r"\d+/\d+ \([+-]\d+/[+-]\d+\)", peak), row
-    assert cells[7] == "1.0", row  # 10k x 16 x 4 bytes x (1 + 2 Adam slots) / 2 ps, in MB
+    assert cells[13] == "1.0", row  # 10k x 16 x 4 bytes x (1 + 2 Adam slots) / 2 ps, in MB
     assert (results / "table.md").read_text().splitlines()[-1] == lines[-1]
     runs = _runs(results)
     assert runs["psctl"]["status"] == runs["raw"]["status"] == "ok", runs
@@ -72,4 +76,5 @@ def test_embeddings_budget_cuts_runs_short(run_cli, workdir):
     assert runs["raw"]["wall_s"] < 60, runs["raw"]
     if runs["raw"]["status"] == "budget":
         assert 0 < runs["raw"]["steps"] < 5000
-        assert "*" in next(line for line in proc.stdout.splitlines() if line.startswith("| 10k"))
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("| loopback | 10k")]
+        assert "*" in rows[0]

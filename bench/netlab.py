@@ -1,0 +1,285 @@
+"""A network for the benchmarks: hosts as network namespaces, every connection between them
+through a router whose relay adds a round-trip time (``--rtt MS`` in embeddings.py and
+throughput.py).
+
+This kernel has no netem, so the delay is a userspace relay (relay.c, built here with
+``cc``): the router namespace owns one service address per host (10.79.0.N, on its
+loopback), and the cluster file names those. A task dials a service address, the packets
+route to the router, the relay there accepts, connects on to the host's own address
+(10.78.N.2, where its TF server listens) and copies both ways, each chunk held RTT/2 per
+direction. Every host (the coordinator included: ParameterServerStrategy's chief runs a
+server too) has its own namespace, joined to the router by a veth pair; the root
+namespace's network is never touched, and deleting the namespaces deletes every link.
+
+``rtt_ms=None`` is the direct network: the same namespaces and router, the cluster file
+naming the hosts' own addresses, forwarded by the kernel with no relay. Comparing it with
+``rtt_ms=0`` (the relay, no delay) shows what the relay itself costs.
+
+Needs root, iproute2 and a C compiler; a missing one is one clear line (``LabError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RELAY_SOURCE = Path(__file__).with_name("relay.c")
+TF_PORT = 2222  # every host's TF server (each namespace has its own ports)
+HEALTH_PORT = 2223
+PREFIX = "psrtt"  # namespace names: psrtt<pid>-<host>
+
+
+class LabError(RuntimeError):
+    """The lab cannot be built here (not root, no iproute2 or compiler, a command failed)."""
+
+
+@dataclass
+class Host:
+    name: str  # "chief", "ps0", "worker1"
+    number: int  # 1..
+    ns: str
+
+    @property
+    def ip(self) -> str:
+        """The host's own address (eth0 in its namespace)."""
+        return f"10.78.{self.number}.2"
+
+    @property
+    def service_ip(self) -> str:
+        """The address peers dial when the relay is on: the router's, for this host."""
+        return f"10.79.0.{self.number}"
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    argv = ["ip", *(["-n", ns] if ns else []), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise LabError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def build_relay(work: Path) -> Path:
+    """relay.c compiled into ``work`` (a fraction of a second)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise LabError("--rtt needs a C compiler (cc) for bench/relay.c: apt-get install gcc")
+    binary = work / "relay"
+    argv = [compiler, "-O2", "-pthread", "-o", str(binary), str(RELAY_SOURCE)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise LabError(f"building bench/relay.c failed: {done.stderr.strip()[-500:]}")
+    return binary
+
+
+@dataclass
+class NetLab:
+    """Namespaces ``names`` joined through a router; with ``rtt_ms`` set, a relay there that
+    delays each direction by half of it."""
+
+    names: Sequence[str]
+    rtt_ms: float | None
+    work: Path
+    hosts: dict[str, Host] = field(default_factory=dict)
+    router: str = ""
+    relay: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if os.geteuid() != 0:
+            raise LabError("--rtt builds network namespaces: run it as root")
+        if shutil.which("ip") is None:
+            raise LabError("--rtt needs iproute2 (ip): apt-get install iproute2")
+        self.work.mkdir(parents=True, exist_ok=True)
+        tag = f"{PREFIX}{os.getpid()}"
+        self.router = f"{tag}-r"
+        _ip("netns", "add", self.router)
+        _ip("link", "set", "lo", "up", ns=self.router)
+        self._sysctl(self.router, "net.ipv4.ip_forward=1")
+        for number, name in enumerate(self.names, start=1):
+            host = Host(name=name, number=number, ns=f"{tag}-{number}")
+            self.hosts[name] = host
+            _ip("netns", "add", host.ns)
+            _ip("link", "set", "lo", "up", ns=host.ns)
+            _ip(
+                "link", "add", f"h{number}", "netns", self.router, "type", "veth",
+                "peer", "name", "eth0", "netns", host.ns,
+            )  # fmt: skip
+            _ip("addr", "add", f"10.78.{number}.1/24", "dev", f"h{number}", ns=self.router)
+            _ip("link", "set", f"h{number}", "up", ns=self.router)
+            _ip("addr", "add", f"{host.ip}/24", "dev", "eth0", ns=host.ns)
+            _ip("link", "set", "eth0", "up", ns=host.ns)
+            _ip("route", "add", "default", "via", f"10.78.{number}.1", ns=host.ns)
+            _ip("addr", "add", f"{host.service_ip}/32", "dev", "lo", ns=self.router)
+        if self.rtt_ms is not None:
+            self._start_relay()
+
+    @staticmethod
+    def _sysctl(ns: str, setting: str) -> None:
+        argv = ["ip", "netns", "exec", ns, "sysctl", "-q", "-w", setting]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise LabError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+    def _start_relay(self) -> None:
+        assert self.rtt_ms is not None
+        binary = build_relay(self.work)
+        pairs = [
+            f"{h.service_ip}:{port}={h.ip}:{port}"
+            for h in self.hosts.values()
+            for port in (TF_PORT,)
+        ]
+        delay_us = str(round(self.rtt_ms * 1000 / 2))
+        log = (self.work / "relay.log").open("wb")
+        self.relay = subprocess.Popen(
+            ["ip", "netns", "exec", self.router, str(binary), delay_us, *pairs],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        assert self.relay.stdout is not None
+        line = self.relay.stdout.readline().decode().strip()
+        if line != "relay: ready":
+            raise LabError(f"the relay did not start: {(self.work / 'relay.log').read_text()}")
+
+    def dial(self, name: str, port: int = TF_PORT) -> str:
+        """The address peers use for ``name``'s port: through the relay when it is on."""
+        host = self.hosts[name]
+        return f"{host.service_ip if self.relay else host.ip}:{port}"
+
+    def exec_argv(self, name: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on host ``name`` (``ip netns exec`` execs it: the pid is argv's)."""
+        return ["ip", "netns", "exec", self.hosts[name].ns, *argv]
+
+    def stop(self) -> None:
+        if self.relay is not None and self.relay.poll() is None:
+            self.relay.kill()
+            self.relay.wait()
+        for ns in [h.ns for h in self.hosts.values()] + ([self.router] if self.router else []):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.hosts.clear()
+
+
+@dataclass
+class LabServer:
+    task_type: str
+    index: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type}:{self.index}"
+
+
+@dataclass
+class LabCluster:
+    """A ps + worker cluster on a NetLab: ``cluster_file`` for the coordinator, which runs
+    on host "chief" (``child_argv``)."""
+
+    lab: NetLab
+    cluster_file: Path
+    servers: list[LabServer]
+
+    def child_argv(self, argv: Sequence[str]) -> list[str]:
+        return self.lab.exec_argv("chief", argv)
+
+
+def _wait_ready(sock: socket.socket, servers: Sequence[LabServer], timeout: float) -> None:
+    """Until every server sent READY=1 on the notify socket (the sd_notify it sends under
+    systemd), or one exits, or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    ready = 0
+    while ready < len(servers):
+        for s in servers:
+            if s.proc.poll() is not None:
+                tail = s.log_path.read_text(errors="replace").splitlines()[-5:]
+                raise LabError(f"{s.name} exited ({s.proc.returncode}): {' | '.join(tail)}")
+        if time.monotonic() > deadline:
+            raise LabError(f"{len(servers) - ready} server(s) not ready in {timeout:.0f}s")
+        with contextlib.suppress(TimeoutError):
+            if b"READY=1" in sock.recv(4096):
+                ready += 1
+
+
+@contextlib.contextmanager
+def lab_cluster(
+    num_ps: int, num_workers: int, *, rtt_ms: float | None, work: Path, timeout: float = 120.0
+) -> Iterator[LabCluster]:
+    """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
+    from psctl.cluster.procs import spawn, stop_processes
+    from psctl.coordinator.launch.argv import server_argv
+
+    tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
+    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work)
+    servers: list[LabServer] = []
+    notify = work / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        lab.start()
+        cluster = {
+            "chief": [lab.dial("chief")],
+            "ps": [lab.dial(f"ps{i}") for i in range(num_ps)],
+            "worker": [lab.dial(f"worker{i}") for i in range(num_workers)],
+        }
+        cluster_file = work / "cluster.json"
+        cluster_file.write_text(json.dumps({"cluster": cluster}, indent=1))
+        with contextlib.suppress(FileNotFoundError):
+            notify.unlink()
+        sock.bind(str(notify))
+        sock.settimeout(0.5)
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify), "GRPC_FAIL_FAST": "use_caller"}
+        for task_type, index in tasks:
+            host = lab.hosts[f"{task_type}{index}"]
+            argv = server_argv(
+                task_type,
+                [
+                    "--cluster", str(cluster_file), "--index", str(index),
+                    "--bind-host", host.ip, "--health-port", str(HEALTH_PORT),
+                    "--metrics-port", "0",
+                ],
+            )  # fmt: skip
+            log_path = work / f"{task_type}-{index}.log"
+            proc = spawn(lab.exec_argv(host.name, argv), log_path=log_path, env=env)
+            servers.append(LabServer(task_type, index, proc, log_path))
+        _wait_ready(sock, servers, timeout)
+        yield LabCluster(lab=lab, cluster_file=cluster_file, servers=servers)
+    finally:
+        sock.close()
+        stop_processes([s.proc for s in servers], timeout=10)
+        lab.stop()
+
+
+def parse_rtt(text: str) -> list[float | None]:
+    """``--rtt``: comma-separated milliseconds (0: the relay with no delay) or ``direct``."""
+    out: list[float | None] = []
+    for word in text.split(","):
+        word = word.strip()
+        if word == "direct":
+            out.append(None)
+            continue
+        try:
+            value = float(word)
+        except ValueError:
+            raise ValueError(f"--rtt {text!r}: {word!r} is not milliseconds or 'direct'") from None
+        if not 0 <= value <= 1000:
+            raise ValueError(f"--rtt {text!r}: {word} ms is outside 0-1000")
+        out.append(value)
+    return out
+
+
+def rtt_label(rtt: float | None) -> str:
+    return "direct" if rtt is None else f"{rtt:g} ms"
+
+
+if __name__ == "__main__":  # a quick look: python bench/netlab.py RTT_MS
+    with lab_cluster(1, 1, rtt_ms=float(sys.argv[1]), work=Path(sys.argv[2])) as c:
+        print(c.cluster_file.read_text())
