@@ -258,6 +258,41 @@ def lab_cluster(
         lab.stop()
 
 
+class LabBench:
+    """``lab_cluster`` behind ``LocalCluster``'s start / wait_serving / stop, for a benchmark
+    that keeps one cluster for all its runs (throughput.py ``--rtt``)."""
+
+    def __init__(self, num_ps: int, num_workers: int, *, rtt_ms: float | None, work: Path):
+        self._args = (num_ps, num_workers)
+        self._rtt_ms, self._work = rtt_ms, work
+        self._stack = contextlib.ExitStack()
+        self.cluster: LabCluster | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.cluster = self._stack.enter_context(
+            lab_cluster(*self._args, rtt_ms=self._rtt_ms, work=self._work, timeout=timeout)
+        )
+
+    def wait_serving(self, timeout: float) -> None:
+        """Nothing to wait for: ``start`` returns once every server is ready."""
+
+    @property
+    def servers(self) -> list[LabServer]:
+        return self.cluster.servers if self.cluster else []
+
+    @property
+    def cluster_file(self) -> Path:
+        assert self.cluster is not None, "start() first"
+        return self.cluster.cluster_file
+
+    def child_argv(self, argv: Sequence[str]) -> list[str]:
+        assert self.cluster is not None, "start() first"
+        return self.cluster.child_argv(argv)
+
+    def stop(self) -> None:
+        self._stack.close()
+
+
 def parse_rtt(text: str) -> list[float | None]:
     """``--rtt``: comma-separated milliseconds (0: the relay with no delay) or ``direct``."""
     out: list[float | None] = []

@@ -77,6 +77,8 @@ from typing import Any
 JOB = "mlp"
 SEED = 42
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: bench.netlab beside it
+    sys.path.insert(0, str(REPO))
 
 
 @dataclass(frozen=True)
@@ -638,8 +640,10 @@ class Scraper(threading.Thread):
 
 
 def run_child(
-    mode: Mode, args: argparse.Namespace, cluster_file: Path, logs: Path, run_id: int, repeat: int
+    mode: Mode, args: argparse.Namespace, cluster: Any, logs: Path, run_id: int, repeat: int
 ) -> dict[str, Any]:
+    """One measured child on ``cluster`` (a LocalCluster, or netlab's LabBench)."""
+    cluster_file = cluster.cluster_file
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -659,6 +663,8 @@ def run_child(
         port = _free_port()
         argv += ["--metrics-port", str(port)]
         scraper = Scraper(port)
+    if mode.kind != "local" and hasattr(cluster, "child_argv"):  # on the coordinator's host
+        argv = cluster.child_argv(argv)
     out_path = logs / f"run{run_id:02d}-{mode.kind}-{mode.k}.out"
     started = time.monotonic()
     if scraper is not None:
@@ -859,6 +865,7 @@ def print_overhead(
 
 
 def parent_main(args: argparse.Namespace) -> int:
+    from bench.netlab import LabError
     from psctl.cluster.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
@@ -890,8 +897,9 @@ def parent_main(args: argparse.Namespace) -> int:
         for repeat in range(args.repeats):
             shift = repeat % len(modes)
             for mode in modes[shift:] + modes[:shift]:
-                wait_port_released(chief_port, timeout=30.0)
-                result = run_child(mode, args, local.cluster_file, logs, len(runs) + 1, repeat)
+                if chief_port:
+                    wait_port_released(chief_port, timeout=30.0)
+                result = run_child(mode, args, local, logs, len(runs) + 1, repeat)
                 runs.append(result)
                 scrapes = (
                     f"; {result['scrapes_in_window']} scrapes in the window"
@@ -908,7 +916,7 @@ def parent_main(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 check_window(result)
-    except (ChildFailed, ServerFailed) as err:
+    except (ChildFailed, ServerFailed, LabError) as err:
         print(f"throughput: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -1007,6 +1015,14 @@ def build_parser() -> argparse.ArgumentParser:
         "empty function) and psctl's steps/s on this cluster; the last line is "
         "'dispatch capacity = N scheduled functions/s'",
     )
+    parser.add_argument(
+        "--rtt",
+        type=float,
+        metavar="MS",
+        help="run the cluster as network-namespace hosts with MS of round-trip time added "
+        "between them (bench/netlab.py; 0: the relay with no delay; needs root, iproute2, "
+        "cc); default: loopback",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
     parser.add_argument(
@@ -1030,8 +1046,16 @@ def open_bench(
     from psctl.coordinator.launch.local import LocalCluster
 
     logs.mkdir(parents=True, exist_ok=True)
-    local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-    chief_port = local.cluster.task_address("chief", 0).port
+    local: Any
+    if getattr(args, "rtt", None) is not None:  # namespace hosts through the delaying relay
+        from bench.netlab import LabBench
+
+        local = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir)
+        chief_port = 0  # in the coordinator's own namespace: never held by an earlier run here
+        where += f"; network: namespace hosts, {args.rtt:g} ms added round-trip time"
+    else:
+        local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
+        chief_port = local.cluster.task_address("chief", 0).port
     print(
         f"{where}; {len(labels)} modes x {args.repeats} repeat(s): " + ", ".join(labels),
         flush=True,
@@ -1057,6 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ps", "workers", "steps", "steps_per_execution", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rtt is not None and not 0 <= args.rtt <= 1000:
+        build_parser().error(f"--rtt {args.rtt:g}: milliseconds from 0 to 1000")
     if args.run_mode:
         return child_main(args)
     return parent_main(args)
