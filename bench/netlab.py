@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -221,7 +222,9 @@ def lab_cluster(
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
     lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work)
     servers: list[LabServer] = []
-    notify = work / "notify.sock"
+    # A short path: AF_UNIX names stop at 107 bytes, a results folder can be deeper.
+    sockets = Path(tempfile.mkdtemp(prefix="psrtt"))
+    notify = sockets / "notify"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         lab.start()
@@ -232,8 +235,6 @@ def lab_cluster(
         }
         cluster_file = work / "cluster.json"
         cluster_file.write_text(json.dumps({"cluster": cluster}, indent=1))
-        with contextlib.suppress(FileNotFoundError):
-            notify.unlink()
         sock.bind(str(notify))
         sock.settimeout(0.5)
         env = {**os.environ, "NOTIFY_SOCKET": str(notify), "GRPC_FAIL_FAST": "use_caller"}
@@ -254,6 +255,7 @@ def lab_cluster(
         yield LabCluster(lab=lab, cluster_file=cluster_file, servers=servers)
     finally:
         sock.close()
+        shutil.rmtree(sockets, ignore_errors=True)
         stop_processes([s.proc for s in servers], timeout=10)
         lab.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -78,3 +79,22 @@ def test_embeddings_budget_cuts_runs_short(run_cli, workdir):
         assert 0 < runs["raw"]["steps"] < 5000
         rows = [line for line in proc.stdout.splitlines() if line.startswith("| loopback | 10k")]
         assert "*" in rows[0]
+
+
+@pytest.mark.timeout(200)
+def test_embeddings_quick_through_the_relay(run_cli, workdir):
+    """--rtt 0: both clusters as namespace hosts behind the relay (bench/netlab.py); the
+    coordinator runs on its own host, the ps RSS is read from the servers there."""
+    results = workdir / "results"
+    argv = [BENCH, "--quick", "--rtt", "0", "--results", str(results)]
+    proc = run_cli([sys.executable, *argv], timeout=190)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"psctl/raw_keras steps/s at 10k rows \(adam, rtt 0 ms\) = \d+\.\d\d", last)
+    runs = _runs(results)
+    assert {run["rtt"] for run in runs.values()} == {"0 ms"}
+    assert runs["psctl"]["steps"] == runs["raw"]["steps"] == 100, runs
+    for run in runs.values():
+        assert len(run["ps_peak_mb"]) == 2 and all(mb > 100 for mb in run["ps_peak_mb"]), run
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "psrtt" not in names  # every namespace deleted

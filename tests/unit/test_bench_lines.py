@@ -1,0 +1,90 @@
+"""The benchmarks' summary lines, pure logic over recorded runs: bench/tta.py's equal-step
+comparison, bench/embeddings.py's ratios and round trips per step."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from bench import embeddings, tta
+
+
+def _row(mode: str, median_s: float) -> dict:
+    return {"mode": mode, "median_s": median_s}
+
+
+def test_a_mode_whose_first_call_is_past_the_others_last_step_is_still_compared():
+    # CI's case: raw stopped at step 90 (target reached), psctl-local's first applied
+    # snapshot was at step 100 (50 steps a call). Each curve starts at step 0 at 0 s.
+    raw = {
+        "label": "raw@1",
+        "curve": [[0.0, 0, 0.50, 0.7], [1.0, 30, 0.60, 0.6], [2.0, 90, 0.70, 0.5]],
+    }
+    ours = {"label": "psctl-local", "curve": [[0.0, 0, 0.50, 0.7], [1.0, 100, 0.72, 0.5]]}
+    rows = [_row("raw@1", 2.0), _row("psctl-local", 1.0)]
+    line = tta.equal_steps_line(rows, [raw, ours], "auc")
+    assert line == "eval auc at step 90: raw@1 (best raw) 0.7000; psctl-local 0.6980 (-0.0020)"
+
+
+def test_the_step_compared_is_the_fewest_any_run_reached():
+    raw = {"label": "raw@1", "curve": [[0.0, 0, 0.5, 1.0], [1.0, 200, 0.9, 0.1]]}
+    ours = {"label": "psctl", "curve": [[0.0, 0, 0.5, 1.0], [1.0, 100, 0.8, 0.2]]}
+    line = tta.equal_steps_line([_row("raw@1", 1.0), _row("psctl", 1.0)], [raw, ours], "acc")
+    assert re.fullmatch(
+        r"eval acc at step 100: raw@1 \(best raw\) 0\.7000; psctl 0\.8000 \(\+0\.1000\)", line
+    )
+
+
+def test_no_mode_reaching_the_target_is_said_so():
+    raw = {"label": "raw@1", "curve": [[0.0, 0, 0.5, 1.0]]}
+    line = tta.equal_steps_line([_row("raw@1", 0.0)], [raw], "auc")
+    assert line == "eval auc at the same step: n/a (a mode never reached the target)"
+
+
+def _run(mode: str, rtt: str, steps_per_sec: float, optimizer: str = "adam") -> dict:
+    return {
+        "mode": mode,
+        "rows": 1_000_000,
+        "optimizer": optimizer,
+        "rtt": rtt,
+        "status": "budget",
+        "steps_per_sec": steps_per_sec,
+    }
+
+
+def _args(rtts: list[str], optimizers: tuple[str, ...] = ("adam",)) -> argparse.Namespace:
+    return argparse.Namespace(
+        rtt_list=rtts, row_counts=[1_000_000], optimizer_list=list(optimizers), ps=2, workers=2
+    )
+
+
+def test_round_trips_per_step_are_the_slope_of_a_workers_step_time():
+    # 2 workers: a worker's step takes 2/50 s at 0 ms, 2/40 s at 1 ms: 10 ms more, 10 trips.
+    runs = [_run("psctl", "0 ms", 50.0), _run("psctl", "1 ms", 40.0), _run("local", "0 ms", 100)]
+    rows = embeddings.summarize(runs, _args(["0 ms", "1 ms"]))
+    assert [r["rtt"] for r in rows] == ["0 ms", "1 ms"]
+    assert rows[0]["round_trips"] == {}
+    assert abs(rows[1]["round_trips"]["psctl"] - 10.0) < 1e-9
+    assert rows[1]["local"]["steps_per_sec"] == 100  # no network: shown in every row
+    assert rows[1]["ratio_local"] == 0.4
+
+
+def test_the_last_lines_name_the_network_and_come_raw_then_tf_keras():
+    runs = [
+        _run("psctl", "1 ms", 60.0),
+        _run("raw", "1 ms", 6.0),
+        _run("psctl", "1 ms", 50.0, "adagrad"),
+        _run("tf_keras", "1 ms", 40.0, "adagrad"),
+    ]
+    rows = embeddings.summarize(runs, _args(["1 ms"], ("adam", "adagrad")))
+    lines = embeddings.ratio_lines(rows)
+    assert lines[-2:] == [
+        "psctl/raw_keras steps/s at 1M rows (adam, rtt 1 ms) = 10.00",
+        "psctl/tf_keras steps/s at 1M rows (adagrad, rtt 1 ms) = 1.25",
+    ]
+
+
+def test_on_loopback_the_line_is_the_one_it_always_was():
+    runs = [_run("psctl", "loopback", 60.0), _run("raw", "loopback", 30.0)]
+    lines = embeddings.ratio_lines(embeddings.summarize(runs, _args(["loopback"])))
+    assert lines == ["psctl/raw_keras steps/s at 1M rows (adam) = 2.00"]
