@@ -1,6 +1,7 @@
 #!/bin/sh
-# Make sure `systemd-analyze` (the unit tests verify every rendered unit with it) and `ip`
-# (the multi-host test builds network-namespace hosts with it) are on PATH. Idempotent: does
+# Make sure `systemd-analyze` (the unit tests verify every rendered unit with it), `ip`
+# (the multi-host test and bench/netlab.py build network-namespace hosts with it) and `cc`
+# (bench/netlab.py compiles its delaying relay, bench/relay.c) are on PATH. Idempotent: does
 # nothing when both are there. Otherwise installs the Debian/Ubuntu packages `systemd` and
 # `iproute2`, running `apt-get update` first only if the plain install fails. Uses sudo only
 # when not root.
@@ -12,13 +13,14 @@ set -eu
 missing=""
 command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+command -v cc >/dev/null 2>&1 || missing="$missing gcc libc6-dev"
 if [ -z "$missing" ]; then
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "ensure-systemd-tools: missing$missing and no apt-get here; install systemd" \
-        "(systemd-analyze) and iproute2 (ip) with your package manager" >&2
+        "(systemd-analyze), iproute2 (ip) and a C compiler (cc) with your package manager" >&2
     exit 1
 fi
 
@@ -44,7 +46,7 @@ if ! apt_install; then
     apt_install
 fi
 
-for tool in systemd-analyze ip; do
+for tool in systemd-analyze ip cc; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "ensure-systemd-tools: $tool still not on PATH after installing$missing" >&2
         exit 1
