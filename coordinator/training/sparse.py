@@ -196,17 +196,24 @@ class SparseUpdater:
                     continue
                 rows, values = _dedupe(grad, shard)
                 slots = {kind: table.slots[kind][i] for kind in self.kinds}
-                before = {kind: tf.gather(slot, rows) for kind, slot in slots.items()}
-                delta, after = self.rule(
-                    functools.partial(tf.gather, shard, rows),
-                    before,
-                    values,
-                    tf.cast(lr, shard.dtype),
-                    step,
-                )
-                for kind, value in after.items():
-                    slots[kind].scatter_update(tf.IndexedSlices(value, rows))
-                shard.scatter_add(tf.IndexedSlices(delta, rows))
+                # On the shard's ps, as Keras's own updates run there (the strategy's
+                # update() colocates them with the variable): the rows and their summed
+                # gradient cross once; the slots are read, changed and written where they
+                # live. Measured: 5% more steps/s at 1M rows than with the rule on the
+                # worker (docs/performance.md, "Round trips and the network").
+                with tf.device(shard.device):
+                    self._update(shard, slots, rows, values, tf.cast(lr, shard.dtype), step)
+
+    def _update(
+        self, shard: Any, slots: dict[str, Any], rows: Any, values: Any, lr: Any, step: Any
+    ) -> None:
+        before = {kind: tf.gather(slot, rows) for kind, slot in slots.items()}
+        delta, after = self.rule(
+            functools.partial(tf.gather, shard, rows), before, values, lr, step
+        )
+        for kind, value in after.items():
+            slots[kind].scatter_update(tf.IndexedSlices(value, rows))
+        shard.scatter_add(tf.IndexedSlices(delta, rows))
 
 
 def _dedupe(grad: Any, shard: Any) -> tuple[Any, Any]:
