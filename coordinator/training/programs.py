@@ -6,10 +6,11 @@ and ``--epochs`` pick one (default here, local-step here, epochs in epochs.py).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import keras
 import tensorflow as tf
 
 from psctl.coordinator.dynamic import recording
@@ -61,12 +62,73 @@ class StepProgram(Protocol):
     def stopped_early(self, final_step: int) -> bool: ...
 
 
+# Training metrics whose state is counts that each batch adds to (Keras's confusion-matrix
+# metrics): summed on the worker over a call's steps, added to the ps once per call.
+ADDITIVE_METRICS: tuple[type, ...] = (
+    keras.metrics.AUC,
+    keras.metrics.Precision,
+    keras.metrics.Recall,
+    keras.metrics.PrecisionAtRecall,
+    keras.metrics.RecallAtPrecision,
+    keras.metrics.SensitivityAtSpecificity,
+    keras.metrics.SpecificityAtSensitivity,
+    keras.metrics.TruePositives,
+    keras.metrics.TrueNegatives,
+    keras.metrics.FalsePositives,
+    keras.metrics.FalseNegatives,
+)
+
+
+class CallSums:
+    """A call's training metrics, summed on the worker and added to the ps once per call
+    instead of once per step: the mean metrics' [sum, count] rows and the counts of the
+    additive metrics (``ADDITIVE_METRICS``; any other metric still updates its ps state
+    every step). Each one a step used to send is one tensor fewer crossing per step, and a
+    call that fails part-way adds nothing (its steps run again elsewhere)."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.mean_sums = state.mean_sums
+        self.additive = [m for m in state.other_metrics if type(m) in ADDITIVE_METRICS]
+        self.per_step = [m for m in state.other_metrics if type(m) not in ADDITIVE_METRICS]
+
+    def zeros(self) -> list[Any]:
+        sums = [tf.zeros(self.mean_sums.shape, self.mean_sums.dtype)]
+        return sums + [tf.zeros(v.shape, v.dtype) for m in self.additive for v in m.variables]
+
+    def add(self, sums: Sequence[Any], rows: Any, y: Any, predictions: Any) -> list[Any]:
+        """``sums`` plus one step's: its mean rows, and every additive metric's counts."""
+        out = [sums[0] + rows]
+        at = 1
+        for metric in self.additive:
+            mine = list(sums[at : at + len(metric.variables)])
+            new = metric.stateless_update_state(mine, y, predictions)
+            # A variable the update left alone comes back as the variable: keep the sum.
+            out += [
+                m if isinstance(n, keras.Variable) else n for m, n in zip(mine, new, strict=True)
+            ]
+            at += len(metric.variables)
+        for metric in self.per_step:
+            metric.update_state(y, predictions)
+        return out
+
+    def push(self, sums: Sequence[Any]) -> list[Any]:
+        """The assign_adds of a call's sums to the ps."""
+        variables = [self.mean_sums] + [v for m in self.additive for v in m.variables]
+        return [v.assign_add(s) for v, s in zip(variables, sums, strict=True)]
+
+
 def make_replica_step(
-    state: TrainState, loss_fn: Callable[[Any, Any], Any], *, replicas: int = 1
+    state: TrainState,
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    replicas: int = 1,
+    sums: CallSums | None = None,
 ) -> Any:
     """One training step on one batch, run under ``strategy.run`` on a worker. With
     ``replicas`` above 1 (sync mode) the optimizer sums the replicas' gradients: each
-    replica's is scaled by 1/replicas, so that the update is that of their mean."""
+    replica's is scaled by 1/replicas, so that the update is that of their mean. With
+    ``sums`` the step takes the call's metric sums so far and returns them with its own
+    added (``CallSums``); without, it updates the metrics on the ps itself."""
     model, optimizer, sparse, dynamic = state.model, state.optimizer, state.sparse, state.dynamic
     global_step = state.global_step
     mean_sums, mean_metrics, other_metrics = (
@@ -75,7 +137,7 @@ def make_replica_step(
         state.other_metrics,
     )
 
-    def replica_step(batch: Any) -> None:
+    def replica_step(batch: Any, so_far: Sequence[Any] = ()) -> Any:
         x, y = batch[0], batch[1]
         with tf.GradientTape() as tape, recording(tape) as records:
             predictions = model(x, training=True)
@@ -95,9 +157,12 @@ def make_replica_step(
         optimizer.apply_gradients(zip(grads[: len(dense)], dense, strict=True))
         rows = [sum_count(loss)]
         rows += [sum_count(fn(y, predictions, **kw)) for _, fn, kw in mean_metrics]
+        if sums is not None:
+            return sums.add(so_far, tf.stack(rows), y, predictions)
         mean_sums.assign_add(tf.stack(rows))
         for metric in other_metrics:
             metric.update_state(y, predictions)
+        return None
 
     return replica_step
 
@@ -136,21 +201,29 @@ class DefaultProgram:
     def make_function(self) -> Any:
         # 1 under ParameterServerStrategy on CPU workers; the worker count in sync mode.
         replicas = int(self.rt.strategy.num_replicas_in_sync)
-        replica_step = make_replica_step(self.rt.state, self.rt.job.loss_fn, replicas=replicas)
+        # Parameter-server mode: the metrics are summed over the call on the worker. Sync
+        # mode keeps its per-step updates (its runner reduces them across the replicas).
+        sums = CallSums(self.rt.state) if replicas == 1 else None
+        replica_step = make_replica_step(
+            self.rt.state, self.rt.job.loss_fn, replicas=replicas, sums=sums
+        )
         global_step, strategy = self.rt.state.global_step, self.rt.strategy
 
         # No autograph (see local_step.py): the loop is the tf.while_loop it would make.
         def train_fn(iterator: Any, num_steps: tf.Tensor) -> tf.Tensor:
-            def step(ran: tf.Tensor) -> tf.Tensor:
-                strategy.run(replica_step, args=(next(iterator),))
-                return ran + 1
+            def step(ran: tf.Tensor, *so_far: Any) -> Any:
+                if sums is None:
+                    strategy.run(replica_step, args=(next(iterator),))
+                    return ran + 1
+                return (ran + 1, *strategy.run(replica_step, args=(next(iterator), so_far)))
 
             started = tf.timestamp()
+            first = [tf.constant(0, num_steps.dtype)] + (sums.zeros() if sums else [])
             with tf.control_dependencies([started]):
-                (ran,) = tf.while_loop(
-                    lambda ran: ran < num_steps, step, [tf.constant(0, num_steps.dtype)]
-                )
-            done = global_step.assign_add(ran)  # after the loop: it needs the loop's output
+                ran, *total = tf.while_loop(lambda ran, *_: ran < num_steps, step, first)
+            pushed = sums.push(total) if sums else []
+            with tf.control_dependencies(pushed):
+                done = global_step.assign_add(ran)  # after the loop: it needs its output
             # Seconds this call ran on its worker: the only value copied back per call.
             return seconds_since(started, after=done)
 
@@ -160,17 +233,23 @@ class DefaultProgram:
         rt = self.rt
         batch_size, dataset_fn = rt.settings.batch_size, rt.job.dataset_fn
 
-        def per_worker_dataset_fn() -> Any:
+        def worker_dataset(_input_context: Any) -> Any:
             # Traced once for all workers: the worker's index is a tensor, not a Python int.
             index = tf.cast(
                 tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64
             )
             ctx = rt.data_context(index, rt.num_workers, batch_size)
-            return rt.strategy.distribute_datasets_from_function(
-                lambda _: shard_for(dataset_fn(ctx), index, rt.num_workers)
-            )
+            return shard_for(dataset_fn(ctx), index, rt.num_workers)
 
-        return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        # As TensorFlow's tutorial writes it: the traced body only hands worker_dataset to
+        # the strategy, which calls it as it is. Called from the body, it and everything it
+        # calls (the job's dataset_fn, psctl's context and sharding) went through
+        # autograph's source conversion: 0.8 s more before the first step of every run.
+        def per_worker_dataset_fn() -> Any:
+            return rt.strategy.distribute_datasets_from_function(worker_dataset)
+
+        traced = tf.function(per_worker_dataset_fn)
+        return iter(rt.coordinator.create_per_worker_dataset(traced))
 
     def wants_more(self, scheduled: int) -> bool:
         return scheduled < self.target
