@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+from collections.abc import Collection
 
 from psctl.cluster.errors import ConfigError
 
@@ -62,12 +63,16 @@ class PortInUseError(ConfigError):
         )
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free a moment ago (for local clusters and tests)."""
+def free_ports(count: int, host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> list[int]:
+    """``count`` distinct ports that were free a moment ago (for local clusters and tests),
+    none of ``avoid``: ports chosen already but not bound yet, which the kernel may hand out
+    again (seen: ``psctl local``'s control port given to a worker's /metrics)."""
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        while len(ports) < count:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports.append(int(sock.getsockname()[1]))
+            sock.bind((host, 0))  # held until the end: the next bind gets another port
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
         return ports

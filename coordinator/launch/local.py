@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -112,7 +112,10 @@ class LocalCluster:
         workdir: Path,
         verbose: bool = False,
         data_service: bool = False,
+        reserved_ports: Collection[int] = (),
     ):
+        """``reserved_ports``: chosen for something else on this host and not bound yet (the
+        control API's): never given to a server."""
         if num_ps < 1:
             raise ConfigError("--ps", f"got {num_ps}", "run at least 1 ps server")
         if num_workers < 1:
@@ -120,7 +123,8 @@ class LocalCluster:
         self.workdir = workdir
         self.verbose = verbose
         count = num_ps + num_workers
-        free = ports.free_ports(2 + 3 * count)
+        self.reserved_ports = frozenset(reserved_ports)
+        free = ports.free_ports(2 + 3 * count, avoid=self.reserved_ports)
         self.coordinator_metrics_port = free.pop()
         tf_ports, side = free[: 1 + count], free[1 + count :]
         self.cluster = ClusterConfig(
@@ -136,7 +140,7 @@ class LocalCluster:
         self.dispatcher: str | None = None
         self._data_ports: dict[int, int] = {}
         if data_service:
-            extra = ports.free_ports(1 + num_workers)
+            extra = ports.free_ports(1 + num_workers, avoid=self.reserved_ports)
             self.dispatcher = f"127.0.0.1:{extra[0]}"
             self._data_ports = dict(enumerate(extra[1:]))
         self.cluster_file = workdir / "cluster.json"
@@ -188,7 +192,8 @@ class LocalCluster:
             for task_type, count in keep.items()
             for index in range(sum(1 for s in kept if s.task_type == task_type), count)
         ]
-        free = iter(ports.free_ports(3 * len(new)))  # at once: never the same port twice
+        # At once: never the same port twice.
+        free = iter(ports.free_ports(3 * len(new), avoid=self.reserved_ports))
         plan = [
             (task_type, index, f"127.0.0.1:{next(free)}", next(free), next(free))
             for task_type, index in new
@@ -599,6 +604,8 @@ def local_ps_main(
         workdir=workdir,
         verbose=args.verbose,
         data_service=settings.epochs > 0,
+        # Bound only later, by the control front: not a port for a server.
+        reserved_ports=(Address.parse(args.control_address, field="--control-address").port,),
     )
     log.info("work dir %s", workdir)
     if args.start_timeout is None:

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
+from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.health import TLS_CERT_ENV as HEALTH_TLS_CERT_ENV
@@ -298,7 +299,8 @@ class LocalSyncJob:
         self.workdir = workdir
         self.control_address = control_address
         # Per worker: its TF port, its health port and its /metrics port.
-        found = ports.free_ports(3 * num_workers)
+        control = Address.parse(control_address, field="--control-address").port
+        found = ports.free_ports(3 * num_workers, avoid=(control,))  # bound later, by the front
         tf_ports, self.health_ports, self.metrics_ports = (
             found[:num_workers],
             found[num_workers : 2 * num_workers],
