@@ -405,6 +405,11 @@ def memory_mb(pid: int, field: str) -> float | None:
     return None
 
 
+def _ignore_interrupts() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _restore_interrupts() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, throughput._raise_interrupt)
@@ -415,34 +420,29 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
     """A fresh cluster for one run: ``LocalCluster`` on loopback, else a NetLab (``rtt``:
     "direct", or "N ms" through the delaying relay). Yields (cluster file, the ps servers
     (their ``proc``), a function that wraps the child's argv to run on the coordinator's
-    host)."""
-    if rtt == LOOPBACK:
-        from psctl.coordinator.launch.local import LocalCluster
+    host). SIGINT/SIGTERM are ignored while it stops: nothing cuts the clean-up short."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(_restore_interrupts)  # the last thing on the way out
+        if rtt == LOOPBACK:
+            from psctl.coordinator.launch.local import LocalCluster
 
-        local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
-        try:
+            local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
+            stack.callback(local.stop)
+            stack.callback(_ignore_interrupts)
             local.start()
             local.wait_serving(timeout=args.start_timeout)
             ps = sorted((s for s in local.servers if s.task_type == "ps"), key=lambda s: s.index)
             yield local.cluster_file, ps, list
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # nothing cuts the clean-up short
-                signal.signal(sig, signal.SIG_IGN)
-            local.stop()
-            _restore_interrupts()
-        return
-    from bench.netlab import lab_cluster
+            return
+        from bench.netlab import lab_cluster
 
-    delay = None if rtt == "direct" else float(rtt.split()[0])
-    with lab_cluster(
-        args.ps, args.workers, rtt_ms=delay, work=workdir, timeout=args.start_timeout
-    ) as lab:
-        try:
-            yield lab.cluster_file, [s for s in lab.servers if s.task_type == "ps"], lab.child_argv
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-    _restore_interrupts()
+        lab = stack.enter_context(
+            lab_cluster(
+                args.ps, args.workers, rtt_ms=_ms(rtt), work=workdir, timeout=args.start_timeout
+            )
+        )
+        stack.callback(_ignore_interrupts)
+        yield lab.cluster_file, [s for s in lab.servers if s.task_type == "ps"], lab.child_argv
 
 
 def tf_keras_python() -> Path:
@@ -487,8 +487,7 @@ def measure(
             record.update(status="failed", error=f"tf-keras environment: {err}", wall_s=0.0)
             return record
         env_prefix = ["env", "TF_USE_LEGACY_KERAS=1", f"PYTHONPATH={REPO}"]
-    stack = contextlib.ExitStack()
-    with stack:
+    with contextlib.ExitStack() as stack:
         if mode == "local":
             cluster_file, ps, wrap = "", [], list
         else:
@@ -544,10 +543,9 @@ def _rate(record: dict[str, Any] | None) -> str:
 
 
 def _ratio(psctl: dict[str, Any] | None, raw: dict[str, Any] | None) -> float | None:
-    if not psctl or not raw or psctl["status"] not in ("ok", "budget"):
+    if not _ok(psctl) or not _ok(raw):
         return None
-    if raw["status"] not in ("ok", "budget") or not raw.get("steps_per_sec"):
-        return None
+    assert psctl is not None and raw is not None
     return float(psctl["steps_per_sec"] / raw["steps_per_sec"])
 
 

@@ -131,11 +131,7 @@ class NetLab:
     def _start_relay(self) -> None:
         assert self.rtt_ms is not None
         binary = build_relay(self.work)
-        pairs = [
-            f"{h.service_ip}:{port}={h.ip}:{port}"
-            for h in self.hosts.values()
-            for port in (TF_PORT,)
-        ]
+        pairs = [f"{h.service_ip}:{TF_PORT}={h.ip}:{TF_PORT}" for h in self.hosts.values()]
         delay_us = str(round(self.rtt_ms * 1000 / 2))
         log = (self.work / "relay.log").open("wb")
         self.relay = subprocess.Popen(
