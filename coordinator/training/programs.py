@@ -202,8 +202,10 @@ class DefaultProgram:
         # 1 under ParameterServerStrategy on CPU workers; the worker count in sync mode.
         replicas = int(self.rt.strategy.num_replicas_in_sync)
         # Parameter-server mode: the metrics are summed over the call on the worker. Sync
-        # mode keeps its per-step updates (its runner reduces them across the replicas).
-        sums = CallSums(self.rt.state) if replicas == 1 else None
+        # mode keeps its per-step updates (all-reduced across the replicas), with one
+        # worker too: the mode decides, not the replica count.
+        async_mode = self.rt.settings.strategy == "async"
+        sums = CallSums(self.rt.state) if async_mode else None
         replica_step = make_replica_step(
             self.rt.state, self.rt.job.loss_fn, replicas=replicas, sums=sums
         )
