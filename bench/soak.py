@@ -121,10 +121,12 @@ class Fault:
     notes: list[str] = field(default_factory=list)
 
 
-def make_schedule(seed: int, minutes: float, count: int) -> list[Fault]:
+def make_schedule(
+    seed: int, minutes: float, count: int, only: tuple[str, ...] = tuple(WEIGHTS)
+) -> list[Fault]:
     rng = random.Random(seed)
     span = minutes * 60.0
-    kinds, weights = zip(*WEIGHTS.items(), strict=True)
+    kinds, weights = zip(*((k, w) for k, w in WEIGHTS.items() if k in only), strict=True)
     faults = []
     for _ in range(count):
         kind = rng.choices(kinds, weights)[0]
@@ -404,7 +406,8 @@ def measure(faults: list[Fault], soak: Soak) -> None:
     done = [f for f in faults if f.injected and not f.skipped]
     for fault in done:
         start = fault.released or fault.injected
-        fault.recovery = soak.sampler.first_step_after(start, new_process=fault.kind in RESTARTING)
+        fresh = fault.kind in (*RESTARTING, "scale-back")  # a resize runs a new process too
+        fault.recovery = soak.sampler.first_step_after(start, new_process=fresh)
     causes = [f for f in done if f.kind in (*RESTARTING, "freeze", "scale-back")]
     for number, run in enumerate(soak.runs):
         restores = run.restores()[1 if number else 0 :]  # a later run's start restores: planned
@@ -563,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="length of the schedule")
     parser.add_argument("--seed", type=int, default=1, help="the schedule's and the job's seed")
     parser.add_argument("--faults", type=int, help="faults to inject (default: 2 a minute)")
+    parser.add_argument(
+        "--kinds", default=",".join(WEIGHTS),
+        help=f"comma-separated fault kinds to draw from (default all: {','.join(WEIGHTS)})",
+    )  # fmt: skip
     parser.add_argument("--job", default="mlp")
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3)
@@ -579,10 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.workers < 1 or args.ps < 1:
         parser.error("--minutes, --workers and --ps: give positive numbers")
+    only = tuple(kind.strip() for kind in args.kinds.split(",") if kind.strip())
+    if not only or set(only) - set(WEIGHTS):
+        parser.error(f"--kinds: give some of {','.join(WEIGHTS)}, comma-separated")
     count = args.faults if args.faults is not None else max(1, round(2 * args.minutes))
     out = Path(args.out or REPO / "bench" / "results" / time.strftime("soak-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    faults = make_schedule(args.seed, args.minutes, count)
+    faults = make_schedule(args.seed, args.minutes, count, only)
     print(
         f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers, seed {args.seed}, "
         f"{count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
@@ -606,7 +616,11 @@ def main(argv: list[str] | None = None) -> int:
         stopped = run.cli("stop", "--timeout", "180", timeout=240)
         print(f"{soak.elapsed():7.1f}s stop (operator)  exit {stopped.returncode}", flush=True)
         soak.finish(run, timeout=240)
-        at_stop = int(soak.summaries[-1].get("global_step", 0))
+        # The summary's step; without one (the stop went wrong: an invariant says so), the
+        # highest step seen.
+        at_stop = int(soak.summaries[-1].get("global_step", 0)) or soak.sampler.max_step_before(
+            time.monotonic()
+        )
         rate = at_stop / max(1.0, soak.elapsed())
         target = at_stop + max(500, int(rate * span * (ENDGAME - STOP_AT)))
         run = soak.start(target)

@@ -654,6 +654,7 @@ def local_ps_main(
                 policy=RestartPolicy(max_restarts=settings.max_restarts),
                 tick=local.restart_failed_servers,
                 counters=local.counters,
+                finish_after_stop=True,
             )
             front.on_stop = supervisor.control_stop
 

@@ -168,6 +168,12 @@ def run_training_process(
     )
     control.recoveries = counters.restarts
     control.cluster_generation = len(counters.resizes)
+    if counters.stop_at_start:
+        log.warning(
+            "the job was stopped while the last training process exited for a fresh start: "
+            "restoring the latest checkpoint for the final evaluation and summary"
+        )
+        control.request_stop()
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if serve_control and settings.strategy == "async":
         control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
@@ -346,7 +352,9 @@ def supervise_train(
         if serve_control and not settings.checkpoint_dir:  # once, not at every restart
             log.warning("%s", NO_CHECKPOINTS)
         supervisor = TrainingSupervisor(
-            start, policy=RestartPolicy(max_restarts=settings.max_restarts)
+            start,
+            policy=RestartPolicy(max_restarts=settings.max_restarts),
+            finish_after_stop=settings.strategy == "async",
         )
         if serve_control:
             front.on_stop = supervisor.control_stop

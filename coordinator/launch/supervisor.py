@@ -89,6 +89,10 @@ class Counters:
     worker_failures: int = 0  # worker servers psctl local restarted
     nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
+    # The job was stopped while a training process exited for a fresh start (a resize, a
+    # ps recovery): the next one restores the latest checkpoint, trains no step, and ends
+    # as a stop does (final evaluation, summary, exit 0).
+    stop_at_start: bool = False
     # Tasks the training process saw leave ([type, index, address]: a worker stopping or
     # lost), reported at once (``leave_report``); the supervisor takes them out of the
     # launcher's cluster while training goes on.
@@ -167,8 +171,13 @@ class TrainingSupervisor:
         failures: FailurePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        finish_after_stop: bool = False,
     ) -> None:
         self.start = start
+        # A stop that meets a training process exiting for a fresh start: one more process
+        # (``Counters.stop_at_start``) gives the job its final evaluation and summary. Off
+        # where one process cannot start alone (sync mode's workers start together).
+        self.finish_after_stop = finish_after_stop
         self.policy = policy
         self.budget = RestartBudget(policy)
         self.tick = tick or (lambda: None)
@@ -256,11 +265,14 @@ class TrainingSupervisor:
             resize, self._resize = self._resize, None
             left, self.counters.left = self.counters.left, []
             self.depart([(str(t), int(str(i)), str(a)) for t, i, a in left])
-            if resize is not None and code == EXIT_RESTART and not self.stopping:
+            if resize is not None and code == EXIT_RESTART:
                 resize["seconds"] = round(self.clock() - self._resize_started, 3)
                 self.counters.resizes.append(resize)
-                log.info("starting the training process on the new cluster (%s)", resize["to"])
-                continue  # not a failure: no restart counted, no backoff
+                if not self.stopping:
+                    log.info("starting the training process on the new cluster (%s)", resize["to"])
+                    continue  # not a failure: no restart counted, no backoff
+            if self._finish_stopped_job(code):
+                continue
             failure = classify_exit(code)
             if failure is None:
                 return code  # finished, or stopped gracefully after a checkpoint
@@ -305,6 +317,25 @@ class TrainingSupervisor:
             )
             if self._sleep(delay):
                 return exit_status(Decision.ABORT)
+
+    def _finish_stopped_job(self, code: int) -> bool:
+        """A stop came while the training process exited for a fresh start (EXIT_RESTART:
+        its checkpoint written for a resize, or a ps to be recovered): True to start one
+        more, which restores the latest checkpoint and ends as a stop does, instead of
+        ending the job with no evaluation and no summary. Once: a second such exit ends it."""
+        if not (
+            code == EXIT_RESTART
+            and self.stopping
+            and self.finish_after_stop
+            and not self.counters.stop_at_start
+        ):
+            return False
+        self.counters.stop_at_start = True
+        log.warning(
+            "stopped while the training process restarted: one more restores the latest "
+            "checkpoint for the final evaluation and summary"
+        )
+        return True
 
     def _wait(self, child: subprocess.Popen[bytes]) -> int:
         while True:

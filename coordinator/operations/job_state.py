@@ -132,6 +132,7 @@ class JobControl:
         # Set with stop_requested by a resize (SIGUSR1 from the launcher): the loop ends at
         # a checkpoint and the process exits for a fresh start on the new cluster.
         self.resize_requested = threading.Event()
+        self._operator_stop = False  # request_stop or a signal: wins over a resize
         self.cluster_generation = 0  # resizes before this process (the supervisor's count)
         self._on_state = on_state  # e.g. the coordinator_state metric
         # Held while the callback runs, so that the last call reports the latest state.
@@ -305,13 +306,27 @@ class JobControl:
         with self._lock:
             if self._state in FINAL_STATES:
                 raise Rejected(f"the job is already {self._state.name}")
-            self.stop_requested.set()
+            self._stop_wins()
             return self._reported()
 
-    def request_resize(self) -> None:
-        """The launcher's: end the loop at a checkpoint, then exit for a new cluster."""
+    def stop_on_signal(self) -> None:
+        """SIGTERM/SIGINT: as ``request_stop``, in any state."""
         with self._lock:
-            if self._state in FINAL_STATES:
+            self._stop_wins()
+
+    def _stop_wins(self) -> None:
+        # An operator's stop ends the run (final checkpoint, evaluation, summary, exit 0)
+        # even while a resize is asked for: the launcher starts no training process after
+        # a stop, so an exit for a fresh start would end the job without its summary.
+        self._operator_stop = True
+        self.resize_requested.clear()
+        self.stop_requested.set()
+
+    def request_resize(self) -> None:
+        """The launcher's: end the loop at a checkpoint, then exit for a new cluster
+        (ignored once an operator's stop came: the stop wins)."""
+        with self._lock:
+            if self._state in FINAL_STATES or self._operator_stop:
                 return
             self.resize_requested.set()
             self.stop_requested.set()

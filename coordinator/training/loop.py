@@ -69,7 +69,7 @@ def install_stop_signals(control: JobControl) -> None:
         log.warning(
             "%s: finishing in-flight steps, then checkpoint and exit", signal.Signals(signum).name
         )
-        control.stop_requested.set()
+        control.stop_on_signal()
 
     SignalRelay(handle, abort_on_second=True)
 

@@ -143,13 +143,22 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
         s = wait_shape(address, (1, 2), 1, 2000)
         assert float(s["uptime_seconds"]) > uptime, s
         assert "LEFT" in control_cli(address, "status", timeout=30).stdout
+        # Back to 3 workers, and the operator's stop at once, while the training process
+        # exits for the resize (found by bench/soak.py: exit 75, no summary): the job still
+        # ends as a stop does.
+        proc = scale(address, "--workers", "3")
+        assert proc.returncode == 0, proc.stderr
         stop = control_cli(address, "stop", timeout=150)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=150) == 0
     finally:
         kill_if_running(job, timeout=30)
     summary = read_json(out)
-    assert [(r["reason"], r["seconds"]) for r in summary["resizes"]] == [("worker:1 left", 0.0)]
+    # The stop came before the process acted on the resize (it wins: the resize is not
+    # done) or after (done, then one more process for the summary).
+    reasons = [r["reason"] for r in summary["resizes"]]
+    assert reasons in (["worker:1 left"], ["worker:1 left", "psctl scale"]), reasons
+    assert summary["resizes"][0]["seconds"] == 0.0
     assert summary["worker_failures"] == 0 and summary["restarts"] == 0, summary
-    assert summary["num_workers"] == 2 and summary["eval_accuracy"] >= 0.98, summary
+    assert summary["eval_accuracy"] >= 0.98, summary
     assert processes_mentioning(str(workdir)) == []

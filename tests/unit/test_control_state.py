@@ -350,3 +350,22 @@ def test_explicit_health_addresses(tmp_path: Path):
         ("ps", 1): Address("h", 2),
         ("worker", 0): Address("w", 3),
     }
+
+
+@pytest.mark.parametrize("stop", ["request_stop", "stop_on_signal"])
+def test_an_operators_stop_wins_over_a_resize(stop):
+    """A stop and a resize both end the loop; with both asked for, in either order, the
+    run ends as a stop (evaluation, summary, exit 0): the launcher starts no process after
+    a stop, so an exit for the resize would lose the summary (found by bench/soak.py)."""
+    before = control_in(State.RUNNING)
+    before.request_resize()
+    getattr(before, stop)()
+    after = control_in(State.RUNNING)
+    getattr(after, stop)()
+    after.request_resize()
+    for control in (before, after):
+        assert control.stop_requested.is_set()
+        assert not control.resize_requested.is_set()
+    alone = control_in(State.RUNNING)
+    alone.request_resize()
+    assert alone.stop_requested.is_set() and alone.resize_requested.is_set()

@@ -135,3 +135,63 @@ def test_a_worker_that_left_is_taken_out_while_the_process_trains_on(tmp_path):
         0.0,
     )
     assert supervisor.counters.restarts == 0
+
+
+@pytest.mark.parametrize("finish_after_stop", [True, False])
+def test_a_stop_during_a_resize_ends_with_one_more_process_for_the_summary(finish_after_stop):
+    """Found by bench/soak.py: ``psctl stop`` while the training process exited for a resize
+    ended ``psctl local`` with 75 and no summary. The launcher's supervisor starts one more
+    (``stop_at_start``: restore, evaluate, summary, exit 0), once; sync mode's does not."""
+    clock = Clock()
+    children: list[Child] = []
+    handed: list[bool] = []
+    supervisor: TrainingSupervisor
+
+    def start(counters: Counters) -> Child:
+        handed.append(counters.stop_at_start)
+        child = Child(clock) if not children else Child(clock, code=0)
+        children.append(child)
+        return child
+
+    def tick() -> None:  # psctl scale, then psctl stop while the process exits for it
+        if len(children) == 1 and not children[0].signals:
+            assert supervisor.request_resize(old="1 ps + 2 workers", new="1 ps + 3 workers")
+            supervisor.control_stop(forwarded=True)
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(max_restarts=1),
+        tick=tick,
+        clock=clock,
+        sleep=lambda _: None,
+        finish_after_stop=finish_after_stop,
+    )
+    if finish_after_stop:
+        assert supervisor.run() == 0
+        assert handed == [False, True]
+        assert supervisor.counters.restarts == 0
+        assert [r["to"] for r in supervisor.counters.resizes] == ["1 ps + 3 workers"]
+    else:
+        assert supervisor.run() == EXIT_RESTART
+        assert handed == [False]
+
+
+def test_a_second_exit_for_a_fresh_start_after_a_stop_ends_the_job():
+    """The process started for a stopped job's summary exits for a fresh start too (its ps
+    lost again): no third one."""
+    starts: list[bool] = []
+
+    def start(counters: Counters) -> Child:
+        starts.append(counters.stop_at_start)
+        return Child(Clock(), code=EXIT_RESTART)
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(),
+        clock=Clock(),
+        sleep=lambda _: None,
+        finish_after_stop=True,
+    )
+    supervisor.stopping = True
+    assert supervisor.run() == EXIT_RESTART
+    assert starts == [False, True]
