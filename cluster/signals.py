@@ -58,3 +58,30 @@ class SignalRelay:
             signal.signal(sig, old)
         self._queue.put(None)
         self._thread.join(timeout=5.0)
+
+
+class EarlyStops:
+    """Stop signals that come while a process starts, before it can act on one (importing
+    TensorFlow, waiting for its servers): counted, for ``SignalRelay`` to take over. The
+    default action would kill it there, with no checkpoint or summary: seen, ``psctl stop``
+    while a training process started after a resize ended ``psctl local`` with 130. A
+    second one does what the default would (a second Ctrl-C aborts)."""
+
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
+        self.received = 0
+        self.signum = 0
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.received += 1
+        self.signum = signum
+        if self.received > 1:
+            self.die()
+
+    def die(self) -> None:
+        """End as the default action would, if a stop came: where there is nothing to
+        save yet (still waiting for the servers)."""
+        if self.signum:
+            signal.signal(self.signum, signal.SIG_DFL)
+            signal.raise_signal(self.signum)

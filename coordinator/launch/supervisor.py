@@ -196,6 +196,7 @@ class TrainingSupervisor:
         self._departed: set[str] = set()  # addresses taken out while this child runs
         self._resize: dict[str, object] | None = None  # asked for, not done yet
         self._resize_started = self._resize_sent = 0.0
+        self._forwarded = 0  # the stop signal request_stop sent the training process
         # Children inherit it ignored: a resize signal that reaches a training process
         # before it installs its handler (training/loop.py) must not kill it.
         with contextlib.suppress(ValueError):  # not the main thread: a test's supervisor
@@ -315,16 +316,18 @@ class TrainingSupervisor:
                 self.policy.max_restarts,
                 self.policy.window,
             )
-            if self._sleep(delay):
+            if self._sleep(delay) and not self._finish_stopped_job(EXIT_RESTART):
                 return exit_status(Decision.ABORT)
 
     def _finish_stopped_job(self, code: int) -> bool:
         """A stop came while the training process exited for a fresh start (EXIT_RESTART:
-        its checkpoint written for a resize, or a ps to be recovered): True to start one
-        more, which restores the latest checkpoint and ends as a stop does, instead of
-        ending the job with no evaluation and no summary. Once: a second such exit ends it."""
+        its checkpoint written for a resize, or a ps to be recovered), while the next one
+        was due, or while it started (the stop signal forwarded to it killed it before it
+        could handle one): True to start one more, which restores the latest checkpoint and
+        ends as a stop does, instead of ending the job with no evaluation and no summary.
+        Once: a second such exit ends it."""
         if not (
-            code == EXIT_RESTART
+            (code == EXIT_RESTART or (self._forwarded and code == -self._forwarded))
             and self.stopping
             and self.finish_after_stop
             and not self.counters.stop_at_start
@@ -373,6 +376,7 @@ class TrainingSupervisor:
                 "%s: asking the training process to stop (checkpoint first)",
                 signal.Signals(signum).name,
             )
+            self._forwarded = signum
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signum)
 

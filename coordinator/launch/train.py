@@ -9,11 +9,13 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.logs import tensorflow_import_quietly
+from psctl.cluster.signals import EarlyStops
 from psctl.cluster.spec import ClusterConfig, require_chief
 from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
@@ -56,9 +58,12 @@ def resolve_chief_cluster(cluster_file: str | None) -> tuple[ClusterConfig, str]
     return cluster, source
 
 
-def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
+def wait_for_tf_ports(
+    cluster: ClusterConfig, *, timeout: float, tick: Callable[[], None] = lambda: None
+) -> None:
     """Bounded wait until every ps and worker accepts TCP connections on its TF port;
-    ``Unreachable`` (the job ends with exit 69) after ``timeout`` seconds."""
+    ``Unreachable`` (the job ends with exit 69) after ``timeout`` seconds. ``tick()`` between
+    two looks (a stop ends the wait there)."""
     started = time.monotonic()
     deadline = started + timeout
     pending = [(t, i, a) for t, i, a in cluster.task_addresses() if t in ("ps", "worker")]
@@ -86,6 +91,7 @@ def wait_for_tf_ports(cluster: ClusterConfig, *, timeout: float) -> None:
                 "waiting up to %.0fs for %d server(s) to listen: %s", timeout, len(pending), names
             )
             announced = True
+        tick()
         time.sleep(0.5)
 
 
@@ -100,11 +106,12 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         )
     if not args.once:
         return supervise_train(args, settings)
+    early = EarlyStops()  # a stop while this process starts: kept for the loop
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
     ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
     try:
-        wait_for_tf_ports(cluster, timeout=settings.connect_timeout)
+        wait_for_tf_ports(cluster, timeout=settings.connect_timeout, tick=early.die)
     except Unreachable as err:
         # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
         # systemd nor Kubernetes starts the job again (docs/operations.md).
@@ -122,7 +129,9 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     metrics = start_metrics(metrics_port, settings, cluster, counters)
 
     def run(control: JobControl, failures: FailurePolicy) -> int:
-        summary = _train(job, cluster, source, settings, control, metrics, dispatcher, failures)
+        summary = _train(
+            job, cluster, source, settings, control, metrics, dispatcher, failures, early
+        )
         return complete(
             summary, settings=settings, control=control, counters=counters, metrics=metrics
         )
@@ -147,11 +156,12 @@ def _train(
     metrics: CoordinatorMetrics | None,
     dispatcher: str | None,
     policy: FailurePolicy,
+    early: EarlyStops,
 ) -> Summary:
     from psctl.coordinator.training.loop import install_stop_signals
     from psctl.coordinator.training.trainer import Trainer
 
-    install_stop_signals(control)
+    install_stop_signals(control, early)
     log.info(
         "job %s on %d ps + %d workers (%s), %s, batch %d/worker, %s steps/call",
         settings.job,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from psctl.cluster.signals import RESIZE_SIGNAL, SignalRelay
+from psctl.cluster.signals import RESIZE_SIGNAL, EarlyStops, SignalRelay
 from psctl.coordinator.failures import ResizeRequested
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
@@ -59,9 +59,9 @@ PAUSE_POLL = 0.2  # seconds between looks (and, in sync mode, agreements) while 
 OPEN_TARGET = 2**62  # a program's target when the data decides (--epochs)
 
 
-def install_stop_signals(control: JobControl) -> None:
+def install_stop_signals(control: JobControl, early: EarlyStops | None = None) -> None:
     """SIGTERM/SIGINT: finish in-flight steps, checkpoint, evaluate, exit 0. A second one
-    aborts."""
+    aborts. One that ``early`` counted while the process started is a stop at once."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -71,7 +71,11 @@ def install_stop_signals(control: JobControl) -> None:
         )
         control.stop_on_signal()
 
-    SignalRelay(handle, abort_on_second=True)
+    relay = SignalRelay(handle, abort_on_second=True)
+    if early is not None and early.received:
+        relay.received = early.received
+        log.warning("stopped while starting: no step trained, then checkpoint and exit")
+        control.stop_on_signal()
 
     def resize(signum: int) -> None:
         log.warning("the launcher asked for a new cluster: checkpoint, then a fresh start")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.ports import free_ports
+from psctl.cluster.procs import command_lines
 from tests.conftest import (
     child_env,
     control_cli,
@@ -243,3 +244,37 @@ def test_control_api_answers_while_the_training_process_restarts(workdir):
     summary = read_json(out)
     assert summary["restarts"] >= 1 and summary["stopped_early"] is True
     assert processes_mentioning(str(workdir)) == []
+
+
+def test_a_stop_while_the_next_training_process_starts_ends_as_a_stop(workdir):
+    """Found by bench/soak.py: ``psctl stop`` reached a training process the supervisor had
+    just started (importing TensorFlow, no handler yet) as SIGTERM, which killed it: exit
+    130, no summary. Now it stops at once after restoring: evaluation, summary, exit 0."""
+    job, address, out = start_local_job(workdir)
+    try:
+        first = wait_training(address)
+        (chief,) = [int(t["pid"]) for t in first["tasks"] if t["type"] == "chief"]
+        subprocess.run(["kill", "-9", str(chief)], check=True)
+        wait_until(
+            lambda: [p for p in trainers(workdir) if p != chief],
+            timeout=60,
+            what="the next training process started",
+        )
+        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=150) == 0
+    finally:
+        kill_if_running(job)
+    summary = read_json(out)
+    assert summary["restarts"] == 1 and summary["stopped_early"] is True, summary
+    assert summary["eval_accuracy"] is not None, summary
+    assert processes_mentioning(str(workdir)) == []
+
+
+def trainers(workdir: Path) -> list[int]:
+    """The training processes of a `psctl local` job in ``workdir``."""
+    return [
+        pid
+        for pid, line in command_lines(str(workdir)).items()
+        if "-m psctl train" in line and "--once" in line
+    ]

@@ -4,12 +4,15 @@ thread may hold (real signals sent to this process's main thread)."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from psctl.cluster.signals import SignalRelay
+from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,3 +61,28 @@ def test_a_second_signal_aborts_when_asked() -> None:
         assert handled == [signal.SIGUSR1]  # the second one went to the main thread only
     finally:
         relay.restore()
+
+
+def test_early_stops_counts_the_first_and_dies_of_the_second():
+    """A training process still starting keeps a stop for its loop (``received``); a
+    second one ends it as the default action would."""
+    code = (
+        "import os, signal, sys\n"
+        "from psctl.cluster.signals import EarlyStops\n"
+        "early = EarlyStops()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "early.die() if sys.argv[1] == 'die' else None\n"
+        "print(early.received, early.signum == signal.SIGTERM, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('not reached')\n"
+    )
+    for how, want in (("keep", "1 True\n"), ("die", "")):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, how],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+        )
+        assert proc.stdout == want
+        assert proc.returncode == (-signal.SIGINT if how == "keep" else -signal.SIGTERM)

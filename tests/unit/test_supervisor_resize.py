@@ -4,6 +4,8 @@ a resize between two processes is recorded for the next one."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from psctl.cluster.signals import RESIZE_SIGNAL
@@ -195,3 +197,35 @@ def test_a_second_exit_for_a_fresh_start_after_a_stop_ends_the_job():
     supervisor.stopping = True
     assert supervisor.run() == EXIT_RESTART
     assert starts == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("died", "want"), [(-signal.SIGTERM, [False, True]), (-signal.SIGKILL, [False])]
+)
+def test_a_process_killed_by_the_stop_signal_it_was_sent_gets_one_more(died, want):
+    """SIGTERM forwarded to a training process still starting (no handler yet) kills it:
+    the supervisor starts one more with ``stop_at_start``, for the summary. One that dies
+    by another signal after a stop is not replaced."""
+    clock = Clock()
+    handed: list[bool] = []
+    supervisor: TrainingSupervisor
+
+    def start(counters: Counters) -> Child:
+        handed.append(counters.stop_at_start)
+        if len(handed) > 1:
+            return Child(clock, code=0)
+        child = Child(clock)
+        supervisor.child = child  # type: ignore[assignment]
+        supervisor.request_stop(signal.SIGTERM)
+        child.code = died
+        return child
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(),
+        clock=clock,
+        sleep=lambda _: None,
+        finish_after_stop=True,
+    )
+    supervisor.run()
+    assert handed == want
