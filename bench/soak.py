@@ -42,8 +42,11 @@ steps redone) and the last line::
 
 "Seconds to the first step after it": from the fault (for a freeze or a pause: from its
 end) to the first status sample that shows a step finished after it, in a training process
-that already ran a step since (a restarted one restores first). "Steps redone": the
-highest step seen before the fault less the step a training process restored after it.
+that already ran a step since (a restarted one restores first). A fault not recovered
+before the operator's planned stop is "cut": the restarted job's first step would measure
+that restart, not the fault; it counts in no percentile. "Steps redone": the highest step
+seen before the fault less the step a training process restored after it. results.json
+keeps every fault and status sample.
 
     .venv/bin/python bench/soak.py --minutes 30 --seed 1     # 60 faults, about 35 min
     .venv/bin/python bench/soak.py --minutes 3 --faults 10   # a smoke run, about 5 min
@@ -117,6 +120,7 @@ class Fault:
     step_before: int = 0
     skipped: str = ""  # why it was not injected
     recovery: float | None = None
+    cut: bool = False  # its recovery ran into the operator's stop: not a fault's to count
     redone: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -232,6 +236,8 @@ class Soak:
         self.written: list[tuple[float, int]] = []  # checkpoints as they appeared
         self.workers = args.workers
         self.timers: list[threading.Timer] = []
+        # The operator's stop and restart: (when asked, when the new run trains).
+        self.restart: tuple[float, float] | None = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -408,6 +414,11 @@ def measure(faults: list[Fault], soak: Soak) -> None:
         start = fault.released or fault.injected
         fresh = fault.kind in (*RESTARTING, "scale-back")  # a resize runs a new process too
         fault.recovery = soak.sampler.first_step_after(start, new_process=fresh)
+        # Not recovered before the operator's planned stop: the first step after it is the
+        # restarted job's, whose start-up is no recovery of this fault.
+        stop = soak.restart[0] if soak.restart is not None else math.inf
+        if fault.injected < stop and (fault.recovery is None or start + fault.recovery > stop):
+            fault.cut, fault.recovery = True, None
     causes = [f for f in done if f.kind in (*RESTARTING, "freeze", "scale-back")]
     for number, run in enumerate(soak.runs):
         restores = run.restores()[1 if number else 0 :]  # a later run's start restores: planned
@@ -467,7 +478,7 @@ def percentile(values: list[float], q: float) -> float:
 def table(faults: list[Fault]) -> list[str]:
     rows = [
         f"{'kind':<13} {'count':>5} {'skipped':>7} {'p50 s':>6} {'p95 s':>6} {'max s':>6} "
-        f"{'no step':>7} {'redone':>6}"
+        f"{'no step':>7} {'cut':>4} {'redone':>6}"
     ]
     kinds = [*WEIGHTS, "scale-back"]
     for kind in kinds:
@@ -479,8 +490,9 @@ def table(faults: list[Fault]) -> list[str]:
         rows.append(
             f"{kind:<13} {len(done):>5} {len(mine) - len(done):>7} "
             f"{percentile(times, 0.5):>6.1f} {percentile(times, 0.95):>6.1f} "
-            f"{max(times, default=math.nan):>6.1f} {len(done) - len(times):>7} "
-            f"{sum(f.redone for f in done):>6}"
+            f"{max(times, default=math.nan):>6.1f} "
+            f"{sum(f.recovery is None and not f.cut for f in done):>7} "
+            f"{sum(f.cut for f in done):>4} {sum(f.redone for f in done):>6}"
         )
     return rows
 
@@ -613,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         soak.started = time.monotonic()  # the schedule counts from the first step
         soak.drive(run, faults, span * STOP_AT, rng)
         soak.release_all()
+        stop_at = time.monotonic()
         stopped = run.cli("stop", "--timeout", "180", timeout=240)
         print(f"{soak.elapsed():7.1f}s stop (operator)  exit {stopped.returncode}", flush=True)
         soak.finish(run, timeout=240)
@@ -626,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         run = soak.start(target)
         print(f"{soak.elapsed():7.1f}s restart      on step {at_stop}, target {target}", flush=True)
         soak.wait_training(run, timeout=300)
+        soak.restart = (stop_at, time.monotonic())
         soak.drive(run, faults, span, rng)
         soak.release_all()
         soak.finish(run, timeout=args.timeout)
@@ -651,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "args": vars(args),
         "faults": [vars(f) for f in faults],
+        # (seconds since the first fault's clock, global step, state, uptime) twice a second
+        "samples": [
+            (round(t - soak.started, 2), step, state, round(up, 1))
+            for t, step, state, up in soak.sampler.samples
+        ],
         "summaries": soak.summaries,
         "baseline": base,
         "invariants": [{"name": n, "held": h, "detail": d} for n, h, d in checked],

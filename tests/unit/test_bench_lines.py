@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from bench import embeddings, tta
+from bench import embeddings, soak, tta
 
 
 def _row(mode: str, median_s: float) -> dict:
@@ -88,3 +88,24 @@ def test_on_loopback_the_line_is_the_one_it_always_was():
     runs = [_run("psctl", "loopback", 60.0), _run("raw", "loopback", 30.0)]
     lines = embeddings.ratio_lines(embeddings.summarize(runs, _args(["loopback"])))
     assert lines == ["psctl/raw_keras steps/s at 1M rows (adam) = 2.00"]
+
+
+def test_a_soak_fault_not_recovered_before_the_operators_stop_is_cut():
+    """bench/soak.py: a fault whose first step after it is the restarted job's counts in no
+    percentile (the restart's start-up is no recovery); one recovered before stays."""
+    sampler = soak.Sampler()
+    sampler.stop()
+    # One training process (uptime growing) steps every second until t=100, the operator
+    # stops it then; the restarted job (a new process: uptime from 0) steps from t=130.
+    sampler.samples = [(t, 10 * t, "JOB_STATE_RUNNING", t) for t in range(1, 100)]
+    sampler.samples += [(130 + t, 2000 + t, "JOB_STATE_RUNNING", 1 + t) for t in range(5)]
+    early = soak.Fault(at=50, kind="kill-worker", injected=50.5)
+    late = soak.Fault(at=99, kind="freeze", injected=95.0, released=99.5)
+    after = soak.Fault(at=131, kind="kill-worker", injected=131.2)
+    state = argparse.Namespace(sampler=sampler, restart=(100.0, 130.0), runs=[])
+    soak.measure([early, late, after], state)  # type: ignore[arg-type]
+    assert (early.recovery, early.cut) == (0.5, False)
+    assert (late.recovery, late.cut) == (None, True)
+    assert after.recovery is not None and after.recovery < 1.0 and not after.cut
+    row = next(r for r in soak.table([early, late, after]) if r.startswith("freeze"))
+    assert row.split()[-3:] == ["0", "1", "0"]  # no step, cut, redone
