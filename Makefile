@@ -58,7 +58,7 @@ bench: install
 
 # One job through 30 minutes of random, overlapping faults; invariants checked at the end
 # (SEED=N for another schedule).
-soak: install
+soak: install prometheus
 	$(BIN)/python bench/soak.py --minutes 30 --seed $(or $(SEED),1)
 
 # Builds the wheel and checks it against the package index (not part of `make test`): its

@@ -33,7 +33,13 @@ Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
 - the failures the summaries count cover what was injected where a fault is observable (a
   ``kill-worker`` while the job RUNS: a worker failure; a ``kill-ps`` or ``kill-trainer``
   while it RUNS: a restart), and no more restarts than the faults that can cause one;
-- no process of the job is left.
+- no process of the job is left;
+- with a real Prometheus scraping the job every second (psctl local's targets.json; off
+  with ``--no-prometheus``, left out where ``prometheus`` is not on PATH): each run's
+  ``psctl_restarts_total`` equals its summary's restarts, and the alerts of
+  deploy/prometheus/alerts.yml that fired are those the restarts call for
+  (``PsctlRestartLoop`` at 3 in a run) and no other: no server or coordinator down, no
+  stall, no NaN, as every fault here recovers within the rules' ``for:``.
 
 Then a table per fault kind (count, seconds to the first step after it: p50, p95, max;
 steps redone) and the last line::
@@ -62,6 +68,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.elastic import control_cli, progress, start_job  # noqa: E402
+from bench.promserver import Prometheus  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.procs import command_lines  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
@@ -94,6 +102,10 @@ WEIGHTS = {
     "checkpoint": 1,
 }
 RESTARTING = ("kill-ps", "kill-trainer")  # faults that need a new training process
+# deploy/prometheus/alerts.yml: PsctlRestartLoop fires at 3 restarts (or 3 new training
+# processes) within 30 min; none of the others may fire under these faults (each recovers
+# within their "for:"), nor for a worker that left (it is no target then).
+RESTART_LOOP, LOOP_AT = "PsctlRestartLoop", 3
 RUNNING = ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING")
 RESTORED = re.compile(r"restored .* \(global step (\d+)\)")
 WARMUP = 20.0  # seconds of training before the first fault
@@ -238,6 +250,7 @@ class Soak:
         self.timers: list[threading.Timer] = []
         # The operator's stop and restart: (when asked, when the new run trains).
         self.restart: tuple[float, float] | None = None
+        self.coordinators: list[str] = []  # each run's coordinator /metrics (host:port)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -272,6 +285,15 @@ class Soak:
         self.sampler.address = address
         self.workers = self.args.workers
         return run
+
+    def note_coordinator(self) -> None:
+        """The running job's coordinator /metrics address, from psctl local's targets.json."""
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            groups = json.loads((self.workdir / "targets.json").read_text())
+            for group in groups:
+                if group["labels"]["job"] == "psctl-coordinator":
+                    self.coordinators.append(group["targets"][0])
+                    return
 
     def watch_checkpoints(self) -> None:
         known = {step for _, step in self.written}
@@ -573,6 +595,79 @@ def invariants(
     return found
 
 
+def start_prometheus(args: argparse.Namespace, soak: Soak) -> Prometheus | None:
+    """A real Prometheus scraping the job (psctl local's targets.json) every second and
+    evaluating deploy/prometheus/alerts.yml; None (said in a line) without ``prometheus``."""
+    binary = shutil.which("prometheus")
+    if not args.prometheus or binary is None:
+        if args.prometheus:
+            print("soak: no prometheus on PATH (sh tools/ensure-prometheus.sh installs it): "
+                  "its invariants are left out", flush=True)  # fmt: skip
+        return None
+    soak.workdir.mkdir(parents=True, exist_ok=True)
+    scrape = {
+        "job_name": "psctl",
+        "file_sd_configs": [{"files": [str(soak.workdir / "targets.json")]}],
+    }
+    prom = Prometheus(soak.out / "prometheus", [scrape], binary=binary)
+    prom.start()
+    return prom
+
+
+def scraped(soak: Soak, prom: Prometheus, at: float, minutes: float) -> list[tuple[str, bool, str]]:
+    """What Prometheus saw, as of ``at`` (epoch seconds: the last run's end, before the
+    stopped servers are down long enough for an alert): each run's psctl_restarts_total
+    against its summary, and the alerts that fired against those the restarts call for."""
+    window = f"{math.ceil(minutes) + 30}m"
+
+    def query(expr: str) -> list[dict[str, Any]]:
+        return list(prom.api("query", query=expr, time=f"{at:.3f}")["result"])
+
+    seen: list[int | None] = []
+    for instance in soak.coordinators:
+        found = query(
+            f'max_over_time(psctl_restarts_total{{job="psctl-coordinator",instance="{instance}"}}'
+            f"[{window}])"
+        )
+        seen.append(int(float(found[0]["value"][1])) if found else None)
+    want = [int(s.get("restarts", -1)) for s in soak.summaries]
+    checks = [
+        (
+            "Prometheus's restart counts equal the summaries",
+            seen == want,
+            f"psctl_restarts_total per run {seen}, summaries {want}",
+        )
+    ]
+    fired = sorted(
+        {
+            r["metric"]["alertname"]
+            for r in query(f'max_over_time(ALERTS{{alertstate="firing"}}[{window}])')
+        }
+    )
+    restarts = max(want, default=0)
+    # New training processes in a run: restarts and resizes (psctl scale) start one each.
+    processes = max(
+        (
+            int(s.get("restarts", 0))
+            + sum(r.get("reason") == "psctl scale" for r in s.get("resizes", []))
+            for s in soak.summaries
+        ),
+        default=0,
+    )
+    must = {RESTART_LOOP} if restarts >= LOOP_AT else set()
+    may = must | ({RESTART_LOOP} if processes >= LOOP_AT else set())
+    checks.append(
+        (
+            "the alerts that should fire did, and no other",
+            must <= set(fired) <= may,
+            f"fired: {', '.join(fired) or 'none'}; expected: {', '.join(sorted(must)) or 'none'} "
+            f"(most restarts in a run {restarts}, new training processes {processes}; "
+            f"{RESTART_LOOP} at {LOOP_AT})",
+        )
+    )
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="length of the schedule")
@@ -593,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run the job without faults too, for the accuracy invariant (default on)",
     )  # fmt: skip
     parser.add_argument("--baseline-steps", type=int, default=20_000, help="at most (20,000)")
+    parser.add_argument(
+        "--prometheus", action=argparse.BooleanOptionalAction, default=True,
+        help="a real Prometheus scrapes the job; its counters and alerts are checked "
+        "(default on where `prometheus` is on PATH)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")
     parser.add_argument("--out", help="results folder (default bench/results/soak-<time>/)")
     args = parser.parse_args(argv)
@@ -619,9 +719,12 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(args, out)
     span = args.minutes * 60.0
     target = 0
+    prom = start_prometheus(args, soak)
+    watched: list[tuple[str, bool, str]] = []
     try:
         run = soak.start(10**8)  # until the operator's stop
         soak.wait_training(run, timeout=300)
+        soak.note_coordinator()
         soak.started = time.monotonic()  # the schedule counts from the first step
         soak.drive(run, faults, span * STOP_AT, rng)
         soak.release_all()
@@ -640,16 +743,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{soak.elapsed():7.1f}s restart      on step {at_stop}, target {target}", flush=True)
         soak.wait_training(run, timeout=300)
         soak.restart = (stop_at, time.monotonic())
+        soak.note_coordinator()
         soak.drive(run, faults, span, rng)
         soak.release_all()
         soak.finish(run, timeout=args.timeout)
+        if prom is not None:
+            time.sleep(3)  # the last scrapes
+            watched = scraped(soak, prom, time.time(), args.minutes)
     finally:
         for run in soak.runs:
             run.kill()
         soak.sampler.stop()
+        if prom is not None:
+            prom.stop()
     measure(faults, soak)
     base = baseline(args, soak, min(target, args.baseline_steps)) if args.baseline else None
-    checked = invariants(soak, faults, target, base)
+    checked = invariants(soak, faults, target, base) + watched
     for name, held, detail in checked:
         print(f"invariant: {name}: {'held' if held else 'BROKEN'} ({detail})")
     rows = table(faults)

@@ -345,7 +345,8 @@ class LocalCluster:
                     **({"left": True} if s.left else {}),
                 }
             )
-            targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
+            if not s.left:  # out of the cluster: no scrape of it, no alert that it is down
+                targets.append(_target(metrics, f"psctl-{s.task_type}", s.task_type, s.index))
         # Each written whole then renamed: Prometheus and training processes may read them at
         # any moment; a restarted server rewrites them (its new pid).
         write_json_atomic(self.tasks_file, tasks)

@@ -133,6 +133,9 @@ class JobControl:
         # a checkpoint and the process exits for a fresh start on the new cluster.
         self.resize_requested = threading.Event()
         self._operator_stop = False  # request_stop or a signal: wins over a resize
+        # The calls in flight will never land (a failure this process cannot recover
+        # from): the loop gives them up at once instead of waiting for them.
+        self.abandon_in_flight = threading.Event()
         self.cluster_generation = 0  # resizes before this process (the supervisor's count)
         self._on_state = on_state  # e.g. the coordinator_state metric
         # Held while the callback runs, so that the last call reports the latest state.
@@ -430,12 +433,34 @@ class JobControl:
             self.task_failed(task.type, task.index)
             if self.on_task_failure is not None:
                 self.on_task_failure(task.type)
+            if task.type == "worker":
+                self._fresh_start_if_departed(task)
         elif before is not None and before != SERVING and health == SERVING and failed_before:
             log.info("%s:%d is SERVING again", task.type, task.index)
             with self._lock:
                 self.recoveries += 1
             if self.on_recovery is not None:
                 self.on_recovery()
+
+    def _fresh_start_if_departed(self, failed: TaskInfo) -> None:
+        """A worker failed while others have left this process's cluster. TensorFlow
+        recovers a failed worker by reconnecting to every task of the cluster, those that
+        left included, so it never does: every call waits (seen in bench/soak.py: no step
+        for 140 s, until the process was killed). Checkpoint, give up the calls in flight,
+        and a fresh start on the cluster without them, as a resize does."""
+        with self._lock:
+            gone = sorted(f"{t}:{i}" for t, i in self._leaving)
+        if not gone:
+            return
+        log.warning(
+            "%s:%d failed after %s left this process's cluster: TensorFlow cannot recover it "
+            "in this process; checkpoint, then a fresh start on the new cluster",
+            failed.type,
+            failed.index,
+            ", ".join(gone),
+        )
+        self.abandon_in_flight.set()
+        self.request_resize()
 
     def _leave(self, task: TaskInfo) -> bool:
         """``task`` leaves if ``on_task_leaving`` lets it (not the last worker, ...)."""

@@ -132,17 +132,19 @@ class StallWatchdog:
             self.stalls += 1
             return idle
 
-    def check(self, tracker: CallTracker) -> Stall | None:
+    def check(self, tracker: CallTracker, *, stopping: bool = False) -> Stall | None:
+        """``stopping``: once the job is stalled, every unfinished call is stuck (a stop or
+        a resize waits no longer than the timeout for calls that may never land)."""
         with self._lock:
-            return self._check(tracker)
+            return self._check(tracker, stopping)
 
-    def _check(self, tracker: CallTracker) -> Stall | None:
+    def _check(self, tracker: CallTracker, stopping: bool) -> Stall | None:
         now = self.clock()
+        every = stopping and (self.stalled or now - self.last_progress >= self.timeout)
         stuck = [
             e
             for e in tracker
-            if e.overtaken_at is not None
-            and now - e.overtaken_at >= self.timeout
+            if (every or (e.overtaken_at is not None and now - e.overtaken_at >= self.timeout))
             and not tracker.is_done(e.remote)
         ]
         idle = len(tracker) > 0 and now - self.last_progress >= self.timeout

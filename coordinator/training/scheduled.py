@@ -171,8 +171,13 @@ class ScheduledRunner(RunnerBase):
             self.metrics.set_steps_per_execution(k)
 
     def _poll(self) -> None:
-        """The stall watchdog's look (--stall-timeout), then the tools' hook."""
-        stall = self.watchdog.check(self.calls)
+        """The stall watchdog's look (--stall-timeout), then the tools' hook. While the job
+        stops, calls that cannot land are given up: all of them once it is stalled (a stop
+        must end), or at once when the control says they never will."""
+        if self.control.abandon_in_flight.is_set() and len(self.calls):
+            self._give_up(list(self.calls), "they wait on a worker this process lost")
+        stopping = self.control.stop_requested.is_set()
+        stall = self.watchdog.check(self.calls, stopping=stopping)
         if stall is not None:
             self._report_stall(stall.stuck, started=stall.started, idle=stall.idle_seconds)
         self.hooks.on_poll(self)
@@ -205,13 +210,15 @@ class ScheduledRunner(RunnerBase):
         if started:
             self._announce_stall(idle, suspects)
         if stuck:
-            log.warning(
-                "%d call(s) unfinished after %.0fs (tasks not SERVING: %s): given up, their "
-                "steps scheduled again",
-                len(stuck),
-                self.watchdog.timeout,
-                suspects,
+            self._give_up(
+                stuck,
+                f"unfinished after {self.watchdog.timeout:.0f}s (tasks not SERVING: {suspects})",
             )
+
+    def _give_up(self, stuck: list[InFlight], why: str) -> None:
+        """Stop waiting for ``stuck`` calls (if one lands later, it still counts on the ps);
+        their steps are owed again."""
+        log.warning("%d call(s) given up, their steps scheduled again: %s", len(stuck), why)
         self.calls.give_up(stuck)
         for entry in stuck:
             self.scheduled -= entry.steps

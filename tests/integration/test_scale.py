@@ -143,6 +143,11 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
         s = wait_shape(address, (1, 2), 1, 2000)
         assert float(s["uptime_seconds"]) > uptime, s
         assert "LEFT" in control_cli(address, "status", timeout=30).stdout
+        # Out of Prometheus's targets too: a worker that left is not down (no alert).
+        left = [t for t in read_json(workdir / "tasks.json") if t.get("left")]
+        scraped = {t for group in read_json(workdir / "targets.json") for t in group["targets"]}
+        assert [t["address"] for t in left] == [worker["address"]], left
+        assert left[0]["metrics_url"].split("/")[2] not in scraped, scraped
         # Back to 3 workers, and the operator's stop at once, while the training process
         # exits for the resize (found by bench/soak.py: exit 75, no summary): the job still
         # ends as a stop does.
@@ -160,5 +165,43 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
     assert reasons in (["worker:1 left"], ["worker:1 left", "psctl scale"]), reasons
     assert summary["resizes"][0]["seconds"] == 0.0
     assert summary["worker_failures"] == 0 and summary["restarts"] == 0, summary
+    assert summary["eval_accuracy"] >= 0.98, summary
+    assert processes_mentioning(str(workdir)) == []
+
+
+def test_a_worker_failure_after_others_left_gets_a_fresh_start(workdir: Path):
+    """Found by bench/soak.py: two workers left (preempted) and the third was SIGKILLed
+    and restarted: TensorFlow's recovery reconnects to every task, the two gone included,
+    so no step ever finished again (140 s, until the training process was killed). Now the
+    failure after a departure checkpoints and starts a fresh training process on the
+    cluster without them."""
+    job, address, out = start_local_job(workdir, "--workers", "3", "--log-every", "1")
+    try:
+        s = wait_shape(address, (1, 3), 0, 0)
+        pids = {t["index"]: int(t["pid"]) for t in s["tasks"] if t["type"] == "worker"}
+        (chief,) = [int(t["pid"]) for t in s["tasks"] if t["type"] == "chief"]
+        os.kill(pids[2], signal.SIGTERM)  # a preemption: it leaves
+        s = wait_shape(address, (1, 2), 1, int(s["global_step"]))
+        os.kill(pids[0], signal.SIGKILL)  # psctl local restarts it
+        os.kill(pids[1], signal.SIGTERM)  # and the other one leaves too
+        before = int(s["global_step"])
+        s = wait_until(
+            lambda: (
+                (now := status_or_none(address))
+                and now["state"] == "JOB_STATE_RUNNING"
+                and int(now["global_step"]) > before + 500
+                and [int(t["pid"]) for t in now["tasks"] if t["type"] == "chief"] != [chief]
+                and now
+            ),
+            timeout=150,
+            what="steps again, in a fresh training process",
+        )
+        stop = control_cli(address, "stop", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert job.wait(timeout=150) == 0
+    finally:
+        kill_if_running(job, timeout=30)
+    summary = read_json(out)
+    assert summary["restarts"] >= 1 and summary["num_workers"] == 1, summary
     assert summary["eval_accuracy"] >= 0.98, summary
     assert processes_mentioning(str(workdir)) == []

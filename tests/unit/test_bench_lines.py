@@ -109,3 +109,39 @@ def test_a_soak_fault_not_recovered_before_the_operators_stop_is_cut():
     assert after.recovery is not None and after.recovery < 1.0 and not after.cut
     row = next(r for r in soak.table([early, late, after]) if r.startswith("freeze"))
     assert row.split()[-3:] == ["0", "1", "0"]  # no step, cut, redone
+
+
+class _Prom:
+    """Prometheus's query API as bench/soak.py calls it, over fixed answers."""
+
+    def __init__(self, restarts: dict[str, int], fired: list[str]) -> None:
+        self.restarts, self.fired = restarts, fired
+
+    def api(self, path: str, *, query: str, time: str) -> dict:
+        assert path == "query" and float(time) > 0
+        if query.startswith("max_over_time(ALERTS"):
+            return {"result": [{"metric": {"alertname": name}} for name in self.fired]}
+        instance = re.search(r'instance="([^"]+)"', query)
+        value = self.restarts.get(instance[1]) if instance else None
+        return {"result": [] if value is None else [{"value": [0, str(value)]}]}
+
+
+def test_a_soaks_prometheus_invariants():
+    """Each run's psctl_restarts_total against its summary; PsctlRestartLoop must fire at 3
+    restarts in a run, may at 3 new processes (resizes too), and no other alert may."""
+    state = argparse.Namespace(
+        coordinators=["a:1", "b:2"],
+        summaries=[{"restarts": 1, "resizes": []}, {"restarts": 3, "resizes": []}],
+    )
+
+    def verdicts(restarts: dict[str, int], fired: list[str]) -> list[bool]:
+        checks = soak.scraped(state, _Prom(restarts, fired), 1e9, 30)  # type: ignore[arg-type]
+        return [held for _, held, _ in checks]
+
+    assert verdicts({"a:1": 1, "b:2": 3}, ["PsctlRestartLoop"]) == [True, True]
+    assert verdicts({"a:1": 1}, ["PsctlRestartLoop"]) == [False, True]  # a run unseen
+    assert verdicts({"a:1": 1, "b:2": 3}, []) == [True, False]  # should have fired
+    assert verdicts({"a:1": 1, "b:2": 3}, ["PsctlRestartLoop", "PsctlPsDown"]) == [True, False]
+    state.summaries[1] = {"restarts": 1, "resizes": [{"reason": "psctl scale"}] * 2}
+    assert verdicts({"a:1": 1, "b:2": 1}, ["PsctlRestartLoop"]) == [True, True]  # may
+    assert verdicts({"a:1": 1, "b:2": 1}, []) == [True, True]

@@ -112,3 +112,24 @@ def test_the_side_thread_check_reports_a_stall_once_and_the_loop_does_not_again(
     seen = watchdog.check(calls)
     assert seen is not None and not seen.started and watchdog.stalls == 1
     assert watchdog.progress() is True  # "steps finish again"
+
+
+def test_a_stopping_job_gives_up_every_call_once_stalled():
+    """A stop or a resize waits for calls that nothing overtook (all stuck: the whole job
+    stalled) only until the stall: then each is given up, so that the stop ends (found by
+    bench/soak.py: a resize that waited 140 s). Before the timeout it waits for them."""
+    clock = Clock()
+    calls = tracker(clock)
+    watchdog = StallWatchdog(timeout=5, clock=clock)
+    first, second = FakeCall(), FakeCall()
+    calls.add(first, steps=1)
+    calls.add(second, steps=1)
+    clock.now += 4.9
+    assert watchdog.check(calls, stopping=True) is None
+    clock.now += 0.2
+    quiet = StallWatchdog(timeout=5, clock=clock)  # the same calls, not stopping
+    quiet.last_progress = watchdog.last_progress
+    stall = quiet.check(calls)
+    assert stall is not None and stall.stuck == []  # a stall, but nothing given up
+    stall = watchdog.check(calls, stopping=True)
+    assert stall is not None and [e.remote for e in stall.stuck] == [first, second]
