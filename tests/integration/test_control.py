@@ -79,6 +79,14 @@ def start_local_job(workdir: Path, *extra: str) -> tuple[subprocess.Popen[bytes]
     return job, address, out
 
 
+def stop_job(job: subprocess.Popen[bytes], address: str, *, wait: float) -> None:
+    """`psctl stop` (the coordinator's own drain bounded at 120 s): it answers 0, and the
+    job exits 0 within ``wait`` seconds."""
+    stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
+    assert stop.returncode == 0, stop.stderr
+    assert job.wait(timeout=wait) == 0
+
+
 def wait_training(address: str) -> dict:
     """The job's status once it is RUNNING with steps done."""
     return wait_until(
@@ -155,9 +163,7 @@ def test_operator_drives_a_running_job(workdir):
         assert probe.stdout.count("SERVING") == 3
 
         # stop: exit 0 with a final checkpoint at the final step
-        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=60) == 0
+        stop_job(job, address, wait=60)
     finally:
         kill_if_running(job)
     summary = read_json(out)
@@ -183,9 +189,7 @@ def test_stop_after_a_status_and_a_scrape_ends_the_job_at_once(workdir):
         with urllib.request.urlopen(chief["metrics_url"], timeout=10) as response:
             assert b"psctl_global_step" in response.read()
         assert status_or_none(address) is not None
-        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=90) == 0
+        stop_job(job, address, wait=90)
         ended = time.time()
     finally:
         kill_if_running(job)
@@ -236,9 +240,7 @@ def test_control_api_answers_while_the_training_process_restarts(workdir):
         assert refused is not None and refused.returncode != 0
         (line,) = refused.stderr.strip().splitlines()
         assert "RECOVERING" in line and "try again" in line, line
-        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=60) == 0
+        stop_job(job, address, wait=60)
     finally:
         kill_if_running(job)
     summary = read_json(out)
@@ -260,9 +262,7 @@ def test_a_stop_while_the_next_training_process_starts_ends_as_a_stop(workdir):
             timeout=60,
             what="the next training process started",
         )
-        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=150) == 0
+        stop_job(job, address, wait=150)
     finally:
         kill_if_running(job)
     summary = read_json(out)

@@ -20,7 +20,7 @@ from tests.conftest import (
     read_json,
     status_or_none,
 )
-from tests.integration.test_control import start_local_job, status, wait_until
+from tests.integration.test_control import start_local_job, status, stop_job, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -98,9 +98,7 @@ def test_scale_workers_and_ps_while_training_with_no_step_lost(workdir: Path, tm
         assert proc.returncode == 78 and "already runs on 2 ps + 1 workers" in proc.stderr
         assert shape(status(address)) == (2, 1)
 
-        stop = control_cli(address, "stop", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=150) == 0
+        stop_job(job, address, wait=150)
     finally:
         kill_if_running(job, timeout=30)
     summary = read_json(out)
@@ -153,9 +151,7 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
         # ends as a stop does.
         proc = scale(address, "--workers", "3")
         assert proc.returncode == 0, proc.stderr
-        stop = control_cli(address, "stop", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=150) == 0
+        stop_job(job, address, wait=150)
     finally:
         kill_if_running(job, timeout=30)
     summary = read_json(out)
@@ -196,9 +192,7 @@ def test_a_worker_failure_after_others_left_gets_a_fresh_start(workdir: Path):
             timeout=150,
             what="steps again, in a fresh training process",
         )
-        stop = control_cli(address, "stop", timeout=150)
-        assert stop.returncode == 0, stop.stderr
-        assert job.wait(timeout=150) == 0
+        stop_job(job, address, wait=150)
     finally:
         kill_if_running(job, timeout=30)
     summary = read_json(out)

@@ -145,3 +145,12 @@ def test_a_soaks_prometheus_invariants():
     state.summaries[1] = {"restarts": 1, "resizes": [{"reason": "psctl scale"}] * 2}
     assert verdicts({"a:1": 1, "b:2": 1}, ["PsctlRestartLoop"]) == [True, True]  # may
     assert verdicts({"a:1": 1, "b:2": 1}, []) == [True, True]
+
+
+def test_the_untrained_model_never_reaches_the_target():
+    """bench/tta.py: the curve's 0-s point (the model when the clock started) is for the
+    equal-step comparison only; TTA starts with the first snapshot after it (CI: an
+    untrained ctr model scored 0.554 against a 0.55 target, TTA 0.00 and then n/a)."""
+    curve = [[0.0, 0, 0.554, 0.7], [1.0, 50, 0.54, 0.6], [2.0, 100, 0.61, 0.5]]
+    assert tta.time_to_target(curve, 0.55) == 2.0
+    assert tta.time_to_target(curve[:2], 0.55) is None
