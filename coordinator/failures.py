@@ -295,3 +295,24 @@ def tasks_named(err: BaseException) -> list[str]:
             found[f"{task_type}:{index}"] = None
         current = getattr(current, "original_exception", None)
     return list(found)
+
+
+def restart_if_starting(starting: bool, why: str) -> None:
+    """A training process that learns its cluster changed (a task left, a resize) before it
+    trained a step: it may be blocked in TensorFlow's connection to a task that is gone,
+    where no flag is ever read (seen in bench/soak.py: 140 s, until it was killed), and it
+    has nothing to save. So it exits at once with EXIT_RESTART; its supervisor starts the
+    next one on the new cluster, which restores the latest checkpoint."""
+    if not starting:
+        return
+    import logging
+    import os
+    import sys
+
+    logging.getLogger(__name__).warning(
+        "%s while this process starts: it exits for a fresh start on the new cluster "
+        "(nothing trained yet)",
+        why,
+    )
+    sys.stderr.flush()
+    os._exit(EXIT_RESTART)

@@ -41,6 +41,7 @@ from psctl.coordinator.failures import (
     classify,
     describe,
     exit_status,
+    restart_if_starting,
     tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
@@ -104,6 +105,8 @@ def leave_cluster(
     )
     if metrics is not None:
         metrics.task_left(task.type)
+    # Still connecting, perhaps to the task that left: start again without it.
+    restart_if_starting(control.state is State.STARTING, f"{reason} the cluster")
     return True
 
 

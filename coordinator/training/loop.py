@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.signals import RESIZE_SIGNAL, EarlyStops, SignalRelay
-from psctl.coordinator.failures import ResizeRequested
+from psctl.coordinator.failures import ResizeRequested, restart_if_starting
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
@@ -78,6 +78,7 @@ def install_stop_signals(control: JobControl, early: EarlyStops | None = None) -
         control.stop_on_signal()
 
     def resize(signum: int) -> None:
+        restart_if_starting(control.state is State.STARTING, "the launcher asked for a new cluster")
         log.warning("the launcher asked for a new cluster: checkpoint, then a fresh start")
         control.request_resize()
 

@@ -20,7 +20,13 @@ from tests.conftest import (
     read_json,
     status_or_none,
 )
-from tests.integration.test_control import start_local_job, status, stop_job, wait_until
+from tests.integration.test_control import (
+    start_local_job,
+    status,
+    stop_job,
+    trainers,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -198,4 +204,41 @@ def test_a_worker_failure_after_others_left_gets_a_fresh_start(workdir: Path):
     summary = read_json(out)
     assert summary["restarts"] >= 1 and summary["num_workers"] == 1, summary
     assert summary["eval_accuracy"] >= 0.98, summary
+    assert processes_mentioning(str(workdir)) == []
+
+
+def test_a_worker_that_leaves_while_the_training_process_starts(workdir: Path):
+    """Found by bench/soak.py: a worker preempted while the next training process was
+    connecting to the cluster held that process in TensorFlow's connection to it for
+    140 s, until it was killed. Now a process that learns of a departure before its first
+    step exits at once for a fresh start on the cluster without that worker."""
+    job, address, out = start_local_job(workdir, "--workers", "3", "--log-every", "1")
+    try:
+        s = wait_shape(address, (1, 3), 0, 0)
+        pids = {t["index"]: int(t["pid"]) for t in s["tasks"] if t["type"] == "worker"}
+        (chief,) = [int(t["pid"]) for t in s["tasks"] if t["type"] == "chief"]
+        os.kill(chief, signal.SIGKILL)
+        wait_until(
+            lambda: [p for p in trainers(workdir) if p != chief],
+            timeout=60,
+            what="the next training process started",
+        )
+        os.kill(pids[2], signal.SIGTERM)  # a preemption while it starts
+        before = int(s["global_step"])
+        s = wait_until(
+            lambda: (
+                (now := status_or_none(address))
+                and now["state"] == "JOB_STATE_RUNNING"
+                and shape(now) == (1, 2)
+                and int(now["global_step"]) > before + 500
+                and now
+            ),
+            timeout=120,
+            what="steps on the 2 workers left",
+        )
+        stop_job(job, address, wait=150)
+    finally:
+        kill_if_running(job, timeout=30)
+    summary = read_json(out)
+    assert summary["num_workers"] == 2 and summary["eval_accuracy"] >= 0.98, summary
     assert processes_mentioning(str(workdir)) == []
