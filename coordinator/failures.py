@@ -8,7 +8,10 @@ its tests) never imports TensorFlow.
 from __future__ import annotations
 
 import enum
+import logging
+import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -305,10 +308,6 @@ def restart_if_starting(starting: bool, why: str) -> None:
     next one on the new cluster, which restores the latest checkpoint."""
     if not starting:
         return
-    import logging
-    import os
-    import sys
-
     logging.getLogger(__name__).warning(
         "%s while this process starts: it exits for a fresh start on the new cluster "
         "(nothing trained yet)",
