@@ -177,10 +177,11 @@ def run_training_process(
             "restoring the latest checkpoint for the final evaluation and summary"
         )
         control.request_stop()
-    follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if serve_control and settings.strategy == "async":
         control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
         control.drop_after = settings.drop_after
+    # After on_task_leaving: a task marked left before this line leaves at the first read.
+    follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
     if metrics is not None:
         control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery
@@ -482,7 +483,9 @@ def follow_tasks_file(
     tasks_file: str | None, control: JobControl, *, every: float = 1.0
 ) -> threading.Thread | None:
     """psctl local rewrites its tasks file whenever a task's process starts again (a new
-    pid): read it again when it changes, so that status shows the processes of now. A
+    pid) or leaves: read it at once (it may have changed since this process loaded it:
+    seen, a worker marked left then was never acted on, and the process hung connecting
+    to it), then again whenever it changes, so that status shows the processes of now. A
     file caught half-written or gone is read at the next change."""
     if not tasks_file:
         return None
@@ -495,15 +498,14 @@ def follow_tasks_file(
             return 0
 
     def follow() -> None:
-        seen = stamp()
+        seen = -1
         while True:
-            time.sleep(every)
             now = stamp()
-            if now == seen:
-                continue
-            seen = now
-            with contextlib.suppress(ConfigError):
-                control.set_tasks(load_tasks(tasks_file, ClusterConfig(jobs={})))
+            if now != seen:
+                seen = now
+                with contextlib.suppress(ConfigError):
+                    control.set_tasks(load_tasks(tasks_file, ClusterConfig(jobs={})))
+            time.sleep(every)
 
     thread = threading.Thread(target=follow, name="psctl-tasks-file", daemon=True)
     thread.start()

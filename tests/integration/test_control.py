@@ -59,23 +59,25 @@ def start_local_job(workdir: Path, *extra: str) -> tuple[subprocess.Popen[bytes]
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     out = workdir / "out.json"
-    job = subprocess.Popen(
-        psctl_argv(
-            "local",
-            "--workdir",
-            str(workdir),
-            "--steps",
-            "100000",
-            "--control-address",
-            address,
-            "--summary-json",
-            str(out),
-            *extra,
-        ),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=child_env(),
-    )
+    # Its log beside the work dir, for a failure to be read (pytest keeps the last runs).
+    with open(workdir.parent / "job.log", "wb") as log:
+        job = subprocess.Popen(
+            psctl_argv(
+                "local",
+                "--workdir",
+                str(workdir),
+                "--steps",
+                "100000",
+                "--control-address",
+                address,
+                "--summary-json",
+                str(out),
+                *extra,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=child_env(),
+        )
     return job, address, out
 
 

@@ -4,8 +4,13 @@ either way; a task that left counts nothing more and shows DRAINING, then LEFT."
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
+
 import pytest
 
+from psctl.coordinator.launch.process import follow_tasks_file
 from psctl.coordinator.operations.job_state import (
     DRAINING,
     LEFT,
@@ -124,3 +129,20 @@ def test_a_task_the_launcher_marked_left_counts_nothing():
     control.set_health(gone, UNREACHABLE)
     assert control.failure_counts() == {"worker": 0, "ps": 0} and leaving == [gone]
     assert state(control, gone) == LEFT
+
+
+def test_a_worker_marked_left_in_the_tasks_file_before_it_is_followed_leaves(tmp_path):
+    """Seen in tests/integration/test_scale.py: psctl local marked a worker left between the
+    training process's first read of its tasks file and the start of its follower, which
+    took that version as already read: the departure was never acted on, and the process
+    hung connecting to the worker that was gone. The follower reads the file at once."""
+    control, leaving = control_with([0.0])
+    tasks_file = tmp_path / "tasks.json"
+    gone = dataclasses.replace(WORKER, left=True)
+    tasks_file.write_text(json.dumps([dataclasses.asdict(PS), dataclasses.asdict(gone)]))
+    follow_tasks_file(str(tasks_file), control, every=60.0)  # no second read in this test
+    deadline = time.monotonic() + 10
+    while not leaving and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert leaving == [gone]
+    assert state(control, WORKER) in (DRAINING, LEFT)
