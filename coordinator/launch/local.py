@@ -254,9 +254,11 @@ class LocalCluster:
 
     def drop_tasks(self, tasks: Sequence[tuple[str, int]]) -> list[ServerProcess]:
         """``drop`` the servers of ``tasks`` ((type, index) in the cluster now); returns
-        them. Found first: each drop renumbers the workers after it."""
+        them. Found first, and dropped from the highest index down: each drop renumbers
+        the workers after it, and a server dropped keeps the index (and name, for the
+        logs) it had in the cluster it leaves."""
         leaving = [s for s in self.servers if (s.task_type, s.index) in tasks]
-        for server in leaving:
+        for server in sorted(leaving, key=lambda s: s.index, reverse=True):
             self.drop(server)
         return leaving
 

@@ -33,6 +33,8 @@ def test_two_workers_that_left_are_dropped_by_their_indices_before_any_renumberi
     addresses = list(local.cluster.jobs["worker"])
     gone = local.drop_tasks([("worker", 1), ("worker", 2)])
     assert [s.address for s in gone] == addresses[1:3]
+    # Their names as they were (seen: "stopping worker:1, worker:1" in psctl local's log).
+    assert [s.name for s in gone] == ["worker:1", "worker:2"]
     workers = [s for s in local.servers if s.task_type == "worker"]
     assert [(s.index, s.address) for s in workers] == [(0, addresses[0]), (1, addresses[3])]
     written = json.loads(local.cluster_file.read_text())
