@@ -22,16 +22,28 @@ while (d := c.recv(100)):
     c.sendall(d)
 """
 
+# Until the echo server answers: the relay accepts at once, and closes the connection when
+# it cannot reach the echo server yet (seen: BrokenPipeError on a loaded machine).
 PING = """
 import socket, sys, time
 host = sys.argv[1]
-for _ in range(100):  # until the echo server listens
+def echoing():
     try:
-        c = socket.create_connection((host, 2222), timeout=5); break
+        c = socket.create_connection((host, 2222), timeout=5)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.settimeout(5)
+        c.sendall(b"x")
+        if c.recv(10) == b"x":
+            return c
+        c.close()
     except OSError:
-        time.sleep(0.05)
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-c.settimeout(5)
+        pass
+    time.sleep(0.05)
+for _ in range(200):
+    if (c := echoing()) is not None:
+        break
+else:
+    sys.exit(f"no echo from {host}:2222")
 times = []
 for _ in range(200):
     t = time.perf_counter(); c.sendall(b"x"); c.recv(10); times.append(time.perf_counter() - t)
