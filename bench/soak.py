@@ -47,7 +47,9 @@ steps redone) and the last line::
     soak: F faults in M min, invariants held = K/K, recovery p95 = S s
 
 "Seconds to the first step after it": from the fault (for a freeze or a pause: from its
-end) to the first status sample that shows a step finished after it, in a training process
+end; for a resize back, from when its new servers serve and the training process is told to
+exit, as the job trains on until then) to the first status sample that shows a step
+finished after it, in a training process
 that already ran a step since (a restarted one restores first). A fault not recovered
 before the operator's planned stop is "cut": the restarted job's first step would measure
 that restart, not the fault; it counts in no percentile. "Steps redone": the highest step
@@ -108,6 +110,9 @@ RESTARTING = ("kill-ps", "kill-trainer")  # faults that need a new training proc
 RESTART_LOOP, LOOP_AT = "PsctlRestartLoop", 3
 RUNNING = ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING")
 RESTORED = re.compile(r"restored .* \(global step (\d+)\)")
+# The supervisor's line when the new servers of a resize are SERVING: from here the training
+# process checkpoints and exits, and the next one starts on the new cluster.
+RESIZING = re.compile(r"resizing .* -> .*: the training process checkpoints and exits")
 WARMUP = 20.0  # seconds of training before the first fault
 STOP_AT = 0.5  # of --minutes: the operator's stop and restart
 ENDGAME = 0.85  # of --minutes: the second run's target is reached about then
@@ -127,6 +132,8 @@ class Fault:
     # Filled in when injected:
     injected: float = 0.0  # time.monotonic()
     released: float = 0.0  # the end of a freeze or a pause
+    answered: float = 0.0  # scale-back: psctl scale returned
+    signalled: float = 0.0  # scale-back: the training process told to exit for the resize
     victim: str = ""
     while_running: bool = False
     step_before: int = 0
@@ -168,6 +175,15 @@ class Run:
             return control_cli(self.address, *args, timeout=timeout)
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout}s")
+
+    def resize_signalled(self, asked: float, answered: float) -> float:
+        """When the supervisor told the training process to exit for the resize ``psctl
+        scale`` asked at ``asked`` (it logs that before it answers, at ``answered``); 0.0:
+        it did not (none was running: the next one starts on the new cluster)."""
+        for at, line in self.output.snapshot():
+            if asked <= at <= answered + 2.0 and RESIZING.search(line):
+                return at
+        return 0.0
 
     def restores(self) -> list[tuple[float, int]]:
         return [
@@ -349,6 +365,7 @@ class Soak:
                 fault.skipped = "already at its size"
                 return
             proc = run.cli("scale", "--workers", str(self.args.workers), timeout=300)
+            fault.answered = time.monotonic()
             fault.victim = f"psctl scale --workers {self.args.workers}: exit {proc.returncode}"
             if proc.returncode == 0:
                 self.workers = self.args.workers
@@ -433,7 +450,18 @@ def measure(faults: list[Fault], soak: Soak) -> None:
     operator's restart."""
     done = [f for f in faults if f.injected and not f.skipped]
     for fault in done:
-        start = fault.released or fault.injected
+        if fault.kind == "scale-back":
+            # A resize interrupts training only from when its new servers serve and the
+            # training process is told to exit: until then it trains on the workers it has.
+            asked, answered = fault.injected, fault.answered
+            told = [t for run in soak.runs if (t := run.resize_signalled(asked, answered))]
+            fault.signalled = min(told, default=0.0)
+            if fault.signalled:
+                fault.notes.append(
+                    f"new servers SERVING after {fault.signalled - fault.injected:.1f} s "
+                    "(the job trained on meanwhile)"
+                )
+        start = fault.released or fault.signalled or fault.injected
         fresh = fault.kind in (*RESTARTING, "scale-back")  # a resize runs a new process too
         fault.recovery = soak.sampler.first_step_after(start, new_process=fresh)
         # Not recovered before the operator's planned stop: the first step after it is the
