@@ -52,7 +52,9 @@ def scale(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     return control_cli(address, "scale", *args, timeout=240)
 
 
-def wait_shape(address: str, want: tuple[int, int], generation: int, after: int) -> dict:
+def wait_shape(
+    address: str, want: tuple[int, int], generation: int, after: int, *, timeout: float = 200
+) -> dict:
     """RUNNING on ``want`` (ps, workers) at ``generation``, past global step ``after``."""
     return wait_until(
         lambda: (
@@ -64,7 +66,7 @@ def wait_shape(address: str, want: tuple[int, int], generation: int, after: int)
             and all(t["health"] == "TASK_HEALTH_SERVING" for t in members(s))
             and s
         ),
-        timeout=200,
+        timeout=timeout,
         what=f"RUNNING on {want[0]} ps + {want[1]} workers (generation {generation})",
     )
 
@@ -224,18 +226,8 @@ def test_a_worker_that_leaves_while_the_training_process_starts(workdir: Path):
             what="the next training process started",
         )
         os.kill(pids[2], signal.SIGTERM)  # a preemption while it starts
-        before = int(s["global_step"])
-        s = wait_until(
-            lambda: (
-                (now := status_or_none(address))
-                and now["state"] == "JOB_STATE_RUNNING"
-                and shape(now) == (1, 2)
-                and int(now["global_step"]) > before + 500
-                and now
-            ),
-            timeout=120,
-            what="steps on the 2 workers left",
-        )
+        # Its departure is the job's first change of cluster (generation 1).
+        wait_shape(address, (1, 2), 1, int(s["global_step"]) + 500, timeout=120)
         stop_job(job, address, wait=150)
     finally:
         kill_if_running(job, timeout=30)
