@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -44,14 +46,34 @@ log = logging.getLogger(__name__)
 _DISPATCHERS: list[Any] = []
 
 
-def start_dispatcher(address: str) -> Any:
-    """The tf.data service dispatcher, in the coordinator's process, on ``address``'s port."""
+def journal_dir(address: str, checkpoint_dir: str) -> str:
+    """Where the dispatcher on ``address`` keeps its journal: in the job's checkpoint
+    directory (``data-service/HOST_PORT``), else in a temporary one of this supervisor's
+    (the parent process: the training processes it restarts share it)."""
+    name = address.replace(":", "_").replace("/", "_")
+    if checkpoint_dir:
+        return os.path.join(checkpoint_dir, "data-service", name)
+    return os.path.join(tempfile.gettempdir(), f"psctl-data-service-{os.getppid()}", name)
+
+
+def start_dispatcher(address: str, journal: str) -> Any:
+    """The tf.data service dispatcher, in the coordinator's process, on ``address``'s port.
+
+    Fault-tolerant: it journals its state in ``journal`` and a restarted coordinator's
+    dispatcher recovers it. Without that, the new dispatcher numbers its jobs and tasks
+    from the start again, the data workers (in the worker servers, which outlive the
+    coordinator) still hold the old dispatcher's tasks under those numbers and serve them
+    instead: the new passes then ended at once with nothing trained (seen: 0 examples after a
+    ps SIGKILL; tests/chaos/test_epochs_chaos.py).
+    """
     _, port = split_host_port(address, field="data_service.dispatcher")
     ports.check_port_free(port, field="data_service.dispatcher port")
-    config = tf.data.experimental.service.DispatcherConfig(port=port, protocol="grpc")
+    config = tf.data.experimental.service.DispatcherConfig(
+        port=port, protocol="grpc", work_dir=journal, fault_tolerant_mode=True
+    )
     dispatcher = tf.data.experimental.service.DispatchServer(config, start=True)
     _DISPATCHERS.append(dispatcher)
-    log.info("tf.data service dispatcher on %s", address)
+    log.info("tf.data service dispatcher on %s (journal %s)", address, journal)
     return dispatcher
 
 
@@ -117,7 +139,7 @@ class EpochProgram:
                 f"the job's dataset_fn ({rt.job.name}) returns an endless dataset",
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )
-        start_dispatcher(self.address)
+        start_dispatcher(self.address, journal_dir(self.address, s.checkpoint_dir))
         self.failures_seen = worker_failures()
         self.makeup_passes = 0
         self.function: Any = None
