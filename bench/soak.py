@@ -2,8 +2,8 @@
 freezes, preemptions and operator commands that overlap, then every invariant checked.
 
 The job (``mlp`` on 2 ps + 3 workers by default; ``--job``, ``--ps``, ``--workers``,
-``--max-shards``, ``--strategy`` passed through; ``--epochs`` is not: the operator's stop
-and restart set a new target step) trains with checkpoints every ``--checkpoint-every`` steps
+``--max-shards``, ``--strategy``, ``--epochs`` passed through) trains with checkpoints every
+``--checkpoint-every`` steps
 while the schedule (``--seed``, ``--minutes``, ``--faults``: about one every 30 s by
 default; printed first) injects, at random times, so that recoveries overlap:
 
@@ -24,7 +24,8 @@ cuts) is not built: tests/chaos/test_netns_chaos.py cuts links one at a time.
 
 Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
 
-- the second run reaches its target step (exit 0, the summary's global step);
+- the second run reaches its target step (exit 0, the summary's global step); with
+  ``--epochs``, the end of its passes;
 - its eval accuracy is within 0.01 of a fault-free run of the same seed (``--baseline``:
   ``psctl local`` with the same flags and as many steps, at most ``--baseline-steps``);
 - the checkpoints' steps only grow, in the order they were written, and each kept one
@@ -40,6 +41,16 @@ Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
   deploy/prometheus/alerts.yml that fired are those the restarts call for
   (``PsctlRestartLoop`` at 3 in a run) and no other: no server or coordinator down, no
   stall, no NaN, as every fault here recovers within the rules' ``for:``.
+
+With ``--epochs N`` the job is the visitation job (tests/jobs/visit.py, unless ``--job``
+names another), over ``--examples`` ids (default: what trains here in about 35% of
+``--minutes``, over N): the first run trains 100 x N passes until the operator's stop, the
+second N passes from its checkpoint, and the data decides when it ends (the faults due after
+that are not injected). ``preempt`` is left out (``psctl scale`` refuses an ``--epochs``
+job). One more invariant, from the ``visits`` vector of the checkpoints that run started
+from and ended on: every id trained at least N times, and at most once per pass started (N
+per training process, one per make-up pass: docs/data.md). A job without a ``visits``
+vector gets a line saying so instead.
 
 Then a table per fault kind (count, seconds to the first step after it: p50, p95, max;
 steps redone) and the last line::
@@ -58,6 +69,7 @@ keeps every fault and status sample.
 
     .venv/bin/python bench/soak.py --minutes 30 --seed 1     # 60 faults, about 35 min
     .venv/bin/python bench/soak.py --minutes 3 --faults 10   # a smoke run, about 5 min
+    .venv/bin/python bench/soak.py --minutes 10 --epochs 1   # the visitation job's passes
 """
 
 from __future__ import annotations
@@ -109,10 +121,20 @@ RESTARTING = ("kill-ps", "kill-trainer")  # faults that need a new training proc
 # within their "for:"), nor for a worker that left (it is no target then).
 RESTART_LOOP, LOOP_AT = "PsctlRestartLoop", 3
 RUNNING = ("JOB_STATE_RUNNING", "JOB_STATE_CHECKPOINTING")
-RESTORED = re.compile(r"restored .* \(global step (\d+)\)")
+RESTORED = re.compile(r"restored (.*) \(global step (\d+)\)")
+# --epochs: each training process logs the passes it starts (its N, then make-up passes).
+PASSES = re.compile(r"(\d+) pass\(es\) through the tf.data service")
 # The supervisor's line when the new servers of a resize are SERVING: from here the training
 # process checkpoints and exits, and the next one starts on the new cluster.
 RESIZING = re.compile(r"resizing .* -> .*: the training process checkpoints and exits")
+# --epochs: the visitation job (tests/jobs/visit.py) counts on the ps how often each of its
+# ids was trained; VISIT_EXAMPLES_PER_SEC is its rate here (2 ps + 3 workers, batch 64, on 2
+# cores: 4,454 ex/s fault-free), for sizing its data when --examples is not given.
+VISIT_JOB = str(REPO / "tests" / "jobs" / "visit.py")
+VISITS = "visits/.ATTRIBUTES/VARIABLE_VALUE"
+VISIT_EXAMPLES_PER_SEC = 4000
+FIRST_RUN_EPOCHS = 100  # x --epochs: the first run trains passes until the operator's stop
+NOT_IN_EPOCHS = ("preempt",)  # psctl scale refuses an --epochs job (resize.py)
 WARMUP = 20.0  # seconds of training before the first fault
 STOP_AT = 0.5  # of --minutes: the operator's stop and restart
 ENDGAME = 0.85  # of --minutes: the second run's target is reached about then
@@ -166,9 +188,9 @@ def make_schedule(
 class Run:
     """One ``psctl local`` run, its output stamped as it arrives."""
 
-    def __init__(self, argv: list[str], log: Path, address: str) -> None:
+    def __init__(self, argv: list[str], log: Path, address: str, env: dict[str, str]) -> None:
         self.address = address
-        self.proc, self.output = start_job(argv, log, {"TF_CPP_MIN_LOG_LEVEL": "2"})
+        self.proc, self.output = start_job(argv, log, {"TF_CPP_MIN_LOG_LEVEL": "2", **env})
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         try:
@@ -187,10 +209,21 @@ class Run:
 
     def restores(self) -> list[tuple[float, int]]:
         return [
-            (at, int(m.group(1)))
+            (at, int(m.group(2)))
             for at, line in self.output.snapshot()
             if (m := RESTORED.search(line))
         ]
+
+    def first_restored(self) -> str | None:
+        """The checkpoint this run started from (its path prefix), if it restored one."""
+        for _, line in self.output.snapshot():
+            if m := RESTORED.search(line):
+                return m.group(1)
+        return None
+
+    def passes(self) -> list[int]:
+        """--epochs: the passes each of this run's iterators was started with, in order."""
+        return [int(m.group(1)) for _, line in self.output.snapshot() if (m := PASSES.search(line))]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -271,7 +304,8 @@ class Soak:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def job_argv(self, workdir: Path, steps: int, address: str, summary: Path) -> list[str]:
+    def job_argv(self, workdir: Path, length: int, address: str, summary: Path) -> list[str]:
+        """``length``: steps to train to, or with ``--epochs``, passes over the data."""
         a = self.args
         return psctl_argv(
             "local",
@@ -280,7 +314,7 @@ class Soak:
             "--workers", str(a.workers),
             "--max-shards", str(a.max_shards),
             "--strategy", a.strategy,
-            "--steps", str(steps),
+            "--epochs" if a.epochs else "--steps", str(length),
             "--seed", str(a.seed),
             "--checkpoint-every", str(a.checkpoint_every),
             "--keep-checkpoints", "1000",  # every one kept: each must restore
@@ -291,12 +325,15 @@ class Soak:
             "--summary-json", str(summary),
         )  # fmt: skip
 
-    def start(self, steps: int) -> Run:
+    def env(self) -> dict[str, str]:
+        return {"VISIT_IDS": str(self.args.examples)} if self.args.epochs else {}
+
+    def start(self, length: int) -> Run:
         (port,) = free_ports(1)
         address = f"127.0.0.1:{port}"
         n = len(self.runs) + 1
-        argv = self.job_argv(self.workdir, steps, address, self.out / f"summary-{n}.json")
-        run = Run(argv, self.out / f"job-{n}.log", address)
+        argv = self.job_argv(self.workdir, length, address, self.out / f"summary-{n}.json")
+        run = Run(argv, self.out / f"job-{n}.log", address, self.env())
         self.runs.append(run)
         self.sampler.address = address
         self.workers = self.args.workers
@@ -504,12 +541,12 @@ def restores_every_checkpoint(directory: Path) -> tuple[bool, str]:
     return verdict == ["ok"], f"{len(prefixes)} checkpoint(s): {verdict[0]}"
 
 
-def baseline(args: argparse.Namespace, soak: Soak, steps: int) -> dict[str, Any]:
+def baseline(args: argparse.Namespace, soak: Soak, length: int) -> dict[str, Any]:
     (port,) = free_ports(1)
     workdir = soak.out / "baseline"
     summary = soak.out / "summary-baseline.json"
-    argv = soak.job_argv(workdir, steps, f"127.0.0.1:{port}", summary)
-    run = Run(argv, soak.out / "baseline.log", f"127.0.0.1:{port}")
+    argv = soak.job_argv(workdir, length, f"127.0.0.1:{port}", summary)
+    run = Run(argv, soak.out / "baseline.log", f"127.0.0.1:{port}", soak.env())
     try:
         run.proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -553,24 +590,27 @@ def invariants(
     found: list[tuple[str, bool, str]] = []
     last = soak.summaries[-1] if soak.summaries else {}
     step = int(last.get("global_step", 0))
-    found.append(
-        (
-            "reaches its target step",
-            soak.codes[-1:] == [0] and step >= target,
-            f"exit {soak.codes}, global step {step} of {target}",
-        )
-    )
-    accuracy = float(last.get("eval_accuracy", math.nan))
-    if base is not None:
-        reference = float(base.get("eval_accuracy", math.nan))
+    if soak.args.epochs:
         found.append(
             (
-                "eval accuracy within 0.01 of a fault-free run",
-                accuracy >= reference - 0.01,
-                f"{accuracy:.4f} against {reference:.4f} "
-                f"({base.get('global_step', '?')} steps without faults)",
+                f"reaches the end of its {soak.args.epochs} pass(es)",
+                soak.codes[-1:] == [0]
+                and last.get("stopped_early") is False
+                and step == last.get("target_steps"),
+                f"exit {soak.codes}, global step {step}, stopped early: "
+                f"{last.get('stopped_early')}",
             )
         )
+    else:
+        found.append(
+            (
+                "reaches its target step",
+                soak.codes[-1:] == [0] and step >= target,
+                f"exit {soak.codes}, global step {step} of {target}",
+            )
+        )
+    if base is not None:
+        found.append(evaluated_like(last, base))
     steps = [s for _, s in sorted(soak.written)]
     growing = all(b > a for a, b in itertools.pairwise(steps))
     ok, detail = restores_every_checkpoint(soak.checkpoints)
@@ -621,6 +661,83 @@ def invariants(
     left = command_lines(str(soak.workdir))
     found.append(("no process left", not left, f"{len(left)} left: {sorted(left)[:5]}"))
     return found
+
+
+def evaluated_like(last: dict[str, Any], base: dict[str, Any]) -> tuple[str, bool, str]:
+    """Eval accuracy within 0.01 of the fault-free run's; for a job without an accuracy (the
+    visitation job: a regression), eval loss at most 0.01 above it."""
+    runs = f"{base.get('global_step', '?')} steps without faults"
+    if base.get("eval_accuracy") is None:
+        loss, reference = (float(s.get("eval_loss") or math.nan) for s in (last, base))
+        return (
+            "eval loss within 0.01 of a fault-free run (the job has no accuracy)",
+            loss <= reference + 0.01,
+            f"{loss:.4f} against {reference:.4f} ({runs})",
+        )
+    accuracy, reference = (float(s.get("eval_accuracy") or math.nan) for s in (last, base))
+    return (
+        "eval accuracy within 0.01 of a fault-free run",
+        accuracy >= reference - 0.01,
+        f"{accuracy:.4f} against {reference:.4f} ({runs})",
+    )
+
+
+def trained_counts(start: str | None, end: str) -> dict[int, int] | None:
+    """How often each id of the job's ``visits`` vector was trained between two checkpoints
+    (``start`` None: from zero), as {times: ids}; None when the job keeps no such vector."""
+    code = (
+        "import json, sys, numpy as np, tensorflow as tf\n"
+        "def visits(prefix):\n"
+        "    r = tf.train.load_checkpoint(prefix)\n"
+        "    names = [n for n in r.get_variable_to_shape_map() if n.endswith(sys.argv[3])]\n"
+        "    return r.get_tensor(names[0]) if names else None\n"
+        "end = visits(sys.argv[2])\n"
+        "if end is None:\n"
+        "    print('null'); sys.exit()\n"
+        "start = visits(sys.argv[1]) if sys.argv[1] else np.zeros_like(end)\n"
+        "times, ids = np.unique(np.rint(end - start).astype(np.int64), return_counts=True)\n"
+        "print(json.dumps({str(t): int(n) for t, n in zip(times, ids)}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, start or "", end, VISITS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise RuntimeError(f"reading {end}: {proc.stderr.strip()[-300:]}")
+    found = json.loads(lines[-1])
+    return None if found is None else {int(t): n for t, n in found.items()}
+
+
+def visits_within_bound(soak: Soak) -> tuple[str, bool, str] | None:
+    """--epochs: every id of the second run's data trained at least --epochs times and at
+    most once per pass its training processes started (docs/data.md: N per training process,
+    one per make-up pass); None (said in a line) for a job without a ``visits`` vector."""
+    epochs, last = soak.args.epochs, soak.summaries[-1] if soak.summaries else {}
+    name = f"every example trained at least {epochs} time(s), at most once per pass started"
+    if len(soak.runs) < 2 or not last.get("checkpoint"):
+        return (name, False, "the second run wrote no final checkpoint")
+    run = soak.runs[-1]
+    try:
+        counts = trained_counts(run.first_restored(), str(last["checkpoint"]))
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return (name, False, str(err))
+    if counts is None:
+        print(f"soak: the job keeps no `visits` vector ({VISIT_JOB} does): which examples "
+              "were trained is not checked", flush=True)  # fmt: skip
+        return None
+    passes = run.passes()  # each training process's N, then any make-up passes
+    bound = sum(passes)
+    return (
+        name,
+        bool(counts) and min(counts) >= epochs and max(counts) <= bound,
+        f"times trained: ids {counts}; {bound} pass(es) started {passes} (restarts "
+        f"{last.get('restarts')}, worker failures {last.get('worker_failures')})",
+    )
 
 
 def start_prometheus(args: argparse.Namespace, soak: Soak) -> Prometheus | None:
@@ -702,10 +819,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="the schedule's and the job's seed")
     parser.add_argument("--faults", type=int, help="faults to inject (default: 2 a minute)")
     parser.add_argument(
-        "--kinds", default=",".join(WEIGHTS),
-        help=f"comma-separated fault kinds to draw from (default all: {','.join(WEIGHTS)})",
+        "--kinds",
+        help=f"comma-separated fault kinds to draw from (default all: {','.join(WEIGHTS)}; "
+        f"with --epochs all but {','.join(NOT_IN_EPOCHS)})",
     )  # fmt: skip
-    parser.add_argument("--job", default="mlp")
+    parser.add_argument(
+        "--job", help=f"the job (default mlp; with --epochs, the visitation job {VISIT_JOB})"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=0,
+        help="the restarted run trains N passes (psctl local --epochs N) instead of a target "
+        "step; the first trains passes until the operator's stop (default 0: steps)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--examples", type=int,
+        help="--epochs: the visitation job's ids (VISIT_IDS; default: what about 35%% of "
+        "--minutes trains here, over --epochs)",
+    )  # fmt: skip
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--max-shards", type=int, default=1)
@@ -724,18 +854,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")
     parser.add_argument("--out", help="results folder (default bench/results/soak-<time>/)")
     args = parser.parse_args(argv)
-    if args.minutes <= 0 or args.workers < 1 or args.ps < 1:
-        parser.error("--minutes, --workers and --ps: give positive numbers")
-    only = tuple(kind.strip() for kind in args.kinds.split(",") if kind.strip())
-    if not only or set(only) - set(WEIGHTS):
-        parser.error(f"--kinds: give some of {','.join(WEIGHTS)}, comma-separated")
+    if args.minutes <= 0 or args.workers < 1 or args.ps < 1 or args.epochs < 0:
+        parser.error("--minutes, --workers and --ps: give positive numbers; --epochs: 0 or more")
+    allowed = [k for k in WEIGHTS if not (args.epochs and k in NOT_IN_EPOCHS)]
+    kinds = args.kinds if args.kinds is not None else ",".join(allowed)
+    only = tuple(kind.strip() for kind in kinds.split(",") if kind.strip())
+    if not only or set(only) - set(allowed):
+        parser.error(f"--kinds: give some of {','.join(allowed)}, comma-separated")
+    if args.job is None:
+        args.job = VISIT_JOB if args.epochs else "mlp"
+    if args.examples is None:
+        share = (ENDGAME - STOP_AT) * args.minutes * 60 * 0.7  # faults slow it down
+        args.examples = max(2000, round(VISIT_EXAMPLES_PER_SEC * share / max(1, args.epochs)))
+    elif args.examples < 1:
+        parser.error("--examples: give a positive number")
     count = args.faults if args.faults is not None else max(1, round(2 * args.minutes))
     out = Path(args.out or REPO / "bench" / "results" / time.strftime("soak-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     faults = make_schedule(args.seed, args.minutes, count, only)
+    data = f", {args.epochs} pass(es) of {args.examples} ids (VISIT_IDS)" if args.epochs else ""
     print(
-        f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers, seed {args.seed}, "
-        f"{count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
+        f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers{data}, seed "
+        f"{args.seed}, {count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
         f"{os.getloadavg()[0]:.1f}\nschedule:",
         flush=True,
     )
@@ -750,7 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     prom = start_prometheus(args, soak)
     watched: list[tuple[str, bool, str]] = []
     try:
-        run = soak.start(10**8)  # until the operator's stop
+        # Until the operator's stop.
+        run = soak.start(args.epochs * FIRST_RUN_EPOCHS if args.epochs else 10**8)
         soak.wait_training(run, timeout=300)
         soak.note_coordinator()
         soak.started = time.monotonic()  # the schedule counts from the first step
@@ -767,8 +908,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         rate = at_stop / max(1.0, soak.elapsed())
         target = at_stop + max(500, int(rate * span * (ENDGAME - STOP_AT)))
-        run = soak.start(target)
-        print(f"{soak.elapsed():7.1f}s restart      on step {at_stop}, target {target}", flush=True)
+        if args.epochs:  # the data decides where the passes end
+            target = 0
+            run = soak.start(args.epochs)
+            goal = f"{args.epochs} pass(es)"
+        else:
+            run = soak.start(target)
+            goal = f"target {target}"
+        print(f"{soak.elapsed():7.1f}s restart      on step {at_stop}, {goal}", flush=True)
         soak.wait_training(run, timeout=300)
         soak.restart = (stop_at, time.monotonic())
         soak.note_coordinator()
@@ -785,8 +932,11 @@ def main(argv: list[str] | None = None) -> int:
         if prom is not None:
             prom.stop()
     measure(faults, soak)
-    base = baseline(args, soak, min(target, args.baseline_steps)) if args.baseline else None
+    length = args.epochs or min(target, args.baseline_steps)
+    base = baseline(args, soak, length) if args.baseline else None
     checked = invariants(soak, faults, target, base) + watched
+    if args.epochs and (visited := visits_within_bound(soak)) is not None:
+        checked.append(visited)
     for name, held, detail in checked:
         print(f"invariant: {name}: {'held' if held else 'BROKEN'} ({detail})")
     rows = table(faults)

@@ -46,3 +46,27 @@ def test_a_short_seeded_soak_holds_every_invariant(run_cli, workdir):
     assert second["global_step"] > first["global_step"] > 0
     assert second["restarts"] + first["restarts"] >= 1
     assert processes_mentioning(str(out / "work")) == []
+
+
+@pytest.mark.timeout(900)
+def test_a_short_soak_in_epochs_mode_trains_every_example(run_cli, workdir):
+    """``--epochs 1``: the visitation job's second run trains one pass through the faults,
+    and every id was trained at least once and at most once per pass started."""
+    out = workdir / "results"
+    # Seed 3's schedule over 2 min: a worker frozen, then (in the second run) a pause, a
+    # worker, the training process and a ps killed, the training process frozen.
+    argv = [sys.executable, BENCH, "--epochs", "1", "--minutes", "2", "--faults", "8"]
+    argv += ["--seed", "3", "--no-baseline", "--out", str(out)]
+    proc = run_cli(argv, timeout=880)  # 177 s here
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    match = LAST.fullmatch(lines[-1])
+    assert match, proc.stdout[-2000:]
+    # Five of the job (no baseline: no accuracy), the visits, two of Prometheus.
+    assert int(match[3]) == int(match[4]) == 8, lines[-1]
+    visits = [line for line in lines if line.startswith("invariant: every example trained")]
+    assert len(visits) == 1 and ": held (times trained: ids {1: " in visits[0], visits
+    first, second = json.loads((out / "results.json").read_text())["summaries"]
+    assert second["global_step"] > first["global_step"] > 0
+    assert second["stopped_early"] is False
+    assert processes_mentioning(str(out / "work")) == []
