@@ -411,9 +411,7 @@ class Soak:
         elif kind == "pause":
             proc = run.cli("pause")
             fault.victim = f"psctl pause: exit {proc.returncode}"
-            self.later(
-                fault, lambda: fault.notes.append(f"resume: exit {run.cli('resume').returncode}")
-            )
+            self.later(fault, lambda: resume(run, fault))
         elif kind == "checkpoint":
             proc = run.cli("checkpoint", timeout=120)
             fault.victim = f"psctl checkpoint: exit {proc.returncode}"
@@ -477,6 +475,17 @@ class Soak:
         self.watch_checkpoints()
         path = self.out / f"summary-{len(self.runs)}.json"
         self.summaries.append(json.loads(path.read_text()) if path.exists() else {})
+
+
+def resume(run: Run, fault: Fault, tries: int = 30) -> None:
+    """``psctl resume`` as an operator does: again until it is done (it fails while the
+    training process cannot answer, e.g. frozen; seen: a job left PAUSED for good)."""
+    for _ in range(tries):
+        code = run.cli("resume", timeout=30).returncode
+        fault.notes.append(f"resume: exit {code}")
+        if code == 0 or run.proc.poll() is not None:
+            return
+        time.sleep(2.0)
 
 
 def measure(faults: list[Fault], soak: Soak) -> None:

@@ -163,7 +163,7 @@ def run_training_process(
     failures = FailurePolicy()
     control = JobControl(
         job=settings.job,
-        target_steps=settings.steps,
+        target_steps=0 if settings.epochs else settings.steps,  # 0: the data decides
         steps_per_execution=settings.steps_per_execution,
         tasks=tasks,
         can_checkpoint=serve_control and bool(settings.checkpoint_dir),

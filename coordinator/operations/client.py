@@ -153,11 +153,18 @@ def _num(value: float, fmt: str = ".4f") -> str:
     return "-" if value != value else format(value, fmt)  # NaN -> "-"
 
 
+def step_of(status: control_pb2.Status, *, percent: bool = True) -> str:
+    """``N/TARGET (P%)``, or ``N`` where the data decides the target (--epochs: 0)."""
+    if not status.target_steps:
+        return str(status.global_step)
+    pct = f" ({100.0 * status.global_step / status.target_steps:.1f}%)" if percent else ""
+    return f"{status.global_step}/{status.target_steps}{pct}"
+
+
 def format_status(status: control_pb2.Status) -> str:
-    pct = 100.0 * status.global_step / status.target_steps if status.target_steps else 0.0
     lines = [
-        f"job {status.job} | {state_name(status.state)} | step {status.global_step}/"
-        f"{status.target_steps} ({pct:.1f}%) | {status.steps_per_second:.1f} steps/s | "
+        f"job {status.job} | {state_name(status.state)} | step {step_of(status)} | "
+        f"{status.steps_per_second:.1f} steps/s | "
         f"{status.examples_per_second:.0f} ex/s | up {status.uptime_seconds:.0f}s"
     ]
     train = [f"loss {_num(status.loss)}"] + [
@@ -235,7 +242,7 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 else:
                     out.write(
                         f"{time.strftime('%H:%M:%S')} {state_name(status.state)} "
-                        f"step {status.global_step}/{status.target_steps} "
+                        f"step {step_of(status, percent=False)} "
                         f"loss {_num(status.loss)} {status.steps_per_second:.1f} steps/s\n"
                     )
                 out.flush()

@@ -217,6 +217,8 @@ class TrainingLoop:
         """The whole loop from ``start_step``: say where the run starts, train if steps are
         owed and no stop came first, then the runner's end."""
         target = self.runner.program.target
+        # The status's target: the program's (0 where the data decides: --epochs).
+        self.control.target_steps = self.runner.program.progress_total
         self.control.update(global_step=start_step)
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)

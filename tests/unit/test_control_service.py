@@ -245,3 +245,14 @@ def test_a_job_finished_during_an_activity_reports_the_final_state(control, stub
     assert status.state == control_pb2.JOB_STATE_DONE
     code, _ = code_of(client.Stop, control_pb2.StopRequest())
     assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_psctl_status_shows_a_target_only_where_one_is_known():
+    """--epochs: the data decides the last step (target 0): the line shows the step alone
+    (it showed the unused --steps default: 'step 16789/1500 (1119.3%)')."""
+    from psctl.coordinator.operations.client import format_status
+
+    known = control_pb2.Status(job="mlp", global_step=250, target_steps=1000)
+    assert "| step 250/1000 (25.0%) |" in format_status(known)
+    open_ended = control_pb2.Status(job="visit", global_step=16789, target_steps=0)
+    assert "| step 16789 |" in format_status(open_ended)
