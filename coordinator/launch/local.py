@@ -125,6 +125,7 @@ class LocalCluster:
         count = num_ps + num_workers
         self.reserved_ports = frozenset(reserved_ports)
         free = ports.free_ports(2 + 3 * count, avoid=self.reserved_ports)
+        chosen = self.reserved_ports | set(free)
         self.coordinator_metrics_port = free.pop()
         tf_ports, side = free[: 1 + count], free[1 + count :]
         self.cluster = ClusterConfig(
@@ -140,7 +141,10 @@ class LocalCluster:
         self.dispatcher: str | None = None
         self._data_ports: dict[int, int] = {}
         if data_service:
-            extra = ports.free_ports(1 + num_workers, avoid=self.reserved_ports)
+            # None of the ports just chosen either: they are not bound yet (seen: the
+            # dispatcher given a ps's /metrics port; the data workers then registered with
+            # that HTTP server, blocking their servers' start for good).
+            extra = ports.free_ports(1 + num_workers, avoid=chosen)
             self.dispatcher = f"127.0.0.1:{extra[0]}"
             self._data_ports = dict(enumerate(extra[1:]))
         self.cluster_file = workdir / "cluster.json"

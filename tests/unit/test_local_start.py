@@ -95,3 +95,26 @@ def test_a_bounded_wait_names_the_servers_still_starting(
         for server in servers:
             server.proc.kill()
             server.proc.wait()
+
+
+def test_the_data_service_ports_are_none_of_those_chosen_before(monkeypatch, tmp_path) -> None:
+    """The dispatcher and the data workers' ports are chosen after the servers' ports,
+    which are not bound yet: the kernel may hand those out again (seen: the dispatcher
+    given the ps's /metrics port; the data workers registered with that HTTP server and
+    their servers never started). A stand-in kernel that hands out the lowest free port."""
+    handed: list[list[int]] = []
+
+    def free_ports(count: int, host: str = "127.0.0.1", *, avoid=()) -> list[int]:
+        found = [p for p in range(40000, 40100) if p not in avoid][:count]
+        handed.append(found)
+        return found
+
+    monkeypatch.setattr(local.ports, "free_ports", free_ports)
+    cluster = LocalCluster(num_ps=1, num_workers=2, workdir=tmp_path, data_service=True)
+    servers, service = handed
+    assert cluster.dispatcher is not None
+    assert set(service) == {
+        int(cluster.dispatcher.rsplit(":", 1)[1]),
+        *cluster._data_ports.values(),
+    }
+    assert not set(service) & set(servers), (servers, service)
