@@ -69,90 +69,34 @@ def require_dispatcher(address: str | None) -> str:
     return address
 
 
-UP, REFUSED, UNKNOWN = "up", "refused", "unknown"
-PROBE_EVERY = 0.5  # seconds between probes of the dispatcher's port
-GONE_AFTER = 2  # refused connections in a row: no dispatcher listens any more
-
-
-def probe(host: str, port: int, timeout: float = 1.0) -> str:
-    """UP: something listens on the dispatcher's port; REFUSED: nothing does (its process
-    is gone); UNKNOWN: no answer in time, or another error (it may be only slow, or frozen:
-    a stopped process's socket still completes connections)."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return REFUSED
-    except OSError:
-        return UNKNOWN
-    return UP
-
-
-class DispatcherWatch:
-    """When the data worker must start (a dispatcher listens and none is served) or stop
-    (the one it served is gone: refused ``GONE_AFTER`` times in a row), from probes."""
-
-    def __init__(self) -> None:
-        self.serving = False
-        self.refused = 0
-
-    def observe(self, result: str) -> str | None:
-        """ "start", "stop" or None, for one probe's result."""
-        self.refused = self.refused + 1 if result == REFUSED else 0
-        if self.serving and self.refused >= GONE_AFTER:
-            self.serving = False
-            return "stop"
-        if result == UP and not self.serving:
-            self.serving = True
-            return "start"
-        return None
-
-
 def start_data_worker(*, dispatcher: str, worker: Address) -> threading.Thread:
     """Host a tf.data service worker on ``worker`` (this task's host, the data port) in this
-    process, registered with ``dispatcher``; afresh for each dispatcher that comes.
+    process, registered with ``dispatcher``.
 
-    In a thread that probes the dispatcher's port: the dispatcher starts with the
-    coordinator, usually later, and TensorFlow's worker start blocks until it registers,
-    holding the GIL (seen: the server's health never came up). When the dispatcher's process
-    is gone (the coordinator exited or died), the data worker stops, and a new one starts
-    when a dispatcher listens again. TensorFlow's data worker would register again by itself,
-    but with the old dispatcher's tasks, and a new dispatcher (a new job's coordinator) numbers
-    its tasks from the start again: the data worker then served the old tasks under the new
-    numbers, and the new job's passes ended at once with nothing trained (seen: 0 examples
-    in a second ``psctl train --epochs`` on the same servers; tests/integration/
-    test_epochs.py). A coordinator restarted within one run recovers its dispatcher's state
-    from a journal instead (coordinator/training/epochs.py), so a data worker frozen across
-    that restart is still right.
+    In a thread that first waits for the dispatcher's port to accept connections: the
+    dispatcher starts with the coordinator, usually later, and TensorFlow's worker start
+    blocks until it registers, holding the GIL (seen: the server's health never came up).
+    Once registered, the worker heartbeats from its own threads and registers again with a
+    new dispatcher on the same address (a restarted coordinator).
     """
     import tensorflow as tf
 
     host, port = split_host_port(dispatcher, field="data_service.dispatcher")
-    config = tf.data.experimental.service.WorkerConfig(
-        dispatcher_address=dispatcher, worker_address=str(worker), port=worker.port
-    )
 
     def run() -> None:
-        watch = DispatcherWatch()
+        config = tf.data.experimental.service.WorkerConfig(
+            dispatcher_address=dispatcher, worker_address=str(worker), port=worker.port
+        )
         while True:
-            action = watch.observe(probe(host, port))
-            if action == "stop" and _DATA_WORKERS:
-                _DATA_WORKERS.pop().stop()
-                log.warning(
-                    "dispatcher %s is gone: data worker %s stopped; a new one starts, without "
-                    "the old dispatcher's tasks, when a dispatcher listens again",
-                    dispatcher,
-                    worker,
-                )
-            elif action == "start":
-                try:
-                    server: Any = tf.data.experimental.service.WorkerServer(config)
-                except Exception as err:  # up but not serving yet (UNIMPLEMENTED)
-                    log.debug("data worker waits for dispatcher %s: %s", dispatcher, err)
-                    watch.serving = False
-                else:
-                    _DATA_WORKERS.append(server)  # serves until stopped or the process exits
-                    log.info("data worker %s registered with dispatcher %s", worker, dispatcher)
-            time.sleep(PROBE_EVERY)
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                server: Any = tf.data.experimental.service.WorkerServer(config)
+                break
+            except Exception as err:  # not up yet, or up but not serving yet (UNIMPLEMENTED)
+                log.debug("data worker waits for dispatcher %s: %s", dispatcher, err)
+                time.sleep(1.0)
+        _DATA_WORKERS.append(server)  # never collected: it serves until the process exits
+        log.info("data worker %s registered with dispatcher %s", worker, dispatcher)
 
     thread = threading.Thread(target=run, name="data-worker", daemon=True)
     thread.start()

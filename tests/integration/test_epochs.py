@@ -9,18 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster.files import write_json_atomic
-from psctl.cluster.ports import free_ports
-from tests.conftest import (
-    REPO,
-    kill_if_running,
-    local_argv,
-    processes_mentioning,
-    psctl_argv,
-    read_json,
-    run_python,
-)
-from tests.integration.test_scale_train import start_server, tf_ports
+from tests.conftest import REPO, local_argv, processes_mentioning, read_json, run_python
 
 pytestmark = pytest.mark.integration
 
@@ -81,49 +70,4 @@ def test_every_id_exactly_once_per_epoch_and_per_eval(workdir, run_cli, workers,
     for line in evals:
         assert "| 1001 examples in" in line and f"({workers} shards" in line, line
         assert "label_mean: 0.4995" in line, line
-    assert processes_mentioning(str(workdir)) == []
-
-
-@pytest.mark.timeout(300)
-def test_a_second_train_job_on_the_same_servers_trains_every_example(workdir, run_cli):
-    """Operator-started servers outlive a job: the second ``psctl train --epochs`` on them
-    (a new coordinator, a new dispatcher on the same address) trains every id once. Its
-    passes ended at once with 0 examples while the data workers kept the first dispatcher's
-    tasks, numbered as the new one numbers its own."""
-    (workdir / "logs").mkdir(parents=True)
-    chief, ps0, w0, w1 = tf_ports(4)
-    (dispatcher,) = free_ports(1)
-    jobs = {"chief": [chief], "ps": [ps0], "worker": [w0, w1]}
-    cluster = workdir / "cluster.json"
-    write_json_atomic(
-        cluster,
-        {
-            "cluster": {kind: [f"127.0.0.1:{p}" for p in ports] for kind, ports in jobs.items()},
-            "data_service": {"dispatcher": f"127.0.0.1:{dispatcher}"},
-        },
-    )
-    servers = [
-        start_server(workdir, "ps", 0, cluster, ps0),
-        start_server(workdir, "worker", 0, cluster, w0),
-        start_server(workdir, "worker", 1, cluster, w1),
-    ]
-    try:
-        for run in ("first", "second"):
-            argv = psctl_argv(
-                "train",
-                "--cluster", str(cluster),
-                "--job", VISIT_JOB,
-                "--epochs", "1",
-                "--batch-size", "8",
-                "--checkpoint-dir", str(workdir / run),
-                "--control-address", "127.0.0.1:0",
-            )  # fmt: skip
-            proc = run_cli(argv, timeout=150)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            assert "1001 examples trained so far" in proc.stderr, proc.stderr[-3000:]
-            visits = checkpoint_tensor(workdir / run, "model/visits/.ATTRIBUTES/VARIABLE_VALUE")
-            assert sorted(set(visits)) == [1.0], f"{run} job: {sorted(set(visits))[:5]}"
-    finally:
-        for server in servers:
-            kill_if_running(server)
     assert processes_mentioning(str(workdir)) == []

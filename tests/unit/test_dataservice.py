@@ -1,26 +1,13 @@
-"""Where the tf.data service dispatcher is configured (--epochs), and its errors; when a
-worker server's data worker starts afresh: only once a dispatcher listens, and again after
-the dispatcher it served is gone (refused twice in a row), never on a slow or frozen one (a
-stopped process's socket still accepts connections)."""
+"""Where the tf.data service dispatcher is configured (--epochs), and its errors."""
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
-from psctl.cluster.dataservice import (
-    ENV_DISPATCHER,
-    REFUSED,
-    UNKNOWN,
-    UP,
-    DispatcherWatch,
-    dispatcher_address,
-    probe,
-    require_dispatcher,
-)
+from psctl.cluster.dataservice import ENV_DISPATCHER, dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.settings import resolve_settings
 from tests.conftest import child_env
@@ -69,32 +56,3 @@ def test_train_epochs_without_dispatcher_is_one_line_78(tmp_path: Path):
     proc = run("train", "--cluster", cluster_file(tmp_path), "--epochs", "2", env=child_env())
     assert proc.returncode == 78, proc.stderr
     assert "--epochs" in proc.stderr and proc.stderr.count("\n") == 1
-
-
-def actions(results: list[str]) -> list[str | None]:
-    watch = DispatcherWatch()
-    return [watch.observe(result) for result in results]
-
-
-def test_starts_once_the_dispatcher_listens():
-    assert actions([REFUSED, REFUSED, REFUSED, UP, UP]) == [None, None, None, "start", None]
-
-
-def test_a_dispatcher_gone_then_back_means_stop_then_start():
-    found = actions([UP, UP, REFUSED, REFUSED, REFUSED, UP])
-    assert found == ["start", None, None, "stop", None, "start"]
-
-
-def test_one_refusal_or_a_slow_dispatcher_changes_nothing():
-    assert actions([UP, REFUSED, UP, UNKNOWN, UNKNOWN, UNKNOWN, REFUSED, UP]) == [
-        "start", None, None, None, None, None, None, None,
-    ]  # fmt: skip
-
-
-def test_probe_tells_a_listener_from_none():
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        assert probe("127.0.0.1", port) == UP
-    assert probe("127.0.0.1", port) == REFUSED
