@@ -128,8 +128,10 @@ PASSES = re.compile(r"(\d+) pass\(es\) through the tf.data service")
 # process checkpoints and exits, and the next one starts on the new cluster.
 RESIZING = re.compile(r"resizing .* -> .*: the training process checkpoints and exits")
 # --epochs: the visitation job (tests/jobs/visit.py) counts on the ps how often each of its
-# ids was trained; VISIT_EXAMPLES_PER_SEC is its rate here (2 ps + 3 workers, batch 64, on 2
-# cores: 4,454 ex/s fault-free), for sizing its data when --examples is not given.
+# ids was trained. VISIT_EXAMPLES_PER_SEC sizes its data when --examples is not given: its
+# rate here (2 ps + 3 workers, batch 64, 2 cores) was 4,454 ex/s fault-free, start-up
+# included, when it handed out single ids; with pieces of 1,000 it runs up to 15,000 ex/s,
+# so the second run's passes may end before the schedule does (10 min, seed 1: at 8.7 min).
 VISIT_JOB = str(REPO / "tests" / "jobs" / "visit.py")
 VISITS = "visits/.ATTRIBUTES/VARIABLE_VALUE"
 VISIT_EXAMPLES_PER_SEC = 4000
