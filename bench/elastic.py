@@ -64,6 +64,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -152,10 +153,13 @@ def start_job(
     return proc, Output(proc.stdout, log)
 
 
-def control_cli(address: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``psctl ARGS --address ADDRESS`` (status, scale, stop, ...), its output captured."""
+def control_cli(
+    address: str, *args: str, timeout: float, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``psctl ARGS --address ADDRESS`` (status, scale, stop, ...), its output captured;
+    ``prefix``: what runs it on the coordinator's host (``ip netns exec NS``)."""
     return subprocess.run(
-        psctl_argv(*args, "--address", address),
+        [*prefix, *psctl_argv(*args, "--address", address)],
         capture_output=True,
         text=True,
         timeout=timeout,

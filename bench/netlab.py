@@ -152,6 +152,12 @@ class NetLab:
         host = self.hosts[name]
         return f"{host.service_ip if self.relay else host.ip}:{port}"
 
+    def set_link(self, name: str, up: bool) -> None:
+        """Cut (or plug back) host ``name``'s link: the router's end of its veth pair goes
+        down, so its packets are dropped silently, as on a pulled cable (no reset, no ICMP);
+        up again, the router's route to it comes back with its address."""
+        _ip("link", "set", f"h{self.hosts[name].number}", "up" if up else "down", ns=self.router)
+
     def exec_argv(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run on host ``name`` (``ip netns exec`` execs it: the pid is argv's)."""
         return ["ip", "netns", "exec", self.hosts[name].ns, *argv]

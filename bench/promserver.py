@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,11 +48,31 @@ def http_get(url: str, *, timeout: float = 10.0) -> str:
         return str(response.read().decode())
 
 
-class Prometheus:
-    """A Prometheus server on a free loopback port with its own config and storage."""
+# ``prefix``'s HTTP GET: the body, an HTTP error's too (its status said on stderr).
+_FETCH = """import sys, urllib.error, urllib.request
+try:
+    reply = urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))
+except urllib.error.HTTPError as err:
+    reply = err
+sys.stdout.write(reply.read().decode())
+"""
 
-    def __init__(self, tmp: Path, scrape_configs: list[dict[str, Any]], *, binary: str) -> None:
+
+class Prometheus:
+    """A Prometheus server on a free loopback port with its own config and storage;
+    ``prefix``: the command that runs it, and each of its HTTP requests, on another host (a
+    network namespace: ``ip netns exec NS``), where its targets are."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        scrape_configs: list[dict[str, Any]],
+        *,
+        binary: str,
+        prefix: Sequence[str] = (),
+    ) -> None:
         self.binary = binary
+        self.prefix = list(prefix)
         self.dir = tmp
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = self.dir / "prometheus.yml"
@@ -75,6 +96,7 @@ class Prometheus:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [
+                    *self.prefix,
                     self.binary,
                     f"--config.file={self.config}",
                     f"--storage.tsdb.path={self.dir / 'data'}",
@@ -94,10 +116,24 @@ class Prometheus:
                 f"prometheus exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
             )
         try:
-            http_get(f"{self.url}/-/ready", timeout=2)
+            self.get(f"{self.url}/-/ready", timeout=2)
         except urllib.error.URLError:
             return False
         return True
+
+    def get(self, url: str, *, timeout: float = 10.0) -> str:
+        """``http_get`` from Prometheus's host; on another host, an HTTP error's body is
+        returned as a success's is (``api`` reads the reason from either)."""
+        if not self.prefix:
+            return http_get(url, timeout=timeout)
+        argv = [*self.prefix, sys.executable, "-c", _FETCH, url, str(timeout)]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 20)
+        except subprocess.TimeoutExpired as err:
+            raise urllib.error.URLError(f"{url}: timed out") from err
+        if done.returncode != 0:
+            raise urllib.error.URLError(f"{url}: {done.stderr.strip()[-200:]}")
+        return done.stdout
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -113,7 +149,7 @@ class Prometheus:
         if params:
             url += "?" + urllib.parse.urlencode(params)
         try:
-            body = http_get(url)
+            body = self.get(url)
         except urllib.error.HTTPError as err:  # 400/422: a bad query, with Prometheus' reason
             body = err.read().decode()
         reply = json.loads(body)

@@ -15,12 +15,21 @@ default; printed first) injects, at random times, so that recoveries overlap:
                   then ``psctl scale --workers N`` 15-40 s later: a resize back to N
 ``pause``         ``psctl pause``, 2-6 s, ``psctl resume``
 ``checkpoint``    ``psctl checkpoint``
+``cut-link``      ``--netns`` only: a worker's, a ps's or the coordinator's link down for
+                  2-15 s (``ip link set ... down``: packets dropped silently), then up
 
 ``psctl status`` is read twice a second all along (and its CLI run once per fault). Half
 way, the operator stops the job (``psctl stop``: a final checkpoint) and starts it again on
 the same checkpoint directory with a target step that the measured rate reaches before the
-time is up; the faults go on against the second run. The network-namespace variant (link
-cuts) is not built: tests/chaos/test_netns_chaos.py cuts links one at a time.
+time is up; the faults go on against the second run.
+
+``--netns``: every task on a host of its own (a network namespace, bench/soak_hosts.py): the
+servers as their systemd units run them (``ps-server`` / ``worker-server --cluster FILE
+--index I``, restarted on failure 1 s later by the soak, systemd's part), the coordinator
+``psctl train --cluster FILE`` on host ``chief``, its control API and Prometheus reached
+there through ``ip netns exec``; ``cut-link`` joins the schedule, ``preempt`` leaves it (a
+resize starts servers: psctl local's part, an operator's on real hosts). Needs root and
+iproute2; ``--strategy sync`` and ``--epochs`` are psctl local's only here.
 
 Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
 
@@ -88,7 +97,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,9 +106,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.elastic import control_cli, progress, start_job  # noqa: E402
+from bench.netlab import LabError  # noqa: E402
 from bench.promserver import Prometheus  # noqa: E402
+from bench.soak_hosts import CONTROL, COORDINATOR_METRICS, SoakHosts  # noqa: E402
+from psctl.cluster.files import write_json_atomic  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import command_lines  # noqa: E402
+from psctl.cluster.procs import command_lines, die_with_parent  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402
@@ -114,8 +126,12 @@ WEIGHTS = {
     "preempt": 1,
     "pause": 1,
     "checkpoint": 1,
+    "cut-link": 3,
 }
+NETNS_ONLY = ("cut-link",)
+NOT_IN_NETNS = ("preempt",)  # a resize starts servers: psctl local's part
 RESTARTING = ("kill-ps", "kill-trainer")  # faults that need a new training process
+INTERRUPTING = ("freeze", "cut-link", "scale-back")  # faults that may start one
 # deploy/prometheus/alerts.yml: PsctlRestartLoop fires at 3 restarts (or 3 new training
 # processes) within 30 min; none of the others may fire under these faults (each recovers
 # within their "for:"), nor for a worker that left (it is no target then).
@@ -151,7 +167,7 @@ PATTERNS = {
 class Fault:
     at: float  # seconds since the soak started
     kind: str
-    target: str = ""  # freeze: "worker", "ps" or "trainer"
+    target: str = ""  # freeze: "worker", "ps" or "trainer"; cut-link: "chief" for "trainer"
     hold: float = 0.0  # freeze, pause: seconds
     # Filled in when injected:
     injected: float = 0.0  # time.monotonic()
@@ -181,6 +197,9 @@ def make_schedule(
         if kind == "freeze":
             fault.target = rng.choice(["worker", "worker", "ps", "trainer"])
             fault.hold = round(rng.uniform(2.0, 15.0), 1)
+        elif kind == "cut-link":
+            fault.target = rng.choice(["worker", "worker", "ps", "chief"])
+            fault.hold = round(rng.uniform(2.0, 15.0), 1)
         elif kind == "pause":
             fault.hold = round(rng.uniform(2.0, 6.0), 1)
         faults.append(fault)
@@ -188,15 +207,24 @@ def make_schedule(
 
 
 class Run:
-    """One ``psctl local`` run, its output stamped as it arrives."""
+    """One ``psctl local`` (or ``--netns``: ``psctl train``) run, its output stamped as it
+    arrives; ``prefix``: what runs a command on its host."""
 
-    def __init__(self, argv: list[str], log: Path, address: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        log: Path,
+        address: str,
+        env: dict[str, str],
+        prefix: Sequence[str] = (),
+    ) -> None:
         self.address = address
+        self.prefix = list(prefix)
         self.proc, self.output = start_job(argv, log, {"TF_CPP_MIN_LOG_LEVEL": "2", **env})
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         try:
-            return control_cli(self.address, *args, timeout=timeout)
+            return control_cli(self.address, *args, timeout=timeout, prefix=self.prefix)
         except subprocess.TimeoutExpired:
             return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout}s")
 
@@ -235,11 +263,14 @@ class Run:
 
 
 class Sampler:
-    """``GetStatus`` twice a second: (time, step, state, uptime) while it answers."""
+    """``GetStatus`` twice a second: (time, step, state, uptime) while it answers; with a
+    ``prefix`` (the coordinator on another host), from a status feed running there."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, int, str, float]] = []
+        self.prefix: list[str] = []  # set before the address
         self.address = ""
+        self._feed: subprocess.Popen[str] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -248,19 +279,46 @@ class Sampler:
         while not self._stop.wait(0.5):
             if not self.address:
                 continue
+            if self.prefix:
+                self._follow()
+                return
             try:
                 status = call(self.address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2)
             except ControlError:
                 continue
-            found = status_dict(status)
-            self.samples.append(
-                (
-                    time.monotonic(),
-                    int(found.get("global_step", 0)),
-                    str(found.get("state", "")),
-                    float(found.get("uptime_seconds", 0.0)),
-                )
+            self._add(status_dict(status))
+
+    def _follow(self) -> None:
+        """One long-lived feed on the coordinator's host (a psctl per poll would cost a CPU's
+        worth of interpreter starts): a JSON status per line, null while it does not answer."""
+        argv = [*self.prefix, sys.executable, "-m", "tests.chaos.status_feed", self.address, "0.5"]
+        self._feed = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
+        assert self._feed.stdout is not None
+        for line in self._feed.stdout:
+            if self._stop.is_set():
+                return
+            with contextlib.suppress(ValueError):
+                if found := json.loads(line):
+                    self._add(found)
+
+    def _add(self, found: dict[str, Any]) -> None:
+        self.samples.append(
+            (
+                time.monotonic(),
+                int(found.get("global_step", 0)),
+                str(found.get("state", "")),
+                float(found.get("uptime_seconds", 0.0)),
             )
+        )
 
     def latest(self) -> tuple[float, int, str, float] | None:
         return self.samples[-1] if self.samples else None
@@ -282,6 +340,9 @@ class Sampler:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._feed is not None:
+            self._feed.kill()
+            self._feed.wait(timeout=10)
         self._thread.join(timeout=5)
 
 
@@ -291,6 +352,7 @@ class Soak:
         self.out = out
         self.workdir = out / "work"
         self.checkpoints = self.workdir / "checkpoints"
+        self.hosts = SoakHosts(args.ps, args.workers, self.workdir) if args.netns else None
         self.sampler = Sampler()
         self.started = time.monotonic()
         self.runs: list[Run] = []
@@ -306,9 +368,29 @@ class Soak:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def job_argv(self, workdir: Path, length: int, address: str, summary: Path) -> list[str]:
-        """``length``: steps to train to, or with ``--epochs``, passes over the data."""
+    def job_argv(
+        self, workdir: Path, length: int, address: str, summary: Path, *, local: bool = True
+    ) -> list[str]:
+        """``length``: steps to train to, or with ``--epochs``, passes over the data.
+        ``local``: psctl local; else (``--netns``) psctl train on the hosts' cluster."""
         a = self.args
+        if not local:
+            assert self.hosts is not None
+            return psctl_argv(
+                "train",
+                "--cluster", str(self.hosts.cluster_file),
+                "--job", a.job,
+                "--max-shards", str(a.max_shards),
+                "--steps", str(length),
+                "--seed", str(a.seed),
+                "--checkpoint-dir", str(self.checkpoints),
+                "--checkpoint-every", str(a.checkpoint_every),
+                "--keep-checkpoints", "1000",
+                "--log-every", "1",
+                "--metrics-port", str(COORDINATOR_METRICS + len(self.runs) + 1),
+                "--control-address", address,
+                "--summary-json", str(summary),
+            )  # fmt: skip
         return psctl_argv(
             "local",
             "--job", a.job,
@@ -331,12 +413,23 @@ class Soak:
         return {"VISIT_IDS": str(self.args.examples)} if self.args.epochs else {}
 
     def start(self, length: int) -> Run:
-        (port,) = free_ports(1)
-        address = f"127.0.0.1:{port}"
         n = len(self.runs) + 1
-        argv = self.job_argv(self.workdir, length, address, self.out / f"summary-{n}.json")
-        run = Run(argv, self.out / f"job-{n}.log", address, self.env())
+        summary = self.out / f"summary-{n}.json"
+        if self.hosts is not None:  # on host "chief", as its operator would run it
+            address = CONTROL
+            argv = self.job_argv(self.workdir, length, address, summary, local=False)
+            prefix = self.hosts.prefix()
+            argv = [*prefix, *argv]
+            # Prometheus scrapes this run's coordinator (and no longer the last one's).
+            targets = self.hosts.targets([COORDINATOR_METRICS + n])
+            write_json_atomic(self.workdir / "targets.json", targets)
+        else:
+            (port,) = free_ports(1)
+            address = f"127.0.0.1:{port}"
+            argv, prefix = self.job_argv(self.workdir, length, address, summary), []
+        run = Run(argv, self.out / f"job-{n}.log", address, self.env(), prefix)
         self.runs.append(run)
+        self.sampler.prefix = run.prefix
         self.sampler.address = address
         self.workers = self.args.workers
         return run
@@ -375,7 +468,16 @@ class Soak:
         fault.while_running = self.running()
         fault.step_before = self.sampler.max_step_before(fault.injected)
         kind = fault.kind
-        if kind in ("kill-worker", "kill-ps", "kill-trainer", "freeze", "preempt"):
+        if kind == "cut-link":
+            assert self.hosts is not None
+            count = {"worker": self.workers, "ps": self.args.ps, "chief": 1}[fault.target]
+            index = rng.randrange(count)
+            host = "chief" if fault.target == "chief" else f"{fault.target}{index}"
+            fault.victim = f"link of {host}"
+            hosts = self.hosts
+            hosts.set_link(host, up=False)
+            self.later(fault, lambda: hosts.set_link(host, up=True))
+        elif kind in ("kill-worker", "kill-ps", "kill-trainer", "freeze", "preempt"):
             target = {"kill-worker": "worker", "kill-ps": "ps", "kill-trainer": "trainer"}.get(
                 kind, fault.target or "worker"
             )
@@ -517,7 +619,7 @@ def measure(faults: list[Fault], soak: Soak) -> None:
         stop = soak.restart[0] if soak.restart is not None else math.inf
         if fault.injected < stop and (fault.recovery is None or start + fault.recovery > stop):
             fault.cut, fault.recovery = True, None
-    causes = [f for f in done if f.kind in (*RESTARTING, "freeze", "scale-back")]
+    causes = [f for f in done if f.kind in (*RESTARTING, *INTERRUPTING)]
     for number, run in enumerate(soak.runs):
         restores = run.restores()[1 if number else 0 :]  # a later run's start restores: planned
         for at, step in restores:
@@ -656,14 +758,14 @@ def invariants(
         for f in kills
     )
     seen_restarts = sum(f.kind in RESTARTING and f.while_running for f in done)
-    can_restart = sum(f.kind in RESTARTING or f.kind in ("freeze", "scale-back") for f in done)
+    can_restart = sum(f.kind in (*RESTARTING, *INTERRUPTING) for f in done)
     found.append(
         (
             "failures counted cover the observable faults",
             worker_failures >= seen_kills and seen_restarts <= restarts <= can_restart + 1,
             f"worker failures {worker_failures} for {seen_kills} worker kill(s) while running; "
             f"restarts {restarts} for {seen_restarts} ps/trainer kill(s) while running "
-            f"(at most {can_restart + 1}: those, freezes, resizes and the stop)",
+            f"(at most {can_restart + 1}: those, freezes, cuts, resizes and the stop)",
         )
     )
     deadline = time.monotonic() + 20
@@ -752,7 +854,8 @@ def visits_within_bound(soak: Soak) -> tuple[str, bool, str] | None:
 
 
 def start_prometheus(args: argparse.Namespace, soak: Soak) -> Prometheus | None:
-    """A real Prometheus scraping the job (psctl local's targets.json) every second and
+    """A real Prometheus scraping the job (psctl local's targets.json, or with ``--netns``
+    the soak's, from host ``chief``) every second and
     evaluating deploy/prometheus/alerts.yml; None (said in a line) without ``prometheus``."""
     binary = shutil.which("prometheus")
     if not args.prometheus or binary is None:
@@ -765,7 +868,8 @@ def start_prometheus(args: argparse.Namespace, soak: Soak) -> Prometheus | None:
         "job_name": "psctl",
         "file_sd_configs": [{"files": [str(soak.workdir / "targets.json")]}],
     }
-    prom = Prometheus(soak.out / "prometheus", [scrape], binary=binary)
+    prefix = soak.hosts.prefix() if soak.hosts else ()  # where the targets are
+    prom = Prometheus(soak.out / "prometheus", [scrape], binary=binary, prefix=prefix)
     prom.start()
     return prom
 
@@ -862,12 +966,21 @@ def main(argv: list[str] | None = None) -> int:
         help="a real Prometheus scrapes the job; its counters and alerts are checked "
         "(default on where `prometheus` is on PATH)",
     )  # fmt: skip
+    parser.add_argument(
+        "--netns", action="store_true",
+        help="every task on a network-namespace host of its own, servers restarted as "
+        "systemd does, psctl train as the coordinator; adds cut-link (needs root)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")
     parser.add_argument("--out", help="results folder (default bench/results/soak-<time>/)")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.workers < 1 or args.ps < 1 or args.epochs < 0:
         parser.error("--minutes, --workers and --ps: give positive numbers; --epochs: 0 or more")
-    allowed = [k for k in WEIGHTS if not (args.epochs and k in NOT_IN_EPOCHS)]
+    if args.netns and (args.epochs or args.strategy != "async"):
+        parser.error("--netns: the parameter-server mode with --steps only (--epochs and "
+                     "--strategy sync run under psctl local)")  # fmt: skip
+    excluded = (NOT_IN_NETNS if args.netns else NETNS_ONLY) + (NOT_IN_EPOCHS if args.epochs else ())
+    allowed = [k for k in WEIGHTS if k not in excluded]
     kinds = args.kinds if args.kinds is not None else ",".join(allowed)
     only = tuple(kind.strip() for kind in kinds.split(",") if kind.strip())
     if not only or set(only) - set(allowed):
@@ -884,6 +997,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     faults = make_schedule(args.seed, args.minutes, count, only)
     data = f", {args.epochs} pass(es) of {args.examples} ids (VISIT_IDS)" if args.epochs else ""
+    data += ", each task on a network-namespace host" if args.netns else ""
     print(
         f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers{data}, seed "
         f"{args.seed}, {count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
@@ -898,9 +1012,16 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(args, out)
     span = args.minutes * 60.0
     target = 0
-    prom = start_prometheus(args, soak)
+    prom: Prometheus | None = None
     watched: list[tuple[str, bool, str]] = []
     try:
+        if soak.hosts is not None:
+            try:
+                soak.hosts.start()
+            except LabError as err:
+                print(f"soak: --netns: {err}", file=sys.stderr)
+                return 2
+        prom = start_prometheus(args, soak)
         # Until the operator's stop.
         run = soak.start(args.epochs * FIRST_RUN_EPOCHS if args.epochs else 10**8)
         soak.wait_training(run, timeout=300)
@@ -942,6 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
         soak.sampler.stop()
         if prom is not None:
             prom.stop()
+        if soak.hosts is not None:
+            soak.hosts.stop()
     measure(faults, soak)
     length = args.epochs or min(target, args.baseline_steps)
     base = baseline(args, soak, length) if args.baseline else None
