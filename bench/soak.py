@@ -745,27 +745,23 @@ def invariants(
     # The summaries count per run: sum both runs.
     restarts = sum(int(s.get("restarts", 0)) for s in soak.summaries)
     worker_failures = sum(int(s.get("worker_failures", 0)) for s in soak.summaries)
+    ps_failures = sum(int(s.get("ps_failures", 0)) for s in soak.summaries)
     done = [f for f in faults if f.injected and not f.skipped]
-    kills = [f for f in done if f.kind == "kill-worker"]
-    # Observable: while the job runs, and not the worker killed within 30 s (still down: one
-    # failure for both).
-    seen_kills = sum(
-        f.while_running
-        and not any(
-            g.victim.split()[0] == f.victim.split()[0] and 0 < f.injected - g.injected < 30
-            for g in kills
-        )
-        for f in kills
-    )
-    seen_restarts = sum(f.kind in RESTARTING and f.while_running for f in done)
+    seen_workers, seen_ps = (seen_kills(done, kind) for kind in ("kill-worker", "kill-ps"))
+    # A kill that needs a new training process, recovered before the operator's stop: one
+    # cut by it is not restarted (the stop's last process only restores, for the summary).
+    seen_restarts = sum(f.kind in RESTARTING and f.while_running and not f.cut for f in done)
     can_restart = sum(f.kind in (*RESTARTING, *INTERRUPTING) for f in done)
     found.append(
         (
             "failures counted cover the observable faults",
-            worker_failures >= seen_kills and seen_restarts <= restarts <= can_restart + 1,
-            f"worker failures {worker_failures} for {seen_kills} worker kill(s) while running; "
-            f"restarts {restarts} for {seen_restarts} ps/trainer kill(s) while running "
-            f"(at most {can_restart + 1}: those, freezes, cuts, resizes and the stop)",
+            worker_failures >= seen_workers
+            and ps_failures >= seen_ps
+            and seen_restarts <= restarts <= can_restart + 1,
+            f"worker failures {worker_failures} for {seen_workers} worker kill(s) while running; "
+            f"ps failures {ps_failures} for {seen_ps}; restarts {restarts} for {seen_restarts} "
+            f"ps/trainer kill(s) while running, recovered before the stop (at most "
+            f"{can_restart + 1}: those, freezes, cuts, resizes and the stop)",
         )
     )
     deadline = time.monotonic() + 20
@@ -774,6 +770,20 @@ def invariants(
     left = command_lines(str(soak.workdir))
     found.append(("no process left", not left, f"{len(left)} left: {sorted(left)[:5]}"))
     return found
+
+
+def seen_kills(done: list[Fault], kind: str) -> int:
+    """The ``kind`` kills a job's health checks can see: while it runs, and not of a server
+    killed within 30 s before (still down, or just back: one failure for both)."""
+    kills = [f for f in done if f.kind == kind]
+    return sum(
+        f.while_running
+        and not any(
+            g.victim.split()[0] == f.victim.split()[0] and 0 < f.injected - g.injected < 30
+            for g in kills
+        )
+        for f in kills
+    )
 
 
 def evaluated_like(last: dict[str, Any], base: dict[str, Any]) -> tuple[str, bool, str]:

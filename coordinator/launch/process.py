@@ -182,8 +182,17 @@ def run_training_process(
         control.drop_after = settings.drop_after
     # After on_task_leaving: a task marked left before this line leaves at the first read.
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
+
+    def task_failure(task_type: str) -> None:
+        # Reported at once: the next training process's counts go on from it, even if this
+        # one is killed next.
+        counters.process_failures = control.failure_counts()
+        counters.leave_report()
+        if metrics is not None:
+            metrics.task_failure(task_type)
+
+    control.on_task_failure = task_failure
     if metrics is not None:
-        control.on_task_failure = metrics.task_failure
         control.on_recovery = metrics.recovery
     server = None
     if serve_control:
@@ -223,12 +232,10 @@ def complete(
     do), DONE, and (so that no alert takes this exit for a crash) the final state scraped
     once; exit 0."""
     if report:
-        failures = control.failure_counts()
+        failures = counters.failures_seen(control.failure_counts())
         summary.restarts = counters.restarts
-        # psctl local counts the servers it restarted; this process counts what its health
-        # checks saw since it started. Both may see one failure: take the larger.
-        summary.ps_failures = max(counters.ps_failures, failures.get("ps", 0))
-        summary.worker_failures = max(counters.worker_failures, failures.get("worker", 0))
+        summary.ps_failures = failures["ps"]
+        summary.worker_failures = failures["worker"]
         summary.coordinator_failures = counters.coordinator_failures
         summary.recoveries = control.recoveries
         summary.resizes = list(counters.resizes)
@@ -256,6 +263,10 @@ def recover(
     supervisor for a fresh training process (the only recovery TensorFlow supports).
     Logs what failed, and what psctl does about it, in a line each."""
     log.error("%s failed: %s", failed_tasks(err, control), describe(err))
+    for name in tasks_named(err):
+        task_type, index = name.split(":")
+        if task_type == "ps":
+            control.failed_by_error(task_type, int(index))
     control.set_state(State.RECOVERING, f"waiting for the ps tasks: {describe(err)}")
     started = clock()
     deadline = started + timeout
@@ -447,9 +458,11 @@ def start_metrics(
         batch_size=settings.batch_size,
         examples_per_step=examples_per_step,
     )
+    earlier = counters.failures_seen({})
     metrics.carry_over(
         restarts=counters.restarts,
-        ps_failures=counters.ps_failures,
+        ps_failures=earlier["ps"],
+        worker_failures=earlier["worker"],
         nonfinite_losses=counters.nonfinite_losses,
         resize_seconds=[float(str(r.get("seconds", 0.0))) for r in counters.resizes],
     )

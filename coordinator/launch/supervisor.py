@@ -24,7 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -88,6 +88,12 @@ class Counters:
     coordinator_failures: int = 0
     worker_failures: int = 0  # worker servers psctl local restarted
     nonfinite_losses: int = 0  # training processes ended by a NaN/inf loss (or model)
+    # Task failures ({"ps": n, "worker": n}) the health checks of the job's earlier
+    # training processes saw, summed by the supervisor from their reports: on a cluster
+    # psctl does not run (psctl train), the only count of them that outlives a restart.
+    seen_failures: dict[str, int] = field(default_factory=dict)
+    # This training process's own (reported, not handed on: the supervisor's stays empty).
+    process_failures: dict[str, int] = field(default_factory=dict)
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
     # The job was stopped while a training process exited for a fresh start (a resize, a
     # ps recovery): the next one restores the latest checkpoint, trains no step, and ends
@@ -97,16 +103,30 @@ class Counters:
     # lost), reported at once (``leave_report``); the supervisor takes them out of the
     # launcher's cluster while training goes on.
     left: list[list[object]] = field(default_factory=list)
-    # Where a training process leaves what only it sees (nonfinite_losses) just before it
-    # exits; the supervisor reads and removes it, and hands the counts to the next one.
+    # Where a training process leaves what only it sees (nonfinite_losses, the task failures
+    # its health checks saw) as it sees it: it may be killed next; the supervisor reads and
+    # removes it once the process exited, and hands the counts to the next one.
     report_file: str = field(default="", compare=False)
 
     def leave_report(self) -> None:
-        """In the training process, before it exits: leave its counts for the supervisor."""
+        """In the training process: leave its counts for the supervisor."""
         if self.report_file:
-            write_json_atomic(
-                self.report_file, {"nonfinite_losses": self.nonfinite_losses, "left": self.left}
-            )
+            report = {
+                "nonfinite_losses": self.nonfinite_losses,
+                "left": self.left,
+                "failures": self.process_failures,
+            }
+            write_json_atomic(self.report_file, report)
+
+    def failures_seen(self, this_process: Mapping[str, int]) -> dict[str, int]:
+        """The job's task failures by type: the larger of what psctl local counted (the
+        servers it restarted) and what every training process's health checks saw (the
+        earlier ones' and ``this_process``'s): both may see one failure."""
+        seen = {t: self.seen_failures.get(t, 0) + this_process.get(t, 0) for t in ("ps", "worker")}
+        return {
+            "ps": max(self.ps_failures, seen["ps"]),
+            "worker": max(self.worker_failures, seen["worker"]),
+        }
 
     def peek_left(self) -> list[tuple[str, int, str]]:
         """In the supervisor, while the training process runs: the tasks it saw leave so
@@ -132,6 +152,7 @@ class Counters:
             path.unlink()
             count = int(report["nonfinite_losses"])
             left = [[str(t), int(i), str(a)] for t, i, a in report.get("left", [])]
+            failures = {str(t): int(n) for t, n in report.get("failures", {}).items()}
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
@@ -139,6 +160,8 @@ class Counters:
             return
         self.nonfinite_losses = max(self.nonfinite_losses, count)
         self.left = list(left)
+        for task_type, n in failures.items():
+            self.seen_failures[task_type] = self.seen_failures.get(task_type, 0) + n
 
 
 def new_report_file() -> str:

@@ -257,6 +257,21 @@ class JobControl:
             key = (task_type, index)
             self._failures[key] = self._failures.get(key, 0) + 1
 
+    def failed_by_error(self, task_type: str, index: int) -> None:
+        """TensorFlow's error named a task its health checks still see SERVING: it failed
+        and came back between two checks (a restarted ps server: seen in bench/soak.py
+        --netns), or no check ran since. A failure of it, counted once: its health reads
+        UNKNOWN until the next check, which then counts no new failure, and a recovery once
+        it sees it SERVING."""
+        key = (task_type, index)
+        with self._lock:
+            if self._health.get(key) != SERVING:
+                return  # down already: the checks counted it (or it never served)
+            self._health[key] = UNKNOWN
+            self._failures[key] = self._failures.get(key, 0) + 1
+        if self.on_task_failure is not None:
+            self.on_task_failure(task_type)
+
     def unhealthy_tasks(self) -> list[str]:
         """Tasks whose last health check was not SERVING, as "type:index"."""
         with self._lock:

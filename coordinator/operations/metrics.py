@@ -533,6 +533,7 @@ class CoordinatorMetrics:
         restarts: int,
         ps_failures: int,
         nonfinite_losses: int,
+        worker_failures: int = 0,
         resize_seconds: Iterable[float] = (),
     ) -> None:
         """What the supervisor counted in this job's earlier training processes; call it
@@ -543,6 +544,7 @@ class CoordinatorMetrics:
         self._restarts.inc(restarts)
         self._recoveries.inc(restarts)  # each restarted process restored the latest checkpoint
         self._ps_failures.inc(ps_failures)
+        self._worker_failures.inc(worker_failures)
         self._nonfinite.inc(nonfinite_losses)
 
     def nonfinite_loss(self) -> None:

@@ -279,6 +279,7 @@ class FakeControl:
         self.ps_back_after = ps_back_after  # all_ps_serving() checks until True; 0: never
         self.checks = 0
         self.unhealthy = unhealthy or []
+        self.failed_by_error_calls: list[str] = []  # the ps tasks an error named
         self.tasks = [
             TaskInfo("chief", 0, "10.0.0.1:2222"),
             TaskInfo("ps", 0, "10.0.0.2:2222", "10.0.0.2:3222"),
@@ -293,6 +294,9 @@ class FakeControl:
 
     def unhealthy_tasks(self) -> list[str]:
         return self.unhealthy
+
+    def failed_by_error(self, task_type: str, index: int) -> None:
+        self.failed_by_error_calls.append(f"{task_type}:{index}")
 
     def all_ps_serving(self) -> bool:
         self.checks += 1
@@ -365,6 +369,8 @@ def test_cluster_failure_waits_for_the_ps_then_restarts(
     assert control.calls[0][:2] == ("set_state", State.RECOVERING)
     assert control.calls[0][2].startswith("waiting for the ps tasks: ")
     assert len(control.calls) == 1
+    # The ps the error names is a failure of it (counted once, by JobControl).
+    assert control.failed_by_error_calls == ([] if "worker" in str(err) else ["ps:0"])
     assert control.checks == 3
     # Backoff 0.5, 1, 2 s, each with up to half again of jitter.
     assert all(d <= s <= d * 1.5 for d, s in zip([0.5, 1.0, 2.0], fake.sleeps, strict=True))

@@ -102,3 +102,42 @@ def test_a_non_finite_loss_is_counted_and_left_for_the_supervisor(tmp_path: Path
     supervisor.take_report()
     assert supervisor.nonfinite_losses == 2
     count_nonfinite(Counters(), None)  # no /metrics, no supervisor: nothing to do
+
+
+def test_task_failures_seen_by_each_training_process_add_up_across_restarts(tmp_path: Path):
+    """On a cluster psctl does not run (psctl train), the training processes' health checks
+    are the only count of ps and worker failures: each process's goes to the supervisor as
+    it sees it (it may be killed next) and the next one counts on from the sum."""
+    report = str(tmp_path / "report.json")
+    supervisor = Counters(report_file=report)
+    for seen in ({"ps": 1, "worker": 0}, {"ps": 0, "worker": 2}, {"ps": 1, "worker": 0}):
+        child = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+        assert child.process_failures == {}  # its own start at zero
+        child.process_failures = seen
+        child.leave_report()
+        supervisor.take_report()
+    assert supervisor.seen_failures == {"ps": 2, "worker": 2}
+    last = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+    assert last.failures_seen({"ps": 0, "worker": 1}) == {"ps": 2, "worker": 3}
+    # psctl local counts the servers it restarted too: one failure, seen both ways, once.
+    local = dataclasses.replace(last, ps_failures=2, worker_failures=1)
+    assert local.failures_seen({}) == {"ps": 2, "worker": 2}
+    assert dataclasses.replace(local, ps_failures=4).failures_seen({}) == {"ps": 4, "worker": 2}
+
+
+def test_the_next_process_metrics_count_on_from_the_failures_seen_before(tmp_path: Path):
+    from prometheus_client import CollectorRegistry
+
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
+
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=2, num_ps=1, batch_size=8
+    )
+    counters = Counters(seen_failures={"ps": 1, "worker": 2})
+    earlier = counters.failures_seen({})
+    metrics.carry_over(
+        restarts=1, ps_failures=earlier["ps"], worker_failures=earlier["worker"], nonfinite_losses=0
+    )
+    assert registry.get_sample_value("psctl_ps_failures_total") == 1
+    assert registry.get_sample_value("psctl_worker_failures_total") == 2
