@@ -57,9 +57,9 @@ bench: install
 	$(BIN)/python bench/throughput.py
 
 # One job through 30 minutes of random, overlapping faults; invariants checked at the end
-# (SEED=N for another schedule).
+# (SEED=N for another schedule; NETNS=1: every task on a network-namespace host, link cuts).
 soak: install prometheus
-	$(BIN)/python bench/soak.py --minutes 30 --seed $(or $(SEED),1)
+	$(BIN)/python bench/soak.py --minutes 30 --seed $(or $(SEED),1) $(if $(NETNS),--netns)
 
 # Builds the wheel and checks it against the package index (not part of `make test`): its
 # contents, the protobuf floor in a fresh venv, and that it resolves for aarch64 Linux.

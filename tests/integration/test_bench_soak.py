@@ -1,16 +1,18 @@
-"""bench/soak.py's short seeded soak: a `psctl local` job through 7 overlapping faults of 6
+"""bench/soak.py's short seeded soaks: a `psctl local` job through 7 overlapping faults of 6
 kinds (worker, ps and training process killed, a worker and a ps frozen, a pause, a
-checkpoint) and the operator's stop and restart, every invariant holding at the end."""
+checkpoint) and the operator's stop and restart, every invariant holding at the end; the
+same in --epochs mode, and on network-namespace hosts with link cuts (--netns)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
 import pytest
 
-from tests.conftest import REPO, processes_mentioning
+from tests.conftest import REPO, processes_mentioning, require_tool
 
 pytestmark = pytest.mark.integration
 
@@ -69,4 +71,34 @@ def test_a_short_soak_in_epochs_mode_trains_every_example(run_cli, workdir):
     first, second = json.loads((out / "results.json").read_text())["summaries"]
     assert second["global_step"] > first["global_step"] > 0
     assert second["stopped_early"] is False
+    assert processes_mentioning(str(out / "work")) == []
+
+
+@pytest.mark.timeout(900)
+def test_a_short_soak_on_network_namespace_hosts_with_link_cuts(run_cli, workdir):
+    """``--netns``: every task on a host of its own, the servers restarted as systemd does,
+    psctl train as the coordinator, links cut; the ps and worker failures that only its
+    training processes' health checks see are counted across its restarts."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    require_tool("ip", "tools/ensure-systemd-tools.sh (iproute2)")
+    out = workdir / "results"
+    # Seed 11's schedule over 1.5 min: a ps killed, then the links of a worker, the other
+    # ps and the coordinator cut while it recovers; after the operator's stop and restart,
+    # a worker and the training process frozen.
+    argv = [sys.executable, BENCH, "--netns", "--minutes", "1.5", "--faults", "7"]
+    argv += ["--seed", "11", "--no-baseline", "--out", str(out)]
+    proc = run_cli(argv, timeout=880)  # 110 s here
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    match = LAST.fullmatch(lines[-1])
+    assert match, proc.stdout[-2000:]
+    # Five of the job (no baseline: no accuracy), two of Prometheus on the coordinator's host.
+    assert int(match[3]) == int(match[4]) == 7, lines[-1]
+    report = json.loads((out / "results.json").read_text())
+    done = [f for f in report["faults"] if f["injected"] and not f["skipped"]]
+    cuts = {f["victim"] for f in done if f["kind"] == "cut-link"}
+    assert len(cuts) == 3 and "link of chief" in cuts, cuts
+    first, second = report["summaries"]
+    assert first["ps_failures"] >= 1 and second["global_step"] > first["global_step"] > 0
     assert processes_mentioning(str(out / "work")) == []
