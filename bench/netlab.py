@@ -83,11 +83,12 @@ def build_relay(work: Path) -> Path:
 @dataclass
 class NetLab:
     """Namespaces ``names`` joined through a router; with ``rtt_ms`` set, a relay there that
-    delays each direction by half of it."""
+    delays each direction by half of it, for each host's ``ports``."""
 
     names: Sequence[str]
     rtt_ms: float | None
     work: Path
+    ports: Sequence[int] = (TF_PORT,)
     hosts: dict[str, Host] = field(default_factory=dict)
     router: str = ""
     relay: subprocess.Popen[bytes] | None = None
@@ -131,7 +132,8 @@ class NetLab:
     def _start_relay(self) -> None:
         assert self.rtt_ms is not None
         binary = build_relay(self.work)
-        pairs = [f"{h.service_ip}:{TF_PORT}={h.ip}:{TF_PORT}" for h in self.hosts.values()]
+        hosts = self.hosts.values()
+        pairs = [f"{h.service_ip}:{port}={h.ip}:{port}" for h in hosts for port in self.ports]
         delay_us = str(round(self.rtt_ms * 1000 / 2))
         log = (self.work / "relay.log").open("wb")
         self.relay = subprocess.Popen(

@@ -29,7 +29,9 @@ servers as their systemd units run them (``ps-server`` / ``worker-server --clust
 ``psctl train --cluster FILE`` on host ``chief``, its control API and Prometheus reached
 there through ``ip netns exec``; ``cut-link`` joins the schedule, ``preempt`` leaves it (a
 resize starts servers: psctl local's part, an operator's on real hosts). Needs root and
-iproute2; ``--strategy sync`` and ``--epochs`` are psctl local's only here.
+iproute2; ``--strategy sync`` and ``--epochs`` are psctl local's only here. ``--rtt MS``:
+every connection to a server through bench/netlab.py's relay, delayed MS/2 each way (this
+kernel has no netem; loss only as a cut link).
 
 Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
 
@@ -41,8 +43,9 @@ Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
   restores (every tensor read back with ``tf.train.load_checkpoint``);
 - every restart was within the restart budget (both runs exit 0, or 70 with ``FAILED``);
 - the failures the summaries count cover what was injected where a fault is observable (a
-  ``kill-worker`` while the job RUNS: a worker failure; a ``kill-ps`` or ``kill-trainer``
-  while it RUNS: a restart), and no more restarts than the faults that can cause one;
+  ``kill-worker`` or ``kill-ps`` while the job RUNS: a worker or ps failure; a ``kill-ps``
+  or ``kill-trainer`` while it RUNS, recovered before the operator's stop: a restart), and
+  no more restarts than the faults that can cause one;
 - no process of the job is left;
 - with a real Prometheus scraping the job every second (psctl local's targets.json; off
   with ``--no-prometheus``, left out where ``prometheus`` is not on PATH): each run's
@@ -352,7 +355,9 @@ class Soak:
         self.out = out
         self.workdir = out / "work"
         self.checkpoints = self.workdir / "checkpoints"
-        self.hosts = SoakHosts(args.ps, args.workers, self.workdir) if args.netns else None
+        self.hosts = (
+            SoakHosts(args.ps, args.workers, self.workdir, args.rtt) if args.netns else None
+        )
         self.sampler = Sampler()
         self.started = time.monotonic()
         self.runs: list[Run] = []
@@ -419,7 +424,7 @@ class Soak:
             address = CONTROL
             argv = self.job_argv(self.workdir, length, address, summary, local=False)
             prefix = self.hosts.prefix()
-            argv = [*prefix, *argv]
+            argv, env = [*prefix, *argv], {**self.env(), **self.hosts.coordinator_env()}
             # Prometheus scrapes this run's coordinator (and no longer the last one's).
             targets = self.hosts.targets([COORDINATOR_METRICS + n])
             write_json_atomic(self.workdir / "targets.json", targets)
@@ -427,7 +432,8 @@ class Soak:
             (port,) = free_ports(1)
             address = f"127.0.0.1:{port}"
             argv, prefix = self.job_argv(self.workdir, length, address, summary), []
-        run = Run(argv, self.out / f"job-{n}.log", address, self.env(), prefix)
+            env = self.env()
+        run = Run(argv, self.out / f"job-{n}.log", address, env, prefix)
         self.runs.append(run)
         self.sampler.prefix = run.prefix
         self.sampler.address = address
@@ -981,11 +987,18 @@ def main(argv: list[str] | None = None) -> int:
         help="every task on a network-namespace host of its own, servers restarted as "
         "systemd does, psctl train as the coordinator; adds cut-link (needs root)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rtt", type=float, metavar="MS",
+        help="--netns: every connection to a server through bench/netlab.py's relay, which "
+        "delays it by MS/2 each way (default: the direct network)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")
     parser.add_argument("--out", help="results folder (default bench/results/soak-<time>/)")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.workers < 1 or args.ps < 1 or args.epochs < 0:
         parser.error("--minutes, --workers and --ps: give positive numbers; --epochs: 0 or more")
+    if args.rtt is not None and not (args.netns and 0 <= args.rtt <= 1000):
+        parser.error("--rtt: milliseconds from 0 to 1000, with --netns")
     if args.netns and (args.epochs or args.strategy != "async"):
         parser.error("--netns: the parameter-server mode with --steps only (--epochs and "
                      "--strategy sync run under psctl local)")  # fmt: skip
@@ -1008,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = make_schedule(args.seed, args.minutes, count, only)
     data = f", {args.epochs} pass(es) of {args.examples} ids (VISIT_IDS)" if args.epochs else ""
     data += ", each task on a network-namespace host" if args.netns else ""
+    data += f", {args.rtt:g} ms round trips (relay)" if args.rtt is not None else ""
     print(
         f"results {out}; {args.job} on {args.ps} ps + {args.workers} workers{data}, seed "
         f"{args.seed}, {count} faults over {args.minutes:g} min; {os.cpu_count()} CPUs, load "
@@ -1102,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
             for t, step, state, up in soak.sampler.samples
         ],
         "summaries": soak.summaries,
+        # --netns: each server's restarts by the soak's Restart=on-failure loop
+        "server_restarts": soak.hosts.restarts() if soak.hosts else None,
         "baseline": base,
         "invariants": [{"name": n, "held": h, "detail": d} for n, h, d in checked],
         "table": rows,

@@ -1,10 +1,12 @@
 """``bench/soak.py --netns``: the soak's cluster on hosts of their own, links that can be cut.
 
 Every task runs on a host of bench/netlab.py's lab (a network namespace joined to a router
-by a veth pair; the direct network, no relay): the ps and worker servers as the systemd
-units run them (``ps-server`` / ``worker-server --cluster FILE --index I``, restarted on
-failure one second later by tests/integration/netns_hosts.py's stand-in for systemd's
-Restart=on-failure), the coordinator (``psctl train --cluster FILE``) on host ``chief``.
+by a veth pair; the direct network, or with ``rtt_ms`` its relay, which delays every
+connection to a server's TF, health and /metrics ports by half of it each way): the ps and
+worker servers as the systemd units run them (``ps-server`` / ``worker-server --cluster
+FILE --index I``, restarted on failure one second later by
+tests/integration/netns_hosts.py's stand-in for systemd's Restart=on-failure), the
+coordinator (``psctl train --cluster FILE``) on host ``chief``.
 Its control API listens on that host's loopback: the soak reaches it, and Prometheus runs
 there too, through ``ip netns exec``. A ``cut-link`` sets the router's end of a host's link
 down: the host's packets are dropped silently (no reset, no ICMP), as on a pulled cable,
@@ -22,8 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.netlab import NetLab
-from psctl.cluster.ports import METRICS_PORT_OFFSET
+from bench.netlab import TF_PORT, NetLab
+from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.coordinator.launch.argv import server_argv
 from tests.integration.netns_hosts import NotifySocket, RestartPolicy, Service
 
@@ -38,11 +40,15 @@ class SoakHosts:
     """``num_ps`` + ``num_workers`` servers on hosts ``ps0``..., ``worker0``..., and host
     ``chief`` for the coordinator; ``work`` holds the cluster file and the servers' logs."""
 
-    def __init__(self, num_ps: int, num_workers: int, work: Path) -> None:
+    def __init__(
+        self, num_ps: int, num_workers: int, work: Path, rtt_ms: float | None = None
+    ) -> None:
         self.tasks = [("ps", i) for i in range(num_ps)]
         self.tasks += [("worker", i) for i in range(num_workers)]
         self.work = work
-        self.lab = NetLab(["chief", *(f"{t}{i}" for t, i in self.tasks)], None, work / "lab")
+        names = ["chief", *(f"{t}{i}" for t, i in self.tasks)]
+        ports = (TF_PORT, TF_PORT + HEALTH_PORT_OFFSET, TF_PORT + METRICS_PORT_OFFSET)
+        self.lab = NetLab(names, rtt_ms, work / "lab", ports)
         self.cluster_file = work / "cluster.json"
         self.services: dict[str, Service] = {}
         self._sockets_dir = Path(tempfile.mkdtemp(prefix="psoak"))  # AF_UNIX: short paths
@@ -83,6 +89,11 @@ class SoakHosts:
     def prefix(self) -> list[str]:
         """What runs a command on the coordinator's host."""
         return self.lab.exec_argv("chief", [])
+
+    def coordinator_env(self) -> dict[str, str]:
+        """psctl train's side ports (/metrics) on host ``chief``'s own address: the cluster
+        file names the relay's for it when there is one."""
+        return {"PSCTL_BIND_HOST": self.lab.hosts["chief"].ip}
 
     def set_link(self, host: str, up: bool) -> None:
         """Cut (or plug back) ``host``'s link: the router's end of its veth pair."""
