@@ -242,6 +242,9 @@ def lab_cluster(
         sock.bind(str(notify))
         sock.settimeout(0.5)
         env = {**os.environ, "NOTIFY_SOCKET": str(notify), "GRPC_FAIL_FAST": "use_caller"}
+        # The hosts share this machine's CPUs, as psctl local's tasks do; each has its own
+        # address, so a server's default (its host's share) would take all of them.
+        threads = max(1, (os.cpu_count() or 1) // (len(tasks) + 1))
         for task_type, index in tasks:
             host = lab.hosts[f"{task_type}{index}"]
             argv = server_argv(
@@ -249,7 +252,7 @@ def lab_cluster(
                 [
                     "--cluster", str(cluster_file), "--index", str(index),
                     "--bind-host", host.ip, "--health-port", str(HEALTH_PORT),
-                    "--metrics-port", "0",
+                    "--metrics-port", "0", "--intra-op-threads", str(threads),
                 ],
             )  # fmt: skip
             log_path = work / f"{task_type}-{index}.log"

@@ -9,6 +9,7 @@ stopped in-process.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -20,12 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from psctl.cluster import ports, sdnotify
+from psctl.cluster.address import canonical_host
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
 from psctl.cluster.requirements import require_tensorflow
 from psctl.cluster.signals import SignalRelay
-from psctl.cluster.spec import TaskConfig
+from psctl.cluster.spec import ClusterConfig, TaskConfig
 from psctl.cluster.tf_config import resolve_task
 
 # The names only: psctl.cluster.metrics imports prometheus_client, deferred to serve().
@@ -40,6 +42,10 @@ log = logging.getLogger(__name__)
 # (workers + 2 on 2 CPUs) the other worker stalled with it in 2 of 3 chaos runs (the job
 # waited for the thaw); with 16, in none of 6. Idle threads cost nothing.
 MIN_INTER_OP_THREADS = 16
+# Threads per op (TensorFlow's intra-op pool) default to this machine's CPUs shared by the
+# cluster's tasks on this host: each task's own pool of every CPU, with 6 tasks on 2 cores
+# (psctl local), made them wait on each other (measured: ctr at 1M rows, Adagrad, 2 ps + 2
+# workers on loopback, 59-72 steps/s with pools of 2 threads, 81 with 1; docs/performance.md).
 
 BIND_HOST_ENV = "PSCTL_BIND_HOST"
 
@@ -69,6 +75,24 @@ def bind_host(flag: str | None, environ: Mapping[str, str], task_host: str) -> s
         ) from None
 
 
+def intra_op_threads(cluster: ClusterConfig, host: str, cpus: int) -> int:
+    """The default ``--intra-op-threads``: ``cpus`` shared by the cluster's tasks on
+    ``host`` (every loopback address one host), at least 1."""
+
+    def machine(name: str) -> str:
+        name = canonical_host(name)
+        if name == "localhost":
+            return "loopback"
+        try:
+            return "loopback" if ipaddress.ip_address(name).is_loopback else name
+        except ValueError:
+            return name
+
+    here = machine(host)
+    sharing = sum(1 for _, _, a in cluster.task_addresses() if machine(a.host) == here)
+    return max(1, cpus // max(1, sharing))
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     task: TaskConfig
@@ -77,6 +101,7 @@ class ServerOptions:
     metrics_port: int  # 0: no /metrics
     shutdown_grace: float
     inter_op_threads: int
+    intra_op_threads: int = 0  # 0: TensorFlow's default (every CPU)
     data_dispatcher: str | None = None  # worker only: host a tf.data service worker
     data_port: int = 0
     metrics_tls_cert: str = ""  # both set: /metrics over HTTPS
@@ -139,6 +164,13 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
         type=int,
         help=f"TF inter-op threads (default: max(workers + 2, CPUs, {MIN_INTER_OP_THREADS}); "
         "fewer than workers + 1 can hang the cluster)",
+    )
+    parser.add_argument(
+        "--intra-op-threads",
+        type=int,
+        help="TF threads per op (default: this machine's CPUs divided by the cluster's tasks "
+        "on this host, at least 1: all of them on a host of its own; 0: TensorFlow's default, "
+        "every CPU)",
     )
     if task_type == "worker":
         parser.add_argument(
@@ -219,6 +251,11 @@ def resolve_options(
             f"{threads} is fewer than workers + 1 = {task.cluster.num_workers + 1}",
             "raise it (TensorFlow's PS cluster can hang with fewer)",
         )
+    intra = args.intra_op_threads
+    if intra is None:
+        intra = intra_op_threads(task.cluster, task.task_address.host, os.cpu_count() or 1)
+    elif intra < 0:
+        raise ConfigError("--intra-op-threads", f"{intra} is negative", "use 0 or more")
     dispatcher = dispatcher_address(
         flag=getattr(args, "data_dispatcher", None), cluster_file=args.cluster, environ=environ
     )
@@ -242,6 +279,7 @@ def resolve_options(
         metrics_port=metrics,
         shutdown_grace=args.shutdown_grace,
         inter_op_threads=threads,
+        intra_op_threads=intra,
     )
 
 
@@ -261,7 +299,10 @@ def _start_tf_server(opts: ServerOptions) -> object:
     with tensorflow_import_quietly():
         import tensorflow as tf  # deferred: seconds of import, after the ports are known free
 
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=opts.inter_op_threads)
+    config = tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=opts.inter_op_threads,
+        intra_op_parallelism_threads=opts.intra_op_threads,
+    )
     return tf.distribute.Server(
         tf.train.ClusterSpec(opts.task.cluster.as_dict()),
         job_name=opts.task.task_type,

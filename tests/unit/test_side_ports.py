@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import ssl
 import urllib.request
 from pathlib import Path
@@ -71,3 +72,36 @@ def test_health_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         assert health.check(address, timeout=5).serving
     finally:
         service.stop(grace=0)
+
+
+def _options(tmp_path: Path, cluster: dict, index: int, *flags: str):
+    from psctl.cluster import server
+
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": cluster}))
+    args = server.build_parser("worker").parse_args(
+        ["--cluster", str(path), "--index", str(index), "--metrics-port", "0", *flags]
+    )
+    return server.resolve_options("worker", args, {})
+
+
+def test_threads_per_op_share_the_cpus_of_the_tasks_on_one_host(tmp_path: Path, monkeypatch):
+    from psctl.cluster import server
+
+    monkeypatch.setattr(server.os, "cpu_count", lambda: 16)
+    p = free_ports(4)
+    loopback = {
+        "chief": [f"localhost:{p[0]}"],
+        "ps": [f"127.0.0.1:{p[1]}"],
+        "worker": [f"127.0.0.1:{p[2]}", f"127.0.0.2:{p[3]}"],
+    }
+    # psctl local: every task on this machine (loopback names and addresses alike).
+    assert _options(tmp_path, loopback, 0).intra_op_threads == 16 // 4
+    hosts = {"ps": ["192.0.2.1:2222"], "worker": [f"127.0.0.1:{p[0]}", "192.0.2.2:2222"]}
+    assert _options(tmp_path, hosts, 0).intra_op_threads == 16  # a host of its own
+    assert _options(tmp_path, hosts, 0, "--intra-op-threads", "3").intra_op_threads == 3
+    assert _options(tmp_path, hosts, 0, "--intra-op-threads", "0").intra_op_threads == 0
+    with pytest.raises(ConfigError, match="--intra-op-threads"):
+        _options(tmp_path, hosts, 0, "--intra-op-threads", "-1")
+    monkeypatch.setattr(server.os, "cpu_count", lambda: 2)
+    assert _options(tmp_path, loopback, 1).intra_op_threads == 1  # never 0 (TF's "all")
