@@ -253,6 +253,7 @@ def lab_cluster(
                     "--cluster", str(cluster_file), "--index", str(index),
                     "--bind-host", host.ip, "--health-port", str(HEALTH_PORT),
                     "--metrics-port", "0", "--intra-op-threads", str(threads),
+                    "--thread-spinning", "off",
                 ],
             )  # fmt: skip
             log_path = work / f"{task_type}-{index}.log"

@@ -75,9 +75,9 @@ def bind_host(flag: str | None, environ: Mapping[str, str], task_host: str) -> s
         ) from None
 
 
-def intra_op_threads(cluster: ClusterConfig, host: str, cpus: int) -> int:
-    """The default ``--intra-op-threads``: ``cpus`` shared by the cluster's tasks on
-    ``host`` (every loopback address one host), at least 1."""
+def tasks_on_host(cluster: ClusterConfig, host: str) -> int:
+    """How many of the cluster's tasks run on ``host`` (every loopback address one host),
+    at least 1."""
 
     def machine(name: str) -> str:
         name = canonical_host(name)
@@ -89,8 +89,21 @@ def intra_op_threads(cluster: ClusterConfig, host: str, cpus: int) -> int:
             return name
 
     here = machine(host)
-    sharing = sum(1 for _, _, a in cluster.task_addresses() if machine(a.host) == here)
-    return max(1, cpus // max(1, sharing))
+    return max(1, sum(1 for _, _, a in cluster.task_addresses() if machine(a.host) == here))
+
+
+def intra_op_threads(cluster: ClusterConfig, host: str, cpus: int) -> int:
+    """The default ``--intra-op-threads``: ``cpus`` shared by the cluster's tasks on
+    ``host``, at least 1."""
+    return max(1, cpus // tasks_on_host(cluster, host))
+
+
+def thread_spinning(setting: str, cluster: ClusterConfig, host: str) -> bool:
+    """``--thread-spinning``: ``auto`` spins (TensorFlow's default) only where this task
+    has its host to itself; tasks sharing a host would burn each other's CPUs waiting."""
+    if setting == "auto":
+        return tasks_on_host(cluster, host) == 1
+    return setting == "on"
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class ServerOptions:
     shutdown_grace: float
     inter_op_threads: int
     intra_op_threads: int = 0  # 0: TensorFlow's default (every CPU)
+    thread_spinning: bool = True  # TensorFlow's default: idle pool threads spin a while
     data_dispatcher: str | None = None  # worker only: host a tf.data service worker
     data_port: int = 0
     metrics_tls_cert: str = ""  # both set: /metrics over HTTPS
@@ -171,6 +185,13 @@ def build_parser(task_type: str) -> argparse.ArgumentParser:
         help="TF threads per op (default: this machine's CPUs divided by the cluster's tasks "
         "on this host, at least 1: all of them on a host of its own; 0: TensorFlow's default, "
         "every CPU)",
+    )
+    parser.add_argument(
+        "--thread-spinning",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="let TF's idle pool threads spin before they sleep (default auto: off where the "
+        "cluster puts other tasks on this host, on where this task has the host to itself)",
     )
     if task_type == "worker":
         parser.add_argument(
@@ -280,6 +301,7 @@ def resolve_options(
         shutdown_grace=args.shutdown_grace,
         inter_op_threads=threads,
         intra_op_threads=intra,
+        thread_spinning=thread_spinning(args.thread_spinning, task.cluster, task.task_address.host),
     )
 
 
@@ -303,6 +325,7 @@ def _start_tf_server(opts: ServerOptions) -> object:
         inter_op_parallelism_threads=opts.inter_op_threads,
         intra_op_parallelism_threads=opts.intra_op_threads,
     )
+    config.experimental.disable_thread_spinning = not opts.thread_spinning
     return tf.distribute.Server(
         tf.train.ClusterSpec(opts.task.cluster.as_dict()),
         job_name=opts.task.task_type,

@@ -105,3 +105,13 @@ def test_threads_per_op_share_the_cpus_of_the_tasks_on_one_host(tmp_path: Path, 
         _options(tmp_path, hosts, 0, "--intra-op-threads", "-1")
     monkeypatch.setattr(server.os, "cpu_count", lambda: 2)
     assert _options(tmp_path, loopback, 1).intra_op_threads == 1  # never 0 (TF's "all")
+
+
+def test_idle_threads_spin_only_where_a_task_has_its_host_to_itself(tmp_path: Path):
+    p = free_ports(3)
+    loopback = {"ps": [f"127.0.0.1:{p[0]}"], "worker": [f"localhost:{p[1]}", f"127.0.0.1:{p[2]}"]}
+    hosts = {"ps": ["192.0.2.1:2222"], "worker": [f"127.0.0.1:{p[0]}", "192.0.2.2:2222"]}
+    assert _options(tmp_path, loopback, 0).thread_spinning is False  # psctl local
+    assert _options(tmp_path, hosts, 0).thread_spinning is True
+    assert _options(tmp_path, hosts, 0, "--thread-spinning", "off").thread_spinning is False
+    assert _options(tmp_path, loopback, 0, "--thread-spinning", "on").thread_spinning is True
