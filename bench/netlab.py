@@ -243,7 +243,8 @@ def lab_cluster(
         sock.settimeout(0.5)
         env = {**os.environ, "NOTIFY_SOCKET": str(notify), "GRPC_FAIL_FAST": "use_caller"}
         # The hosts share this machine's CPUs, as psctl local's tasks do; each has its own
-        # address, so a server's default (its host's share) would take all of them.
+        # address, so a server's defaults (its host's share of threads, idle threads
+        # spinning on a host of its own) would take all of them: both are passed here.
         threads = max(1, (os.cpu_count() or 1) // (len(tasks) + 1))
         for task_type, index in tasks:
             host = lab.hosts[f"{task_type}{index}"]
