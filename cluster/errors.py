@@ -6,6 +6,10 @@ each failure decision ends with, are in psctl.coordinator.failures.
 
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
+EXIT_USAGE = 2  # argparse's status for a bad command line
 EXIT_CONFIG = 78  # EX_CONFIG: systemd units set RestartPreventExitStatus=78.
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a server or coordinator could not be reached.
 EXIT_FAILURE = 1
@@ -43,3 +47,15 @@ class ConfigError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{field}: {problem}; {fix}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (not the whole usage) and exit 2:
+    ``PROGRAM: error: WHAT; see 'PROG --help'``. Subcommands' parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        if len(text) > 200:  # argparse repeats the bad value whole
+            text = f"{text[:197]}... ({len(text)} characters)"
+        program = self.prog.split()[0]  # "psctl train" -> "psctl"
+        self.exit(EXIT_USAGE, f"{program}: error: {text}; see '{self.prog} --help'\n")

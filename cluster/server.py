@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from psctl.cluster import ports, sdnotify
 from psctl.cluster.address import canonical_host
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
-from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
 from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
 from psctl.cluster.requirements import require_tensorflow
 from psctl.cluster.signals import SignalRelay
@@ -125,7 +125,7 @@ class ServerOptions:
 
 
 def build_parser(task_type: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=f"{task_type}-server",
         description=f"Run one TensorFlow {task_type} task of a psctl cluster until SIGTERM.",
         epilog=(

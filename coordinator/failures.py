@@ -16,7 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.errors import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    ConfigError,
+)
 from psctl.coordinator import bad_records
 
 __all__ = [
@@ -47,7 +53,6 @@ __all__ = [
 EXIT_RESTART = 75  # EX_TEMPFAIL: "start me again" (a ps failed and is back, the model went NaN)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by the operator without finishing
 EXIT_GAVE_UP = 70  # EX_SOFTWARE: the supervisor's restart budget is used up: job FAILED
-EXIT_USAGE = 2  # argparse's status for a bad command line
 
 
 class RestartFromCheckpoint(Exception):

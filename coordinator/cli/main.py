@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
 from psctl.cluster.logs import configure_logging, quiet_tensorflow
 from psctl.cluster.requirements import require_tensorflow
 from psctl.coordinator.cli.check_data import add_check_data_command
@@ -20,7 +20,7 @@ from psctl.coordinator.cli.deploy import add_deploy_commands
 from psctl.coordinator.cli.evaluate import add_evaluate_command
 from psctl.coordinator.cli.export import add_export_command
 from psctl.coordinator.cli.numbers import check_ranges, decimal, whole_number
-from psctl.coordinator.failures import EXIT_USAGE, describe
+from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
     DEFAULT_METRICS_PORT,
@@ -32,16 +32,6 @@ from psctl.coordinator.settings import (
 )
 
 log = logging.getLogger("psctl")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is one line (not the whole usage) and exit 2."""
-
-    def error(self, message: str) -> Any:
-        text = " ".join(message.split())
-        if len(text) > 200:  # argparse repeats the bad value whole
-            text = f"{text[:197]}... ({len(text)} characters)"
-        self.exit(EXIT_USAGE, f"psctl: error: {text}; see '{self.prog} --help'\n")
 
 
 def _seconds(value: float) -> str:
@@ -182,7 +172,7 @@ def train_flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="psctl",
         description="Parameter-server training for TensorFlow 2.",
         epilog=(

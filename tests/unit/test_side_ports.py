@@ -115,3 +115,22 @@ def test_idle_threads_spin_only_where_a_task_has_its_host_to_itself(tmp_path: Pa
     assert _options(tmp_path, hosts, 0).thread_spinning is True
     assert _options(tmp_path, hosts, 0, "--thread-spinning", "off").thread_spinning is False
     assert _options(tmp_path, loopback, 0, "--thread-spinning", "on").thread_spinning is True
+
+
+@pytest.mark.parametrize(
+    ("task_type", "argv", "flag"),
+    [
+        ("ps", ["--thread-spinning", "maybe"], "--thread-spinning"),
+        ("worker", ["--intra-op-threads", "x"], "--intra-op-threads"),
+        ("worker", ["--index", "1", "--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_a_bad_server_command_line_is_one_line_and_2(capsys, task_type, argv, flag):
+    from psctl.cluster import server
+
+    with pytest.raises(SystemExit) as exit_:
+        server.build_parser(task_type).parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{task_type}-server: error: ") and err.count("\n") == 1, err
+    assert flag in err and f"'{task_type}-server --help'" in err and "usage:" not in err
