@@ -236,10 +236,16 @@ def resolve_options(
         default_type=task_type,
     )
     if task.task_type != task_type:
+        # Only ps and worker tasks have a server command; the chief is `psctl train`.
+        runs = {
+            "ps": "run ps-server for this task",
+            "worker": "run worker-server for this task",
+            "chief": "the chief task is the coordinator: run `psctl train` for it",
+        }.get(task.task_type, f"psctl has no server for {task.task_type!r} tasks")
         raise ConfigError(
             "TF_CONFIG.task.type",
             f"is {task.task_type!r} but this is the {task_type} server",
-            f"run {task.task_type}-server for this task, or set task.type to {task_type!r}",
+            f"{runs}, or set task.type to {task_type!r}",
         )
     health = _port_setting(args.health_port, environ, "PSCTL_HEALTH_PORT", "--health-port")
     if health is None or health == 0:

@@ -439,7 +439,7 @@ def read_cluster_file(source: str) -> str:
             text = f.read()
     except FileNotFoundError:
         raise config_error(
-            source, "cluster file not found", "check the --cluster path (or set TF_CONFIG)"
+            source, "cluster file not found", "check the cluster file's path (or set TF_CONFIG)"
         ) from None
     except IsADirectoryError:
         raise config_error(

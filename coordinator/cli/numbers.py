@@ -71,5 +71,5 @@ def check_ranges(args: argparse.Namespace) -> None:
             continue
         flag = f"--{name.replace('_', '-')}"
         shown = f"{value:g}" if isinstance(value, float) else str(value)
-        bound = f"at most {high:,g}" if above else f"from {low:,g} to {high:,g}"
+        bound = f"at most {high:,.12g}" if above else f"from {low:,.12g} to {high:,.12g}"
         raise ConfigError(flag, f"got {shown}", f"give {what}, {bound}")

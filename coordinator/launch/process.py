@@ -251,6 +251,11 @@ def complete(
     return 0
 
 
+# After a stop while waiting for a lost ps: how long it may take to serve again, so that one
+# more training process can run the final evaluation (psctl local restarts a ps in seconds).
+STOP_GRACE = 30.0
+
+
 def recover(
     control: JobControl,
     err: BaseException,
@@ -271,6 +276,7 @@ def recover(
     started = clock()
     deadline = started + timeout
     delay = 0.5
+    stop_by: float | None = None  # after the operator's stop: how long the ps may take
     while clock() < deadline:
         sleep(delay + random.uniform(0, delay / 2))
         if control.all_ps_serving():
@@ -280,6 +286,27 @@ def recover(
                 clock() - started,
             )
             break
+        if control.stop_requested.is_set():
+            # The operator's stop (or SIGTERM): a ps back soon (psctl local restarts it)
+            # still gets the job its final evaluation from one more training process
+            # (supervisor.py); one that stays down ends the job on the latest checkpoint,
+            # as nothing could restore or evaluate without it.
+            if stop_by is None:
+                stop_by = clock() + STOP_GRACE
+                log.warning(
+                    "stop requested while waiting for the ps tasks: %.0fs more for them (the "
+                    "final evaluation needs them), then the job ends on the latest checkpoint",
+                    STOP_GRACE,
+                )
+            elif clock() >= stop_by:
+                down = ", ".join(t for t in control.unhealthy_tasks() if t.startswith("ps:"))
+                log.warning(
+                    "stopped while waiting for the ps tasks (%s not SERVING): the job ends "
+                    "on the latest checkpoint, with no final evaluation",
+                    down or "a ps",
+                )
+                control.finish(State.DONE, "stopped while waiting for the ps tasks")
+                return 0
         delay = min(delay * 2, 2.0)  # the health checks run every 2 s
     else:
         log.error(
@@ -525,9 +552,12 @@ def follow_tasks_file(
     return thread
 
 
-def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]:
+def load_tasks(
+    tasks_file: str | None, cluster: ClusterConfig, *, chief_metrics_port: int = 0
+) -> list[TaskInfo]:
     """The tasks GetStatus reports: from psctl local's tasks file (with pids), or else from
-    the cluster with the default side ports."""
+    the cluster with the default side ports, and the chief's /metrics on
+    ``chief_metrics_port`` (this process's; 0: none)."""
     if tasks_file:
         try:
             entries = json.loads(Path(tasks_file).read_text())
@@ -542,6 +572,9 @@ def load_tasks(tasks_file: str | None, cluster: ClusterConfig) -> list[TaskInfo]
     tasks = []
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
+        if task_type == "chief" and chief_metrics_port:
+            scheme = "https" if os.environ.get(TLS_CERT_ENV) else "http"
+            metrics_url = f"{scheme}://{address.with_port(chief_metrics_port)}/metrics"
         if task_type in ("ps", "worker"):
             health_port = address.port + ports.HEALTH_PORT_OFFSET
             metrics_port = address.port + ports.METRICS_PORT_OFFSET

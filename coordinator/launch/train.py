@@ -139,7 +139,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     return run_training_process(
         args,
         settings,
-        tasks=load_tasks(args.tasks_file, cluster),
+        tasks=load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port),
         counters=counters,
         metrics=metrics,
         serve_control=True,

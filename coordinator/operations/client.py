@@ -89,6 +89,12 @@ def _describe(err: grpc.RpcError, address: str, target: Target | None = None) ->
         return ControlError(f"coordinator at {address} did not answer in time", EXIT_UNAVAILABLE)
     if code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's to fix: a setting's line
         return ControlError(details or "invalid request", EXIT_CONFIG)
+    if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not psctl's Control API
+        return ControlError(
+            f"no coordinator at {address}: it answers gRPC but not psctl's Control API (a "
+            "server's TensorFlow or health port?); give the job's --control-address",
+            EXIT_UNAVAILABLE,
+        )
     name = code.name if code else "ERROR"
     return ControlError(f"{name}: {details}", EXIT_FAILURE)
 
@@ -235,8 +241,10 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         # The stream lives as long as the job: its deadline is --duration (or a day).
         deadline = args.duration or 86400.0
         stream = stub.WatchStatus(request, timeout=deadline, metadata=target.metadata)
+        last: control_pb2.Status | None = None
         try:
             for count, status in enumerate(stream, 1):
+                last = status
                 if tty:
                     out.write("\x1b[H\x1b[2J" + format_status(status) + "\n")
                 else:
@@ -249,8 +257,20 @@ def cmd_watch(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 if args.count and count >= args.count:
                     break
         except grpc.RpcError as err:
-            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return 0  # --duration elapsed
+            if last is not None and code in (
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.UNAVAILABLE,
+            ):
+                # The coordinator closed the stream as it exited: the job ended (its last
+                # state may not have reached the stream). Watching ran until then: 0.
+                out.write(
+                    f"coordinator at {args.address} has exited (last seen "
+                    f"{state_name(last.state)} at step {last.global_step})\n"
+                )
+                return 0
             raise _describe(err, args.address, target) from None
     return 0
 

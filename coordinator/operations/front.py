@@ -349,12 +349,13 @@ def launch_control(
     serve the front on ``address`` until the block ends. Yields the front and the security
     settings its training processes get (the token files; they listen on
     ``front.backend_address``), so that every restarted process keeps the same tokens."""
-    published, child = publish_for_launch(address, security)
+    security.check_server(address)
+    front = ControlFront(address, security, security.server_tokens(), job=job)  # binds
     try:
-        front = ControlFront(address, security, published.tokens, job=job).start()
+        published, child = publish_for_launch(address, security, front.server.tokens)
         try:
-            yield front, child
+            yield front.start(), child
         finally:
-            front.stop()
+            published.remove()
     finally:
-        published.remove()
+        front.stop()

@@ -316,7 +316,12 @@ class JobControl:
     def _set_pause(self, paused: bool, verb: str) -> State:
         with self._lock:
             if self._state not in SCHEDULING_STATES:
-                raise Rejected(f"cannot {verb} while {self._state.name}")
+                then = (
+                    "the job has ended"
+                    if self._state in FINAL_STATES
+                    else "try again when psctl status says RUNNING or PAUSED"
+                )
+                raise Rejected(f"cannot {verb} while {self._state.name}; {then}")
             self._pause_requested = paused
             return self._reported()
 

@@ -196,13 +196,14 @@ class PublishedTokens:
 
 
 def publish_for_launch(
-    address: str, security: ControlSecurity
+    address: str, security: ControlSecurity, tokens: Tokens
 ) -> tuple[PublishedTokens, ControlSecurity]:
-    """For a launcher (psctl local, the psctl train supervisor): check the flags, write the
-    job's tokens for this user, and return the settings its training processes get (the
-    token files), so that every restarted process keeps the same tokens."""
-    security.check_server(address)
-    published = PublishedTokens(address, security.server_tokens())
+    """For a launcher (psctl local, the psctl train supervisor) that listens on ``address``
+    already: write the job's ``tokens`` for this user, and return the settings its training
+    processes get (the token files), so that every restarted process keeps the same tokens.
+    Only once the address is the launcher's: a second job refused the address must not
+    replace (and then remove) the running job's token files."""
+    published = PublishedTokens(address, tokens)
     child = replace(
         security,
         token_file=str(published.control_path),

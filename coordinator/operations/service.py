@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psctl.cluster import ports
 from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
@@ -236,6 +237,8 @@ class ControlServer:
         else:
             host, port = split_host_port(address, field="--control-address", allow_port_zero=True)
             bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if port:  # one line and exit 1, as every port psctl needs, not gRPC's log line
+                ports.check_port_free(port, host=host, field="--control-address")
         credentials = self.security.server_credentials()
         try:
             if credentials is None:

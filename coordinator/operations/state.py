@@ -103,7 +103,12 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
             }
         ),
         # The process exits and its supervisor starts a new one (which starts STARTING).
-        State.RECOVERING: frozenset({State.FAILED}),
+        State.RECOVERING: frozenset(
+            {
+                State.DONE,  # process.recover: stopped while a ps is down (no new process)
+                State.FAILED,
+            }
+        ),
         State.DONE: frozenset(),
         State.FAILED: frozenset(),
     }

@@ -10,11 +10,12 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
@@ -120,6 +121,25 @@ def test_health_check_needs_no_token(server):
             health_pb2.HealthCheckRequest(service=""), timeout=5
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_grpc_port_that_is_not_a_coordinator_is_named_so(runtime: Path):
+    """A server's health (or TensorFlow) port answers gRPC but not the Control API: the
+    client says so and exits 69 (no coordinator there), not a bare UNIMPLEMENTED."""
+    other = grpc.server(ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        with pytest.raises(ControlError) as err:
+            call(f"127.0.0.1:{port}", "GetStatus", control_pb2.GetStatusRequest(), timeout=5)
+    finally:
+        other.stop(grace=0)
+    assert err.value.exit_status == 69
+    assert str(err.value) == (
+        f"no coordinator at 127.0.0.1:{port}: it answers gRPC but not psctl's Control API (a "
+        "server's TensorFlow or health port?); give the job's --control-address"
+    )
 
 
 def test_token_files_are_private_and_found_by_address(runtime: Path):

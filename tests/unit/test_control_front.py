@@ -5,6 +5,8 @@ one poller for every stream, and the job's tokens on the public side."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from psctl.cluster.ports import PortInUseError
 from psctl.control.v1 import control_pb2
+from psctl.coordinator.operations.client import Target, cmd_watch
 from psctl.coordinator.operations.front import ControlFront, launch_control
 from psctl.coordinator.operations.job_state import JobControl, JobView, TaskInfo
 from psctl.coordinator.operations.security import ControlSecurity, Tokens, bearer
@@ -247,3 +251,50 @@ def test_launch_control_publishes_tokens_and_a_private_socket(
             stop_control_server(server)
     assert not socket_dir.exists()
     assert not Path(child.token_file).exists()
+
+
+def test_a_second_launcher_refused_the_address_leaves_the_running_jobs_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second job on a busy control address fails in one line (exit 1, as any port psctl
+    needs), before it writes any token file: the running job stays controllable."""
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("PSCTL_CONTROL_TOKEN_FILE", raising=False)
+    with launch_control("127.0.0.1:0", ControlSecurity()) as (first, child):
+        control, read = Path(child.token_file), Path(child.read_token_file)
+        tokens = control.read_text(), read.read_text()
+        with (
+            pytest.raises(PortInUseError) as refused,
+            launch_control(first.address, ControlSecurity()),
+        ):
+            pytest.fail("a second front listened on the same address")
+        assert refused.value.exit_status == 1
+        assert "--control-address" in str(refused.value) and "in use" in str(refused.value)
+        assert (control.read_text(), read.read_text()) == tokens
+        got = stub(first, tokens[0].strip())("GetStatus", control_pb2.GetStatusRequest())
+        assert got.state == State.STARTING.value
+
+
+def test_watch_ends_with_0_when_the_coordinator_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher closes the stream as the job ends (its last state may not reach it):
+    `psctl watch` ran until the job ended, so it says so and exits 0, not 69."""
+    front = ControlFront("127.0.0.1:0", ControlSecurity(), TOKENS, job="unit").start()
+    _, server = training_process(front, step=42, state=State.STOPPING)
+    target = Target(front.address, ControlSecurity(), TOKENS.control)
+    monkeypatch.setattr(Target, "from_args", classmethod(lambda cls, _args: target))
+    args = argparse.Namespace(address=front.address, interval=0.1, count=0, duration=0.0)
+    out = io.StringIO()
+    result: list[int] = []
+    watcher = threading.Thread(target=lambda: result.append(cmd_watch(args, out)), daemon=True)
+    watcher.start()
+    try:
+        until(lambda: "STOPPING step 42" in out.getvalue())
+    finally:
+        server.stop(grace=0)
+        front.stop(grace=0)
+    watcher.join(timeout=20)
+    assert result == [0], out.getvalue()
+    last = out.getvalue().splitlines()[-1]
+    assert last == f"coordinator at {front.address} has exited (last seen STOPPING at step 42)"

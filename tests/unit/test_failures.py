@@ -11,6 +11,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -280,6 +281,7 @@ class FakeControl:
         self.checks = 0
         self.unhealthy = unhealthy or []
         self.failed_by_error_calls: list[str] = []  # the ps tasks an error named
+        self.stop_requested = threading.Event()  # the operator's stop (or SIGTERM)
         self.tasks = [
             TaskInfo("chief", 0, "10.0.0.1:2222"),
             TaskInfo("ps", 0, "10.0.0.2:2222", "10.0.0.2:3222"),
@@ -393,6 +395,45 @@ def test_recovery_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
     assert "ps tasks not SERVING after 30s (--recovery-timeout): restarting anyway" in caplog.text
     assert "then the job ends with exit 69" in caplog.text
     assert "ps:0 (10.0.0.2:2222) failed: FakeOpError: /job:ps/replica:0/task:0" in caplog.text
+
+
+def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/operations.md: a stop while the training process is being replaced ends the
+    job as SIGTERM would, on the latest checkpoint. With a ps still down no new training
+    process could restore or evaluate: the wait ends STOP_GRACE after the stop, not at
+    --recovery-timeout."""
+    control, fake = FakeControl(ps_back_after=0, unhealthy=["ps:0"]), FakeTime()
+    fake_sleep = fake.sleep
+
+    def sleep(seconds: float) -> None:
+        fake_sleep(seconds)
+        if len(fake.sleeps) == 2:
+            control.stop_requested.set()
+
+    fake.sleep = sleep  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        assert _end(FakeOpError(UNAVAILABLE, PS), control, fake, timeout=300.0) == 0
+    stopped_after = sum(fake.sleeps[:2])
+    waited = sum(fake.sleeps) - stopped_after  # for the ps, after the stop
+    assert process.STOP_GRACE <= waited <= process.STOP_GRACE + 2.0 * 1.5, fake.sleeps
+    assert "stop requested while waiting for the ps tasks: 30s more for them" in caplog.text
+    assert control.calls[-1] == ("finish", State.DONE, "stopped while waiting for the ps tasks")
+    assert (
+        "stopped while waiting for the ps tasks (ps:0 not SERVING): the job ends on the latest "
+        "checkpoint, with no final evaluation" in caplog.text
+    )
+
+
+def test_a_stop_before_the_ps_serve_again_restarts_for_the_final_evaluation() -> None:
+    """A ps back within STOP_GRACE of the stop (psctl local restarts it): the stop is left
+    to one more training process, which restores the latest checkpoint and ends with the
+    final evaluation and summary (supervisor.py)."""
+    control, fake = FakeControl(ps_back_after=6), FakeTime()
+    control.stop_requested.set()
+    assert _end(FakeOpError(UNAVAILABLE, PS), control, fake) == EXIT_RESTART
+    assert [c[0] for c in control.calls] == ["set_state"] and control.checks == 6
 
 
 @pytest.mark.parametrize(

@@ -418,7 +418,11 @@ def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
         (["stop", "--timeout", "nan"], "psctl: error: --timeout: got nan;"),
         (["checkpoint", "--timeout", "-1"], "psctl: error: --timeout: got -1;"),
         (["watch", "--interval", "0.01"], "psctl: error: --interval: got 0.01; give seconds"),
-        (["watch", "--count", "-3"], "psctl: error: --count: got -3;"),
+        (
+            ["watch", "--count", "-3"],
+            "psctl: error: --count: got -3; give a whole number (0: no limit), from 0 to "
+            "2,147,483,647",
+        ),
         (["health", "--timeout", "inf"], "psctl: error: --timeout: got inf;"),
         (["evaluate", "--checkpoint-dir", "d", "--poll-interval", "0"], "psctl: error: --poll"),
         (["evaluate", "--checkpoint-dir", "d", "--max-evaluations", "0"], "psctl: error: --max"),

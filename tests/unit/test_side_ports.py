@@ -134,3 +134,30 @@ def test_a_bad_server_command_line_is_one_line_and_2(capsys, task_type, argv, fl
     err = capsys.readouterr().err
     assert err.startswith(f"{task_type}-server: error: ") and err.count("\n") == 1, err
     assert flag in err and f"'{task_type}-server --help'" in err and "usage:" not in err
+
+
+@pytest.mark.parametrize(
+    ("task", "server_type", "fix"),
+    [
+        ("chief", "worker", "the chief task is the coordinator: run `psctl train` for it"),
+        ("evaluator", "ps", "psctl has no server for 'evaluator' tasks"),
+        ("worker", "ps", "run worker-server for this task"),
+    ],
+)
+def test_a_task_of_another_type_names_the_command_that_exists(task, server_type, fix):
+    """Only ps-server and worker-server exist: the fix never names a chief-server."""
+    from psctl.cluster import server
+
+    p = free_ports(4)
+    cluster = {
+        "chief": [f"127.0.0.1:{p[0]}"],
+        "ps": [f"127.0.0.1:{p[1]}"],
+        "worker": [f"127.0.0.1:{p[2]}"],
+        "evaluator": [f"127.0.0.1:{p[3]}"],
+    }
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
+    args = server.build_parser(server_type).parse_args(["--metrics-port", "0"])
+    with pytest.raises(ConfigError) as err:
+        server.resolve_options(server_type, args, {"TF_CONFIG": tf_config})
+    assert err.value.field == "TF_CONFIG.task.type"
+    assert err.value.fix == f"{fix}, or set task.type to {server_type!r}"

@@ -1,0 +1,91 @@
+"""`psctl stop` of a real `psctl train --cluster FILE` job whose ps died and stays down, its
+servers started here with their own commands as an operator starts them on hosts: the stop
+ends the job at once (exit 0, the latest checkpoint kept), not after --recovery-timeout
+and a training process that can never reach the ps (docs/operations.md, runbook
+PsctlPsDown)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from psctl.cluster.ports import free_ports
+from tests.conftest import (
+    child_env,
+    control_cli,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+    status_or_none,
+)
+from tests.integration.test_control import wait_until
+from tests.integration.test_scale_train import start_server, tf_ports, write_cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RECOVERY_TIMEOUT = 240  # far longer than the stop may take
+
+
+def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
+    (workdir / "logs").mkdir(parents=True)
+    chief, ps0, w0 = tf_ports(3)
+    control_port, metrics_port = free_ports(2)
+    address = f"127.0.0.1:{control_port}"
+    cluster_file = write_cluster(workdir / "cluster.json", chief, [ps0], [w0])
+    checkpoints = workdir / "checkpoints"
+    log_path = workdir / "logs" / "coordinator.log"
+    ps = start_server(workdir, "ps", 0, cluster_file, ps0)
+    worker = start_server(workdir, "worker", 0, cluster_file, w0)
+    job = None
+    try:
+        with log_path.open("wb") as log_file:
+            job = subprocess.Popen(
+                psctl_argv(
+                    "train", "--cluster", str(cluster_file), "--control-address", address,
+                    "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100",
+                    "--steps", "1000000", "--recovery-timeout", str(RECOVERY_TIMEOUT),
+                    "--connect-timeout", "10", "--metrics-port", str(metrics_port),
+                ),
+                stdout=log_file, stderr=subprocess.STDOUT, env=child_env(),
+            )  # fmt: skip
+        wait_until(
+            lambda: (s := status_or_none(address)) and int(s.get("global_step", 0)) > 300,
+            timeout=150,
+            what="training past step 300",
+        )
+        wait_until(lambda: list(checkpoints.glob("ckpt-*.index")), 60, "a checkpoint")
+        # Status lists the chief with its /metrics, as every other task (not "-").
+        (chief_row,) = [t for t in status_or_none(address)["tasks"] if t["type"] == "chief"]
+        assert chief_row["metrics_url"] == f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(chief_row["metrics_url"], timeout=10) as page:
+            assert b"psctl_global_step" in page.read()
+        ps.send_signal(signal.SIGKILL)
+        ps.wait(10)
+        wait_until(
+            lambda: (s := status_or_none(address)) and s["state"] == "JOB_STATE_RECOVERING",
+            timeout=90,
+            what="RECOVERING after the ps died",
+        )
+        kept = sorted(checkpoints.glob("ckpt-*.index"))
+        asked = time.monotonic()
+        stop = control_cli(address, "stop", "--timeout", "120", timeout=150)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        code = job.wait(timeout=120)
+        took = time.monotonic() - asked
+        log = log_path.read_text(errors="replace")
+        assert code == 0, log[-3000:]
+        # Not RECOVERY_TIMEOUT (and then --connect-timeout for a process that cannot start).
+        assert took < RECOVERY_TIMEOUT / 2, (took, log[-3000:])
+        assert "stopped while waiting for the ps tasks (ps:0 not SERVING)" in log, log[-3000:]
+        assert "one more restores" not in log and "Traceback" not in log, log[-3000:]
+        assert sorted(checkpoints.glob("ckpt-*.index"))[-1:] == kept[-1:]
+    finally:
+        kill_if_running(job, timeout=30)
+        for server in (ps, worker):
+            kill_if_running(server, timeout=30)
+    assert processes_mentioning(str(checkpoints)) == []
