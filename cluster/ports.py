@@ -70,7 +70,8 @@ def free_ports(count: int, host: str = "127.0.0.1", *, avoid: Collection[int] = 
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
         while len(ports) < count:
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET  # [::1]:0 too
+            sock = stack.enter_context(socket.socket(family, socket.SOCK_STREAM))
             sock.bind((host, 0))  # held until the end: the next bind gets another port
             port = int(sock.getsockname()[1])
             if port not in avoid:

@@ -107,6 +107,10 @@ class DataContext:
         )
 
 
+# tf.data.INFINITE_CARDINALITY, without importing TensorFlow here.
+INFINITE_CARDINALITY = -1
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -122,6 +126,20 @@ class Job:
     # inside the graph (``serving_features(inputs)``), e.g. the hashing a file reader does.
     serving_inputs: Callable[[], Any] | None = None
     serving_features: Callable[[Any], Any] | None = None
+
+    def eval_dataset(self, ctx: DataContext) -> Any:
+        """``eval_dataset_fn(ctx)``, refused in one line when it never ends: the eval split
+        is read exactly once, so an endless one (``.repeat()`` copied from ``dataset_fn``)
+        would hang every evaluation, the final one of a stopping job included."""
+        assert self.eval_dataset_fn is not None
+        dataset = self.eval_dataset_fn(ctx)
+        if int(dataset.cardinality()) == INFINITE_CARDINALITY:
+            raise ConfigError(
+                f"--job {self.name}",
+                "eval_dataset_fn returns an endless dataset (repeat() without a count?)",
+                "return one pass over the eval split: drop repeat() from eval_dataset_fn",
+            )
+        return dataset
 
 
 def _import_module(spec: str) -> ModuleType:

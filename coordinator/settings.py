@@ -400,10 +400,13 @@ def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
     for key, value in table.items():
         name = key.replace("-", "_")
         if name not in _TYPES:
+            close = difflib.get_close_matches(name, _TYPES, n=1)
             raise ConfigError(
                 f"{path}: {prefix}{key if _KEY.fullmatch(key) else echo(key)}",
                 "is not a setting",
-                f"use one of {', '.join(sorted(_TYPES))}",
+                f"did you mean {close[0]}?"
+                if close
+                else f"use one of {', '.join(sorted(_TYPES))}",
             )
         where = f"{path}: {prefix}{key}"
         out[name] = (_coerce(name, value, where, text=False), where)

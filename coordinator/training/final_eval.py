@@ -71,7 +71,7 @@ def evaluate_final(
     ctx = DataContext.from_settings(
         settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
     )
-    dataset = job.eval_dataset_fn(ctx)
+    dataset = job.eval_dataset(ctx)
     # Eager on purpose: a new tf.function is registered on every worker, and a frozen
     # worker would block that registration (seen); the eval set is read once anyway.
     evaluator = DatasetEvaluator(model, job.loss_fn, factories, compiled=False)

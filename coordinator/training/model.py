@@ -67,7 +67,7 @@ class JobModel:
         ctx = DataContext.from_settings(
             settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
         )
-        self.check(job.eval_dataset_fn(ctx).element_spec[0], "eval_dataset_fn")
+        self.check(job.eval_dataset(ctx).element_spec[0], "eval_dataset_fn")
 
     def checkpoint(self, global_step: Any) -> Any:
         """The checkpoint every psctl process writes and reads: model, optimizer, step."""

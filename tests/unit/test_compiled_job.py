@@ -188,3 +188,20 @@ def test_summary_accuracy_is_the_one_accuracy_metric_under_any_keras_name():
     assert accuracy_of({"loss": 0.1, "sparse_categorical_accuracy": 0.8}) == 0.8
     assert accuracy_of({"a_accuracy": 0.8, "b_accuracy": 0.7}) is None
     assert accuracy_of({"loss": 0.1}) is None
+
+
+def test_an_endless_eval_dataset_is_one_line_not_a_hang(tmp_path: Path):
+    """`.repeat()` copied from dataset_fn into eval_dataset_fn: every evaluation reads the
+    eval split once, so an endless one is refused (exit 78) before it is read."""
+    text = OBJECTS + ("def eval_dataset_fn(ctx):\n    return dataset_fn(ctx).repeat()\n")
+    job = load_job(job_file(tmp_path, text, "endless_eval_job"))
+    ctx = DataContext(worker_index=0, num_workers=1, batch_size=4, seed=1)
+    with pytest.raises(ConfigError) as err:
+        job.eval_dataset(ctx)
+    assert err.value.exit_status == 78
+    assert str(err.value) == (
+        f"--job {job.name}: eval_dataset_fn returns an endless dataset (repeat() without a "
+        "count?); return one pass over the eval split: drop repeat() from eval_dataset_fn"
+    )
+    finite = load_job(job_file(tmp_path, OBJECTS + "eval_dataset_fn = dataset_fn\n", "eval_ok"))
+    assert int(finite.eval_dataset(ctx).cardinality()) == 2

@@ -152,7 +152,13 @@ def test_unknown_env_fails_psctl_local_in_one_line(tmp_path: Path):
 def test_unknown_toml_key(tmp_path: Path):
     cfg = tmp_path / "job.toml"
     cfg.write_text("[train]\nstepz = 10\n")
-    with pytest.raises(ConfigError, match="stepz: is not a setting"):
+    with pytest.raises(ConfigError, match=r"stepz: is not a setting; did you mean steps\?$"):
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+    cfg.write_text("[train]\nstpes_per_execution = 4\n")
+    with pytest.raises(ConfigError, match=r"did you mean steps_per_execution\?$"):
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+    cfg.write_text("[train]\nzzz = 4\n")
+    with pytest.raises(ConfigError, match=r"zzz: is not a setting; use one of .*batch_size"):
         resolve_settings(flags={}, config_file=str(cfg), environ={})
 
 
