@@ -404,9 +404,7 @@ def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
             raise ConfigError(
                 f"{path}: {prefix}{key if _KEY.fullmatch(key) else echo(key)}",
                 "is not a setting",
-                f"did you mean {close[0]}?"
-                if close
-                else f"use one of {', '.join(sorted(_TYPES))}",
+                f"did you mean {close[0]}?" if close else f"use one of {', '.join(sorted(_TYPES))}",
             )
         where = f"{path}: {prefix}{key}"
         out[name] = (_coerce(name, value, where, text=False), where)
