@@ -157,7 +157,21 @@ def train_dataset(
 
 @tf.autograph.experimental.do_not_convert
 def eval_dataset(ctx: DataContext, *, label_dtype: Any = None) -> tf.data.Dataset:
-    """``ctx.eval_data`` once, in order, batched (x, y) (the last batch may be smaller)."""
+    """``ctx.eval_data`` once, in order, batched (x, y) (the last batch may be smaller).
+    With ``ctx.train_data`` too, the eval files must have the training files' features in
+    the same order: a model reads CSV columns by position, so swapped columns would score
+    (or train) the wrong features without any error."""
+    if ctx.train_data and ctx.eval_data:
+        train = inspect_files(ctx.train_data, label_column=ctx.label_column, field="--train-data")
+        held = inspect_files(ctx.eval_data, label_column=ctx.label_column, field="--eval-data")
+        if held.feature_names != train.feature_names:
+            order = "in file order" if held.format == "csv" else "by name"
+            raise ConfigError(
+                "--eval-data",
+                f"{held.pattern} has the features {', '.join(held.feature_names)} ({order}), "
+                f"where --train-data has {', '.join(train.feature_names)}",
+                "give the eval files the training files' header, in the same order",
+            )
     return make_dataset(
         ctx.eval_data, ctx, training=False, field="--eval-data", label_dtype=label_dtype
     )

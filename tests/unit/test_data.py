@@ -174,6 +174,26 @@ def test_header_differs_between_files(tmp_path: Path):
     assert "b.csv line 1: header [z, label] differs from" in message and "a.csv" in message
 
 
+def test_eval_files_must_have_the_training_files_columns_in_order(tmp_path: Path):
+    """A model reads CSV columns by position: eval files with two columns swapped would be
+    scored on the wrong features with no error (seen: accuracy 0.92 instead of 0.98)."""
+    (tmp_path / "train.csv").write_text("a,b,label\n1,2,0\n3,4,1\n")
+    (tmp_path / "same.csv").write_text("a,b,label\n5,6,0\n")
+    (tmp_path / "swapped.csv").write_text("b,a,label\n6,5,0\n")
+    train = str(tmp_path / "train.csv")
+    got_x, _ = read_all(data.eval_dataset(ctx(train=train, evaluation=str(tmp_path / "same.csv"))))
+    np.testing.assert_array_equal(got_x, [[5, 6]])
+    swapped = str(tmp_path / "swapped.csv")
+    with pytest.raises(ConfigError) as err:
+        data.eval_dataset(ctx(train=train, evaluation=swapped))
+    assert str(err.value) == (
+        f"--eval-data: {swapped} has the features b, a (in file order), where --train-data "
+        "has a, b; give the eval files the training files' header, in the same order"
+    )
+    # psctl evaluate without --train-data: nothing to compare with.
+    assert data.eval_dataset(ctx(evaluation=swapped)).element_spec[0].shape[-1] == 2
+
+
 def test_unknown_and_mixed_formats(tmp_path: Path):
     (tmp_path / "a.txt").write_text("x,label\n1,0\n")
     assert "cannot tell the format of" in config_error(str(tmp_path / "a.txt"))
