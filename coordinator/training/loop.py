@@ -466,7 +466,6 @@ def end_run(
         if eval_values:
             loop.publisher.evaluation(eval_values, step=final_step)
     program = loop.program
-    extra = {k: v for k, v in values.items() if k not in ("loss", "accuracy")}
     return Summary(
         job=trainer.job.name,
         global_step=final_step,
@@ -488,7 +487,7 @@ def end_run(
         checkpoint=checkpoint,
         stopped_early=program.stopped_early(final_step),
         stalls=loop.runner.stalls,
-        metrics=extra,
+        metrics=dict(values),  # every training metric, as eval_metrics holds every eval one
         eval_metrics=eval_values,
         tables=tables,
     )
