@@ -286,11 +286,11 @@ def recover(
                 clock() - started,
             )
             break
-        if control.stop_requested.is_set():
-            # The operator's stop (or SIGTERM): a ps back soon (psctl local restarts it)
-            # still gets the job its final evaluation from one more training process
-            # (supervisor.py); one that stays down ends the job on the latest checkpoint,
-            # as nothing could restore or evaluate without it.
+        if control.operator_stop:
+            # The operator's stop (or SIGTERM), not a resize's: a ps back soon (psctl local
+            # restarts it) still gets the job its final evaluation from one more training
+            # process (supervisor.py); one that stays down ends the job on the latest
+            # checkpoint, as nothing could restore or evaluate without it.
             if stop_by is None:
                 stop_by = clock() + STOP_GRACE
                 log.warning(
@@ -516,7 +516,12 @@ def _serve(registry: Any, host: str, port: int) -> None:
 
     cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
     serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
-    log.info("metrics on %s://%s:%d/metrics", "https" if cert else "http", host, port)
+    log.info("metrics on %s://%s:%d/metrics", _metrics_scheme(), host, port)
+
+
+def _metrics_scheme() -> str:
+    """How this process serves /metrics: over TLS when it has a certificate (``_serve``)."""
+    return "https" if os.environ.get(TLS_CERT_ENV) else "http"
 
 
 def follow_tasks_file(
@@ -573,8 +578,7 @@ def load_tasks(
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
         if task_type == "chief" and chief_metrics_port:
-            scheme = "https" if os.environ.get(TLS_CERT_ENV) else "http"
-            metrics_url = f"{scheme}://{address.with_port(chief_metrics_port)}/metrics"
+            metrics_url = f"{_metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
         if task_type in ("ps", "worker"):
             health_port = address.port + ports.HEALTH_PORT_OFFSET
             metrics_port = address.port + ports.METRICS_PORT_OFFSET

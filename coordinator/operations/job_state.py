@@ -243,6 +243,13 @@ class JobControl:
         with self._lock:
             return self._pause_requested
 
+    @property
+    def operator_stop(self) -> bool:
+        """The operator's stop (``request_stop``) or a stop signal came; ``stop_requested``
+        alone may be a resize's."""
+        with self._lock:
+            return self._operator_stop
+
     def update(self, **values: Any) -> None:
         with self._lock:
             self._board = replace(self._board, **values)

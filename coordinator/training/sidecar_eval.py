@@ -53,7 +53,6 @@ class SidecarEvaluator:
         ctx = DataContext.from_settings(
             settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
         )
-        assert job.eval_dataset_fn is not None
         self.dataset = job.eval_dataset(ctx)  # checks --eval-data files now, before waiting
         x_spec, y_spec = self.dataset.element_spec[0], self.dataset.element_spec[1]
         built = JobModel(job, x_spec, y_spec, source="eval_dataset_fn")

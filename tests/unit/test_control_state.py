@@ -364,8 +364,10 @@ def test_an_operators_stop_wins_over_a_resize(stop):
     getattr(after, stop)()
     after.request_resize()
     for control in (before, after):
-        assert control.stop_requested.is_set()
+        assert control.stop_requested.is_set() and control.operator_stop
         assert not control.resize_requested.is_set()
     alone = control_in(State.RUNNING)
     alone.request_resize()
     assert alone.stop_requested.is_set() and alone.resize_requested.is_set()
+    # A resize is no operator's stop: a recovery waiting for a lost ps goes on waiting.
+    assert not alone.operator_stop

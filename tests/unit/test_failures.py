@@ -11,7 +11,6 @@ import logging
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -281,7 +280,7 @@ class FakeControl:
         self.checks = 0
         self.unhealthy = unhealthy or []
         self.failed_by_error_calls: list[str] = []  # the ps tasks an error named
-        self.stop_requested = threading.Event()  # the operator's stop (or SIGTERM)
+        self.operator_stop = False  # the operator's stop (or SIGTERM)
         self.tasks = [
             TaskInfo("chief", 0, "10.0.0.1:2222"),
             TaskInfo("ps", 0, "10.0.0.2:2222", "10.0.0.2:3222"),
@@ -410,7 +409,7 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(
     def sleep(seconds: float) -> None:
         fake_sleep(seconds)
         if len(fake.sleeps) == 2:
-            control.stop_requested.set()
+            control.operator_stop = True
 
     fake.sleep = sleep  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING):
@@ -431,7 +430,7 @@ def test_a_stop_before_the_ps_serve_again_restarts_for_the_final_evaluation() ->
     to one more training process, which restores the latest checkpoint and ends with the
     final evaluation and summary (supervisor.py)."""
     control, fake = FakeControl(ps_back_after=6), FakeTime()
-    control.stop_requested.set()
+    control.operator_stop = True
     assert _end(FakeOpError(UNAVAILABLE, PS), control, fake) == EXIT_RESTART
     assert [c[0] for c in control.calls] == ["set_state"] and control.checks == 6
 
