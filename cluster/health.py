@@ -26,6 +26,14 @@ _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 # it with. Kubernetes' grpc probes cannot speak TLS: leave these unset there.
 TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_HEALTH_TLS_CERT", "PSCTL_HEALTH_TLS_KEY"
 TLS_CA_ENV = "PSCTL_HEALTH_TLS_CA"
+TASK_TYPES = ("ps", "worker")
+
+
+def task_service(task_type: str) -> str:
+    """The health service a psctl server of ``task_type`` answers besides the overall one
+    (with the same status), so that a client can tell a ps from a worker at an address.
+    By type only: a resize may give a running server another index."""
+    return f"psctl.task.{task_type}"
 
 
 class HealthService:
@@ -40,9 +48,12 @@ class HealthService:
         max_workers: int = 4,
         tls_cert: str = "",
         tls_key: str = "",
+        task_type: str = "",
     ) -> None:
+        self._services = ["", task_service(task_type)] if task_type else [""]
         self._servicer = health.HealthServicer()
-        self._servicer.set("", UNKNOWN)
+        for service in self._services:
+            self._servicer.set(service, UNKNOWN)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers), options=_SERVER_OPTIONS
         )
@@ -58,7 +69,8 @@ class HealthService:
         self._server.start()
 
     def set_serving(self, serving: bool) -> None:
-        self._servicer.set("", SERVING if serving else NOT_SERVING)
+        for service in self._services:
+            self._servicer.set(service, SERVING if serving else NOT_SERVING)
 
     def stop(self, grace: float = 0.5) -> None:
         self._servicer.enter_graceful_shutdown()
@@ -88,6 +100,32 @@ def check(address: str, *, timeout: float = 2.0) -> HealthResult:
             detail = err.details() if isinstance(err, grpc.Call) else str(err)
             return HealthResult(address, "UNREACHABLE", f"{code.name if code else ''} {detail}")
     return HealthResult(address, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def served_task_types(addresses: Sequence[str], *, timeout: float = 1.0) -> dict[str, str | None]:
+    """The task type each psctl server at ``addresses`` (health addresses) says it serves,
+    all asked at once; None where none answers: unreachable, not a psctl server, or one from
+    before servers named their type. Never raises."""
+
+    def ask(address: str) -> str | None:
+        with _channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for task_type in TASK_TYPES:
+                request = health_pb2.HealthCheckRequest(service=task_service(task_type))
+                try:
+                    stub.Check(request, timeout=timeout)
+                except grpc.RpcError as err:
+                    if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND:
+                        continue  # another type's server, or one that names none
+                    return None
+                return task_type
+        return None
+
+    wanted = list(dict.fromkeys(addresses))
+    if not wanted:
+        return {}
+    with futures.ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+        return dict(zip(wanted, pool.map(ask, wanted), strict=True))
 
 
 def _channel(address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:

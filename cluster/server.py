@@ -362,6 +362,7 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
         port=opts.health_port,
         tls_cert=opts.health_tls_cert,
         tls_key=opts.health_tls_key,
+        task_type=task.task_type,
     )
     registry = CollectorRegistry()
     metrics = ProcessMetrics(

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import FrameType
@@ -558,11 +558,15 @@ def follow_tasks_file(
 
 
 def load_tasks(
-    tasks_file: str | None, cluster: ClusterConfig, *, chief_metrics_port: int = 0
+    tasks_file: str | None,
+    cluster: ClusterConfig,
+    *,
+    chief_metrics_port: int = 0,
+    health: Mapping[tuple[str, int], Address] | None = None,
 ) -> list[TaskInfo]:
     """The tasks GetStatus reports: from psctl local's tasks file (with pids), or else from
-    the cluster with the default side ports, and the chief's /metrics on
-    ``chief_metrics_port`` (this process's; 0: none)."""
+    the cluster with the cluster file's health addresses (``health``) or the default side
+    ports, and the chief's /metrics on ``chief_metrics_port`` (this process's; 0: none)."""
     if tasks_file:
         try:
             entries = json.loads(Path(tasks_file).read_text())
@@ -582,7 +586,9 @@ def load_tasks(
         if task_type in ("ps", "worker"):
             health_port = address.port + ports.HEALTH_PORT_OFFSET
             metrics_port = address.port + ports.METRICS_PORT_OFFSET
-            if health_port < 65536:
+            if (task_type, index) in (health or {}):
+                health_address = str((health or {})[(task_type, index)])
+            elif health_port < 65536:
                 health_address = str(address.with_port(health_port))
             if metrics_port < 65536:
                 metrics_url = f"http://{address.with_port(metrics_port)}/metrics"

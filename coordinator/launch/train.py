@@ -9,11 +9,13 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from psctl.cluster import ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.health import TASK_TYPES, served_task_types
 from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.signals import EarlyStops
 from psctl.cluster.spec import ClusterConfig, require_chief
@@ -33,7 +35,8 @@ from psctl.coordinator.launch.process import (
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters
-from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.client import explicit_health_addresses
+from psctl.coordinator.operations.job_state import JobControl, TaskInfo
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,
@@ -95,6 +98,27 @@ def wait_for_tf_ports(
         time.sleep(0.5)
 
 
+def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
+    """Refuse a cluster whose ps and worker addresses are not where its servers are (two
+    swapped in the file): TensorFlow would place the variables on a worker's process and
+    train on, and a lost ps would be taken for a worker. Servers that name no type
+    (unreachable health, not psctl's) are taken as the cluster says."""
+    tasks = [t for t in tasks if t.type in TASK_TYPES and t.health_address]
+    served = served_task_types([t.health_address for t in tasks])
+    wrong = [(t, served[t.health_address]) for t in tasks]
+    wrong = [(t, other) for t, other in wrong if other is not None and other != t.type]
+    if wrong:
+        task, other = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ConfigError(
+            f"{source}: cluster.{task.type}[{task.index}]",
+            f"{task.address} is a {other}-server, not a {task.type}-server (its health "
+            f"service at {task.health_address} says so){more}",
+            "give each task the address of its own server, or start the servers from "
+            "this cluster file",
+        )
+
+
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train` in the parameter-server mode: the coordinator, supervised."""
     cluster, source = resolve_chief_cluster(args.cluster)
@@ -119,13 +143,17 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
         return status
 
+    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    health = explicit_health_addresses(args.cluster)
+    tasks = load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port, health=health)
+    check_server_types(tasks, source=source)
+
     from psctl.coordinator.job import load_job
 
     with tensorflow_import_quietly():
         import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
-    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     metrics = start_metrics(metrics_port, settings, cluster, counters)
 
     def run(control: JobControl, failures: FailurePolicy) -> int:
@@ -139,7 +167,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     return run_training_process(
         args,
         settings,
-        tasks=load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port),
+        tasks=tasks,
         counters=counters,
         metrics=metrics,
         serve_control=True,

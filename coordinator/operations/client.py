@@ -347,16 +347,20 @@ def cmd_health(args: argparse.Namespace) -> int:
     explicit = explicit_health_addresses(args.cluster)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
     bad = 0
+    tasks = []
     for task_type, index, address in cluster.task_addresses():
-        if task_type not in ("ps", "worker"):
-            continue
-        health_address = explicit.get(
-            (task_type, index), address.with_port(address.port + args.health_port_offset)
-        )
-        target = str(health_address)
+        if task_type in health.TASK_TYPES:
+            default = address.with_port(address.port + args.health_port_offset)
+            target = str(explicit.get((task_type, index), default))
+            tasks.append((task_type, index, address, target))
+    served = health.served_task_types([t[3] for t in tasks], timeout=args.timeout)
+    for task_type, index, address, target in tasks:
         result = health.check(target, timeout=args.timeout)
-        bad += not result.serving
-        rows.append((task_type, str(index), str(address), target, result.status))
+        status = result.status
+        if served[target] not in (None, task_type):  # the cluster's addresses swapped
+            status = f"{status} (a {served[target]}-server)"
+        bad += status != "SERVING"
+        rows.append((task_type, str(index), str(address), target, status))
     print(f"cluster from {source}")
     print(_table(rows))
     return 0 if bad == 0 else EXIT_UNAVAILABLE

@@ -2,7 +2,7 @@
 servers started here with their own commands as an operator starts them on hosts: the stop
 ends the job at once (exit 0, the latest checkpoint kept), not after --recovery-timeout
 and a training process that can never reach the ps (docs/operations.md, runbook
-PsctlPsDown)."""
+PsctlPsDown). First, the same servers refuse a cluster file with their addresses swapped."""
 
 from __future__ import annotations
 
@@ -43,6 +43,23 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
     worker = start_server(workdir, "worker", 0, cluster_file, w0)
     job = None
     try:
+        # A cluster file with the ps and the worker swapped: refused before training starts
+        # (TensorFlow would train on it, the variables on the worker's server).
+        swapped = write_cluster(workdir / "swapped.json", chief, [w0], [ps0])
+        wrong = subprocess.run(
+            psctl_argv(
+                "train", "--cluster", str(swapped), "--control-address", "127.0.0.1:0",
+                "--checkpoint-dir", str(workdir / "unused"), "--connect-timeout", "90",
+            ),
+            capture_output=True, text=True, timeout=150, env=child_env(),
+        )  # fmt: skip
+        assert wrong.returncode == 78, wrong.stdout + wrong.stderr
+        assert (
+            f"{swapped}: cluster.ps[0]: 127.0.0.1:{w0} is a worker-server, not a ps-server"
+            in wrong.stderr
+        ), wrong.stderr
+        assert "Traceback" not in wrong.stderr and len(wrong.stderr.splitlines()) <= 3, wrong.stderr
+        assert not list((workdir / "unused").glob("ckpt-*")), "trained on the swapped cluster"
         with log_path.open("wb") as log_file:
             job = subprocess.Popen(
                 psctl_argv(

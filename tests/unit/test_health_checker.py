@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from psctl.cluster.health import HealthChecker, HealthService
+from psctl.cluster.health import HealthChecker, HealthService, served_task_types
 from psctl.cluster.ports import free_ports
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,3 +70,79 @@ def test_a_server_back_at_the_same_address_is_seen_soon() -> None:
             second.stop(grace=0)
     finally:
         checker.close()
+
+
+def test_servers_name_their_task_type_and_a_swapped_cluster_is_refused() -> None:
+    """A ps-server answers the health service psctl.task.ps and a worker-server
+    psctl.task.worker, whatever their status; a cluster whose ps address is a worker's
+    server is one line, exit 78 (TensorFlow itself would train on it)."""
+    from psctl.cluster.errors import ConfigError
+    from psctl.coordinator.launch.train import check_server_types
+    from psctl.coordinator.operations.job_state import TaskInfo
+
+    ps = HealthService(host="127.0.0.1", port=0, task_type="ps")
+    worker = HealthService(host="127.0.0.1", port=0, task_type="worker")
+    worker.set_serving(True)
+    untyped = HealthService(host="127.0.0.1", port=0)  # not psctl's, or an older psctl's
+    (dead,) = free_ports(1)
+    at = {name: f"127.0.0.1:{s.port}" for name, s in [("ps", ps), ("w", worker), ("u", untyped)]}
+    at["dead"] = f"127.0.0.1:{dead}"
+    try:
+        assert served_task_types(list(at.values())) == {
+            at["ps"]: "ps",
+            at["w"]: "worker",
+            at["u"]: None,
+            at["dead"]: None,
+        }
+
+        def task(task_type: str, index: int, health: str) -> TaskInfo:
+            return TaskInfo(task_type, index, f"10.0.0.{index + 1}:2222", health, "", 0)
+
+        fine = [task("ps", 0, at["ps"]), task("worker", 0, at["w"]), task("worker", 1, at["u"])]
+        check_server_types([*fine, task("ps", 1, at["dead"])], source="c.json")
+        with pytest.raises(ConfigError) as err:
+            swapped = [task("ps", 0, at["w"]), task("worker", 0, at["ps"])]
+            check_server_types(swapped, source="c.json")
+        assert str(err.value).startswith(
+            "c.json: cluster.ps[0]: 10.0.0.1:2222 is a worker-server, not a ps-server "
+            f"(its health service at {at['w']} says so) (and 1 more); give each task"
+        ), err.value
+    finally:
+        for service in (ps, worker, untyped):
+            service.stop(grace=0)
+
+
+def test_psctl_health_marks_a_server_of_the_other_type(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    from psctl.coordinator.operations.client import cmd_health
+
+    ps = HealthService(host="127.0.0.1", port=0, task_type="ps")
+    worker = HealthService(host="127.0.0.1", port=0, task_type="worker")
+    for service in (ps, worker):
+        service.set_serving(True)
+    tf_ps, tf_worker, tf_chief = free_ports(3)
+    cluster = {
+        "cluster": {
+            "chief": [f"127.0.0.1:{tf_chief}"],
+            "ps": [f"127.0.0.1:{tf_ps}"],
+            "worker": [f"127.0.0.1:{tf_worker}"],
+        }
+    }
+    path = tmp_path / "cluster.json"
+    args = argparse.Namespace(cluster=str(path), health_port_offset=1000, timeout=1.0)
+    try:
+        for ps_at, worker_at, code in [(ps, worker, 0), (worker, ps, 69)]:
+            health = {"ps": [f"127.0.0.1:{ps_at.port}"], "worker": [f"127.0.0.1:{worker_at.port}"]}
+            path.write_text(json.dumps({**cluster, "health": health}))
+            assert cmd_health(args) == code
+            rows = capsys.readouterr().out.splitlines()[2:]
+            statuses = [row.split(maxsplit=4)[4] for row in rows]
+            if code == 0:
+                assert statuses == ["SERVING", "SERVING"], rows
+            else:
+                assert statuses == ["SERVING (a worker-server)", "SERVING (a ps-server)"], rows
+    finally:
+        for service in (ps, worker):
+            service.stop(grace=0)
