@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from psctl.cluster.errors import ConfigError
+from psctl.cluster.errors import ConfigError, echo
 from psctl.coordinator.checks import FULL_CHECK_BYTES
 
 if TYPE_CHECKING:
@@ -154,20 +154,43 @@ def _import_module(spec: str) -> ModuleType:
             raise ConfigError("--job", f"cannot load {spec} as Python", "give a .py file")
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[mod_name] = module
-        file_spec.loader.exec_module(module)
+        try:
+            file_spec.loader.exec_module(module)
+        except (SyntaxError, ModuleNotFoundError) as err:
+            raise _import_error(spec, err) from None
         return module
     candidates = [spec] if "." in spec else [f"{BUILTIN_PACKAGE}.{spec}", spec]
     for name in candidates:
         try:
             return importlib.import_module(name)
+        except SyntaxError as err:
+            raise _import_error(spec, err) from None
         except ModuleNotFoundError as err:
             if err.name is not None and not name.startswith(err.name):
-                raise  # the job exists but imports something missing: show the real problem
+                # The job exists but imports something missing: name that.
+                raise _import_error(spec, err) from None
     builtins = ", ".join(builtin_jobs()) or "none"
     raise ConfigError(
         "--job",
         f"no job named {spec!r}",
         f"use a built-in job ({builtins}), a module path (my_pkg.my_job) or a file (job.py)",
+    )
+
+
+def _import_error(spec: str, err: SyntaxError | ModuleNotFoundError) -> ConfigError:
+    """The job's code cannot be imported: one line (exit 78), as a restart cannot help."""
+    if isinstance(err, ModuleNotFoundError):
+        return ConfigError(
+            f"--job {spec}",
+            f"imports {err.name!r}, which is not installed for {sys.executable}",
+            "install it in psctl's environment, or correct the import",
+        )
+    where = f"{Path(err.filename).name}, line {err.lineno}" if err.filename else "the job"
+    code = f": {echo(err.text.strip())}" if err.text and err.text.strip() else ""
+    return ConfigError(
+        f"--job {spec}",
+        f"{type(err).__name__} in {where}: {err.msg}{code}",
+        "correct the job's code (python -m py_compile FILE shows the same)",
     )
 
 

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import keras
 import tensorflow as tf
+
+from psctl.cluster.errors import ConfigError, echo
+
+# Names a misspelling is matched against (keras.metrics.get takes these and class names).
+_METRIC_NAMES = (
+    "accuracy", "auc", "binary_accuracy", "binary_crossentropy", "categorical_accuracy",
+    "categorical_crossentropy", "mae", "mape", "mse", "msle", "precision", "recall",
+    "sparse_categorical_accuracy", "sparse_categorical_crossentropy",
+    "sparse_top_k_categorical_accuracy", "top_k_categorical_accuracy", "AUC", "Precision",
+    "Recall", "MeanSquaredError", "MeanAbsoluteError", "BinaryAccuracy",
+)  # fmt: skip
 
 
 def _accuracy_for(label_rank: int, label_dim: int | None, pred_dim: int | None) -> Any:
@@ -19,13 +31,18 @@ def _accuracy_for(label_rank: int, label_dim: int | None, pred_dim: int | None) 
 
 
 def metric_factories(
-    specs: Sequence[Any], *, label_shape: Sequence[int | None], pred_shape: Sequence[int | None]
+    specs: Sequence[Any],
+    *,
+    label_shape: Sequence[int | None],
+    pred_shape: Sequence[int | None],
+    job: str = "",
 ) -> list[Callable[[], Any]]:
     """One factory per metric, so training and evaluation each get their own state.
 
     "accuracy"/"acc" picks sparse, categorical or binary accuracy from the shapes, as
     Keras's compile does; other strings go through keras.metrics.get; Metric instances are
     cloned from their config; plain functions ``fn(labels, predictions)`` are averaged.
+    A name Keras does not know, or anything else, is a ConfigError naming ``job``.
     """
     label_rank = len(label_shape)
     label_dim = label_shape[-1] if label_shape else None
@@ -35,7 +52,10 @@ def metric_factories(
         if spec in ("accuracy", "acc"):
             factories.append(partial(_accuracy_for, label_rank, label_dim, pred_dim))
             continue
-        found = keras.metrics.get(spec) if isinstance(spec, str) else spec
+        try:
+            found = keras.metrics.get(spec) if isinstance(spec, str) else spec
+        except ValueError:
+            found = None
         if isinstance(found, type) and issubclass(found, keras.metrics.Metric):
             factories.append(found)
         elif isinstance(found, keras.metrics.Metric):
@@ -44,7 +64,14 @@ def metric_factories(
             name = spec if isinstance(spec, str) else getattr(found, "__name__", "metric")
             factories.append(partial(keras.metrics.MeanMetricWrapper, found, name))
         else:
-            raise ValueError(f"metrics: cannot use {spec!r}; give a name or a keras Metric")
+            close = difflib.get_close_matches(str(spec), _METRIC_NAMES, n=1)
+            raise ConfigError(
+                f"--job {job}" if job else "metrics",
+                f"{'metrics: ' if job else ''}{echo(spec)} is not a Keras metric"
+                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                "give a name keras.metrics.get knows (e.g. 'accuracy', 'auc'), a "
+                "keras.metrics.Metric or a function fn(labels, predictions)",
+            )
     return factories
 
 

@@ -51,7 +51,10 @@ class JobModel:
         if self.dynamic_layers:
             attach_slots(self.dynamic_layers, SparseRule(self.optimizer))
         self.metric_factories = metric_factories(
-            job.metrics, label_shape=leaf_shape(y_spec), pred_shape=leaf_shape(predictions)
+            job.metrics,
+            label_shape=leaf_shape(y_spec),
+            pred_shape=leaf_shape(predictions),
+            job=job.name,
         )
 
     def check(self, x_spec: Any, source: str) -> None:

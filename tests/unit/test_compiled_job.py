@@ -205,3 +205,17 @@ def test_an_endless_eval_dataset_is_one_line_not_a_hang(tmp_path: Path):
     )
     finite = load_job(job_file(tmp_path, OBJECTS + "eval_dataset_fn = dataset_fn\n", "eval_ok"))
     assert int(finite.eval_dataset(ctx).cardinality()) == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("acuracy", "metrics: 'acuracy' is not a Keras metric (did you mean 'accuracy'?); give"),
+        ("no_such_metric", "metrics: 'no_such_metric' is not a Keras metric; give a name"),
+        (42, "metrics: 42 is not a Keras metric; give a name keras.metrics.get knows"),
+    ],
+)
+def test_a_metric_keras_does_not_know_is_one_line_naming_the_job(spec, said):
+    with pytest.raises(ConfigError) as err:
+        metric_factories(["auc", spec], label_shape=[None], pred_shape=[None, 1], job="j.py")
+    assert str(err.value).startswith(f"--job j.py: {said}"), err.value

@@ -76,8 +76,28 @@ def test_job_importing_a_missing_module_shows_the_real_problem(tmp_path, monkeyp
     (pkg / "__init__.py").write_text("")
     (pkg / "job_b.py").write_text("import not_installed_dependency_xyz\n" + GOOD)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency_xyz"):
-        load_job("brokenpkg.job_b")
+    (tmp_path / "file_job.py").write_text("import not_installed_dependency_xyz\n" + GOOD)
+    for spec in ("brokenpkg.job_b", str(tmp_path / "file_job.py")):
+        with pytest.raises(ConfigError) as err:
+            load_job(spec)
+        assert str(err.value).startswith(
+            f"--job {spec}: imports 'not_installed_dependency_xyz', which is not installed"
+        ), err.value
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("def broken(:\n", "SyntaxError in bad_job.py, line 1: invalid syntax: 'def broken(:'"),
+        ("if True:\nx = 1\n", "IndentationError in bad_job.py, line 2: expected an indented"),
+    ],
+)
+def test_a_job_that_does_not_compile_is_one_line_naming_the_line(tmp_path, code, said):
+    path = tmp_path / "bad_job.py"
+    path.write_text(code)
+    with pytest.raises(ConfigError) as err:
+        load_job(str(path))
+    assert str(err.value).startswith(f"--job {path}: {said}"), err.value
 
 
 def test_the_public_job_api_is_psctl_job_alone():
