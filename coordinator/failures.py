@@ -8,6 +8,7 @@ its tests) never imports TensorFlow.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import re
@@ -282,14 +283,61 @@ _BOILERPLATE = re.compile(
 _TASK = re.compile(r"/job:(ps|worker|chief)/replica:\d+/task:(\d+)")
 
 
+_TEXT_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
 def describe(err: BaseException) -> str:
-    """One line for a log or a status: the error's type and the line that says what went
-    wrong (TensorFlow's messages open with "Graph execution error:" and node names)."""
-    for line in str(err).splitlines():
-        line = re.sub(r"^\(\d+\)\s*", "", line.strip())
-        if line and not _BOILERPLATE.match(line):
-            return f"{type(err).__name__}: {line}"
-    return type(err).__name__
+    """One line for a log or a status: the error's type, where in the job's own code it
+    was raised (if it was), and the line that says what went wrong (TensorFlow's messages
+    open with "Graph execution error:" and node names; a traced function's, "in user
+    code:", end with it after the frames)."""
+    name, text = type(err).__name__, str(err)
+    message = ""
+    if text.lstrip().startswith("in user code:"):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        message = lines[-1].removeprefix(f"{name}: ")
+        frames = [m.groups() for m in map(_TEXT_FRAME.match, lines) if m]
+    else:
+        for line in text.splitlines():
+            line = re.sub(r"^\(\d+\)\s*", "", line.strip())
+            if line and not _BOILERPLATE.match(line):
+                message = line
+                break
+        frames = []
+        tb = err.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            frames.append((code.co_filename, str(tb.tb_lineno), code.co_name))
+            tb = tb.tb_next
+    mine = [(path, line, function) for path, line, function in frames if _users_file(path)]
+    if mine:
+        path, line, function = mine[-1]
+        name = f"{name} in {function} ({os.path.basename(path)}, line {line})"
+    return f"{name}: {message}" if message else name
+
+
+def _users_file(path: str) -> bool:
+    """Whether ``path`` is the job's own code: not psctl's, TensorFlow's, Keras's or any
+    other installed package's, nor Python's, nor AutoGraph's generated copies."""
+    if path.startswith("<") or "__autograph_generated_file" in path:
+        return False
+    roots = _library_roots()
+    return not any(p.startswith(roots) for p in (path, os.path.realpath(path)))
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import sysconfig
+
+    import psctl
+
+    # psctl's subpackages may be links to elsewhere (an editable install of the repo).
+    roots = {os.path.realpath(e.path) for p in psctl.__path__ for e in os.scandir(p) if e.is_dir()}
+    roots |= set(psctl.__path__)
+    paths = sysconfig.get_paths()
+    roots |= {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= {os.path.realpath(p) for p in sys.path if "-packages" in p}
+    return tuple(root.rstrip(os.sep) + os.sep for root in roots)
 
 
 def tasks_named(err: BaseException) -> list[str]:

@@ -447,10 +447,11 @@ def test_a_stop_before_the_ps_serve_again_restarts_for_the_final_evaluation() ->
 )
 def test_permanent_failure_marks_failed_and_raises(err: BaseException) -> None:
     control, fake = FakeControl(), FakeTime()
+    said = describe(err)  # before it is raised here (from this file: the "job's" code)
     with pytest.raises(type(err)) as raised:
         _end(err, control, fake)
     assert raised.value is err
-    assert control.calls == [("finish", State.FAILED, describe(err))]
+    assert control.calls == [("finish", State.FAILED, said)]
     assert fake.sleeps == []
 
 
@@ -768,3 +769,39 @@ def test_a_failure_psctl_does_not_handle_is_logged_in_full(
         _end(err, FakeControl(), FakeTime())
     assert "job FAILED, not restarted: FakeOpError: Graph execution error:" in caplog.text
     assert "Incompatible shapes: [2] vs. [3]" in caplog.text
+
+
+def test_describe_names_where_a_traced_function_of_the_job_failed(tmp_path) -> None:
+    """AutoGraph's errors open with "in user code:" and the frames; the line names the
+    job's function, file and line, then what went wrong (was: 'ValueError: in user
+    code:')."""
+    import importlib.util
+
+    import tensorflow as tf
+
+    path = tmp_path / "my_job.py"
+    path.write_text(
+        "def loss_fn(labels):\n    if labels > 0:\n        return labels\n    return -labels\n"
+    )
+    spec = importlib.util.spec_from_file_location("my_job_for_describe", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(Exception) as caught:
+        tf.function(module.loss_fn)(tf.constant([1.0, 2.0]))
+    line = describe(caught.value)
+    name = type(caught.value).__name__
+    assert line.startswith(f"{name} in loss_fn (my_job.py, line 2): condition of if statement")
+    assert "\n" not in line
+    # Raised in the job's code outside a traced function: from the traceback.
+    path.write_text("def dataset_fn(ctx):\n    return ctx.bogus\n")
+    spec.loader.exec_module(module)
+    with pytest.raises(AttributeError) as caught:
+        module.dataset_fn(object())
+    assert describe(caught.value) == (
+        "AttributeError in dataset_fn (my_job.py, line 2): 'object' object has no attribute 'bogus'"
+    )
+    # Raised in psctl's, TensorFlow's or Python's code alone: no place named.
+    with pytest.raises(ValueError) as caught:
+        int("x")
+    assert describe(caught.value).startswith("ValueError in test_describe_names_where")
