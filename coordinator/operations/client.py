@@ -139,12 +139,32 @@ def status_dict(status: control_pb2.Status) -> dict[str, Any]:
     as_dict: dict[str, Any] = json_format.MessageToDict(
         status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    # By name, with numbers (proto JSON writes a list, its int64s as strings); {} if none.
+    _int64s_as_numbers(status, as_dict)
+    # By name (proto JSON writes a list); {} if none.
     as_dict["tables"] = {
         t.name: {"rows": t.rows, "admitted": t.admitted, "evicted": t.evicted}
         for t in status.tables
     }
     return as_dict
+
+
+def _int64s_as_numbers(message: Any, as_dict: dict[str, Any]) -> None:
+    """Proto JSON writes 64-bit integers as strings ("global_step": "1200"); a script
+    comparing them (jq '.global_step > 1000') needs numbers. In place, nested messages too."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    wide = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in as_dict:
+            continue
+        value = getattr(message, field.name)
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            nested = value if field.is_repeated else [value]
+            shown = as_dict[field.name] if field.is_repeated else [as_dict[field.name]]
+            for inner, inner_dict in zip(nested, shown, strict=True):
+                _int64s_as_numbers(inner, inner_dict)
+        elif field.cpp_type in wide:
+            as_dict[field.name] = list(value) if field.is_repeated else int(value)
 
 
 def format_table(table: control_pb2.Table) -> str:

@@ -246,8 +246,14 @@ def test_psctl_status_prints_one_line_per_table():
 def test_psctl_status_json_has_tables_by_name_with_numbers():
     control = new_control()
     control.set_tables({"user_id": USER})
+    control.update(global_step=1200)
     as_json = json.loads(json.dumps(status_dict(status_proto(control))))
     assert as_json["tables"] == {"user_id": USER}
+    # Every 64-bit integer a number, as jq and scripts compare them (proto JSON: strings).
+    assert as_json["global_step"] == 1200 and as_json["target_steps"] == 1000
+    (chief,) = as_json["tasks"]
+    assert chief["failures"] == 0 and chief["pid"] == 0, chief
+    assert as_json["cluster_generation"] == 0
     assert json.loads(json.dumps(status_dict(status_proto(new_control()))))["tables"] == {}
 
 
