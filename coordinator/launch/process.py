@@ -170,6 +170,7 @@ def run_training_process(
         on_state=metrics.set_state if metrics else None,
     )
     control.recoveries = counters.restarts
+    control.carry_failures(counters.seen_task_failures)
     control.cluster_generation = len(counters.resizes)
     if counters.stop_at_start:
         log.warning(
@@ -187,6 +188,7 @@ def run_training_process(
         # Reported at once: the next training process's counts go on from it, even if this
         # one is killed next.
         counters.process_failures = control.failure_counts()
+        counters.process_task_failures = control.failures_by_address()
         counters.leave_report()
         if metrics is not None:
             metrics.task_failure(task_type)

@@ -94,6 +94,10 @@ class Counters:
     seen_failures: dict[str, int] = field(default_factory=dict)
     # This training process's own (reported, not handed on: the supervisor's stays empty).
     process_failures: dict[str, int] = field(default_factory=dict)
+    # The same by task, keyed by address (a resize may renumber a task, never move it):
+    # psctl status's FAILURES column goes on from them in the next training process.
+    seen_task_failures: dict[str, int] = field(default_factory=dict)
+    process_task_failures: dict[str, int] = field(default_factory=dict)
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
     # The job was stopped while a training process exited for a fresh start (a resize, a
     # ps recovery): the next one restores the latest checkpoint, trains no step, and ends
@@ -115,6 +119,7 @@ class Counters:
                 "nonfinite_losses": self.nonfinite_losses,
                 "left": self.left,
                 "failures": self.process_failures,
+                "task_failures": self.process_task_failures,
             }
             write_json_atomic(self.report_file, report)
 
@@ -153,6 +158,7 @@ class Counters:
             count = int(report["nonfinite_losses"])
             left = [[str(t), int(i), str(a)] for t, i, a in report.get("left", [])]
             failures = {str(t): int(n) for t, n in report.get("failures", {}).items()}
+            by_task = {str(a): int(n) for a, n in report.get("task_failures", {}).items()}
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
@@ -162,6 +168,8 @@ class Counters:
         self.left = list(left)
         for task_type, n in failures.items():
             self.seen_failures[task_type] = self.seen_failures.get(task_type, 0) + n
+        for address, n in by_task.items():
+            self.seen_task_failures[address] = self.seen_task_failures.get(address, 0) + n
 
 
 def new_report_file() -> str:

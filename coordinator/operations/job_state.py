@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -126,6 +126,8 @@ class JobControl:
         self._board = Board()
         self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
         self._failures: dict[tuple[str, int], int] = {}
+        # Earlier training processes' counts by address (carry_failures), shown, not summed.
+        self._failures_before: dict[str, int] = {}
         self._pause_requested = False
         self._checkpoints: list[CheckpointRequest] = []
         self.stop_requested = threading.Event()
@@ -388,7 +390,7 @@ class JobControl:
                 uptime_seconds=time.monotonic() - self.started,
                 tasks=list(self.tasks),
                 health=dict(self._health),
-                failures=dict(self._failures),
+                failures=self._failures_shown(),
                 cluster_generation=self.cluster_generation,
                 states={
                     (t.type, t.index): self._task_state(t, self._health.get((t.type, t.index)))
@@ -496,6 +498,27 @@ class JobControl:
         with self._lock:
             self._leaving.add((task.type, task.index))
         return True
+
+    def carry_failures(self, by_address: Mapping[str, int]) -> None:
+        """What the job's earlier training processes counted for each task (by address):
+        status shows it added to this process's own counts."""
+        with self._lock:
+            self._failures_before = dict(by_address)
+
+    def failures_by_address(self) -> dict[str, int]:
+        """This process's own counts, by task address (for the next training process)."""
+        with self._lock:
+            at = {(t.type, t.index): t.address for t in self.tasks}
+            return {at[key]: n for key, n in self._failures.items() if key in at}
+
+    def _failures_shown(self) -> dict[tuple[str, int], int]:  # under self._lock
+        shown = dict(self._failures)
+        for task in self.tasks:
+            carried = self._failures_before.get(task.address, 0)
+            if carried:
+                key = (task.type, task.index)
+                shown[key] = shown.get(key, 0) + carried
+        return shown
 
     def failure_counts(self) -> dict[str, int]:
         with self._lock:

@@ -125,6 +125,45 @@ def test_task_failures_seen_by_each_training_process_add_up_across_restarts(tmp_
     assert dataclasses.replace(local, ps_failures=4).failures_seen({}) == {"ps": 4, "worker": 2}
 
 
+def test_each_tasks_failures_carry_over_to_the_next_process_by_address(tmp_path: Path):
+    """psctl status's FAILURES column goes on from the earlier training processes' counts
+    (it restarted from 0 in each), following a task by address when a resize renumbers it."""
+    from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+
+    def control_with(tasks: list[TaskInfo], counters: Counters) -> JobControl:
+        control = JobControl(
+            job="mlp", target_steps=10, steps_per_execution=1, tasks=tasks, can_checkpoint=False
+        )
+        control.carry_failures(counters.seen_task_failures)
+        return control
+
+    ps0, w0, w1 = (
+        TaskInfo("ps", 0, "h:1"),
+        TaskInfo("worker", 0, "h:2"),
+        TaskInfo("worker", 1, "h:3"),
+    )
+    supervisor = Counters(report_file=str(tmp_path / "report.json"))
+    for failed in (["ps:0", "worker:1"], ["worker:1"]):
+        child = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+        control = control_with([ps0, w0, w1], child)
+        for name in failed:
+            task_type, index = name.split(":")
+            control.task_failed(task_type, int(index))
+        child.process_task_failures = control.failures_by_address()
+        child.leave_report()
+        supervisor.take_report()
+    assert supervisor.seen_task_failures == {"h:1": 1, "h:3": 2}
+    next_one = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+    shown = control_with([ps0, w0, w1], next_one)
+    assert shown.view().failures == {("ps", 0): 1, ("worker", 1): 2}
+    shown.task_failed("worker", 1)
+    assert shown.view().failures == {("ps", 0): 1, ("worker", 1): 3}
+    assert shown.failure_counts() == {"ps": 0, "worker": 1}, "its own, for the supervisor"
+    # worker 0 left: the one at h:3 is worker 0 now, with its failures.
+    resized = control_with([ps0, TaskInfo("worker", 0, "h:3")], next_one)
+    assert resized.view().failures == {("ps", 0): 1, ("worker", 0): 2}
+
+
 def test_the_next_process_metrics_count_on_from_the_failures_seen_before(tmp_path: Path):
     from prometheus_client import CollectorRegistry
 
