@@ -28,13 +28,25 @@ from psctl.coordinator.training.model import JobModel
 log = logging.getLogger(__name__)
 
 
-def _features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any, str]:
+def features_spec(job: Job, settings: TrainSettings) -> tuple[Any, Any, str]:
     """The features' and labels' specs, batch dimension open, from the job's own data, and
     the dataset function they came from."""
     ctx = DataContext.from_settings(settings, worker_index=0, num_workers=1, batch_size=1)
-    source = "eval_dataset_fn" if job.eval_dataset_fn is not None else "dataset_fn"
-    make = job.eval_dataset_fn or job.dataset_fn
-    x_spec, y_spec = make(ctx).element_spec[:2]
+    source, make = "dataset_fn", job.dataset_fn
+    if job.eval_dataset_fn is not None:
+        source, make = "eval_dataset_fn", job.eval_dataset_fn
+    try:
+        x_spec, y_spec = make(ctx).element_spec[:2]
+    except ConfigError as err:
+        if make is job.dataset_fn:
+            raise
+        # The eval data is not at hand (an export given --train-data alone): the training
+        # data's features are the same ones (psctl checks that before training).
+        try:
+            x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
+        except ConfigError:
+            raise err from None
+        source = "dataset_fn"
 
     def open_batch(spec: Any) -> Any:
         return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=spec.name)
@@ -80,7 +92,7 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
     """Restore ``checkpoint`` (None: the newest usable one in ``--checkpoint-dir``, a
     damaged newer one skipped with a line saying why) into the job's model and save it to
     ``out/<step>/``."""
-    x_spec, y_spec, source = _features_spec(job, settings)
+    x_spec, y_spec, source = features_spec(job, settings)
     built = JobModel(job, x_spec, y_spec, source=source)
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     saved = built.checkpoint(step)

@@ -137,3 +137,25 @@ def test_a_job_with_one_of_the_serving_functions_is_refused(tmp_path: Path):
     )
     with pytest.raises(ConfigError, match="needs both serving_inputs\\(\\) and serving_feat"):
         load_job(str(path))
+
+
+def test_a_job_reading_eval_files_exports_with_the_training_files_alone(tmp_path: Path):
+    """`psctl export --train-data F` for a job whose eval_dataset_fn reads --eval-data:
+    the training files' features give the signature (was: --eval-data is required)."""
+    from psctl.coordinator.training.saved_model import features_spec
+
+    (tmp_path / "train.csv").write_text(
+        "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(32))
+    )
+    path = tmp_path / "files_job.py"
+    path.write_text(
+        (REPO / "jobs" / "mlp.py").read_text()
+        + "\n\ndef dataset_fn(ctx):\n    return data.train_dataset(ctx, label_dtype=tf.int64)\n"
+        + "\n\ndef eval_dataset_fn(ctx):\n    return data.eval_dataset(ctx, label_dtype=tf.int64)\n"
+    )
+    job = load_job(str(path))
+    settings = TrainSettings(job=str(path), train_data=str(tmp_path / "train.csv"))
+    x_spec, _, source = features_spec(job, settings)
+    assert source == "dataset_fn" and x_spec.shape.as_list() == [None, 2], (source, x_spec)
+    with pytest.raises(ConfigError, match="--eval-data"):  # neither: the eval data's error
+        features_spec(job, TrainSettings(job=str(path)))
