@@ -32,7 +32,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from psctl.coordinator.layers import COMBINERS, pool, pooled_shape
+from psctl.coordinator.layers import (
+    LayerSettingError,
+    combiner_setting,
+    count_setting,
+    pool,
+    pooled_shape,
+)
 
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio (Fibonacci hashing)
@@ -151,9 +157,10 @@ def _initializer(spec: Any) -> Any:
     if name == "Constant":
         value = float(config["value"])
         return lambda n, d, dtype: tf.fill([n, d], tf.constant(value, dtype))
-    raise ValueError(
-        f"DynamicEmbedding: embeddings_initializer {name} is not supported for rows that "
-        "appear while training; use uniform, normal, truncated_normal, zeros or a constant"
+    raise LayerSettingError(
+        "DynamicEmbedding embeddings_initializer",
+        f"{name} is not supported for rows that appear while training",
+        "use uniform, normal, truncated_normal, zeros or a constant",
     )
 
 
@@ -187,23 +194,14 @@ class DynamicEmbedding(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if int(output_dim) < 1:
-            raise ValueError(f"DynamicEmbedding: output_dim must be >= 1, got {output_dim}")
-        if combiner is not None and combiner not in COMBINERS:
-            raise ValueError(
-                f"DynamicEmbedding: combiner must be one of {', '.join(COMBINERS)} or None, "
-                f"got {combiner!r}"
-            )
-        if int(admit_after) < 1:
-            raise ValueError(f"DynamicEmbedding: admit_after must be >= 1, got {admit_after}")
-        for what, value in (("ttl_steps", ttl_steps), ("max_rows_per_shard", max_rows_per_shard)):
-            if value is not None and int(value) < 1:
-                raise ValueError(f"DynamicEmbedding: {what} must be >= 1 or None, got {value}")
-        self.output_dim = int(output_dim)
-        self.combiner = combiner
-        self.admit_after = int(admit_after)
-        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
-        self.max_rows_per_shard = None if max_rows_per_shard is None else int(max_rows_per_shard)
+        kind = "DynamicEmbedding"
+        self.output_dim = count_setting(kind, self.name, "output_dim", output_dim)
+        self.combiner = combiner_setting(kind, self.name, combiner)
+        self.admit_after = count_setting(kind, self.name, "admit_after", admit_after)
+        self.ttl_steps = count_setting(kind, self.name, "ttl_steps", ttl_steps, optional=True)
+        self.max_rows_per_shard = count_setting(
+            kind, self.name, "max_rows_per_shard", max_rows_per_shard, optional=True
+        )
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.initial_rows = _initializer(self.embeddings_initializer)
 

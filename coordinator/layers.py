@@ -14,9 +14,48 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from psctl.cluster.errors import ConfigError, echo
+
 COMBINERS = ("sum", "mean", "sqrtn")
+# Where counts meet int64 tensors (global steps, row counts): larger would overflow them.
+MAX_SETTING = 2**62
+
+
+class LayerSettingError(ConfigError, ValueError):
+    """A table layer's argument out of range: one line and exit 78 under psctl (a
+    ValueError, as Keras layers raise, to code that catches those)."""
+
+
+def count_setting(layer: str, name: str, what: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` as an int in 1..MAX_SETTING (None too where ``optional``), or a
+    LayerSettingError naming the layer and the argument."""
+    if value is None and optional:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not (1 <= int(value) <= MAX_SETTING)
+    ):
+        none = " or None" if optional else ""
+        raise LayerSettingError(
+            f"{layer}(name={name!r}) {what}",
+            f"{echo(value)} is not a whole number from 1 to {MAX_SETTING:,}{none}",
+            f"give {what} as such a number (see docs/embeddings.md)",
+        )
+    return int(value)
+
+
+def combiner_setting(layer: str, name: str, combiner: Any) -> str | None:
+    if combiner is not None and combiner not in COMBINERS:
+        raise LayerSettingError(
+            f"{layer}(name={name!r}) combiner",
+            f"{echo(combiner)} is not a combiner",
+            f"give one of {', '.join(map(repr, COMBINERS))} or None",
+        )
+    return combiner  # type: ignore[no-any-return]
 
 
 def pooled_shape(input_shape: Any, output_dim: int, combiner: str | None) -> tuple[Any, ...]:
@@ -72,19 +111,10 @@ class FeatureEmbedding(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if int(num_buckets) < 1 or int(output_dim) < 1:
-            raise ValueError(
-                f"FeatureEmbedding: num_buckets and output_dim must be >= 1, got "
-                f"{num_buckets} and {output_dim}"
-            )
-        if combiner is not None and combiner not in COMBINERS:
-            raise ValueError(
-                f"FeatureEmbedding: combiner must be one of {', '.join(COMBINERS)} or None, "
-                f"got {combiner!r}"
-            )
-        self.num_buckets = int(num_buckets)
-        self.output_dim = int(output_dim)
-        self.combiner = combiner
+        kind = "FeatureEmbedding"
+        self.num_buckets = count_setting(kind, self.name, "num_buckets", num_buckets)
+        self.output_dim = count_setting(kind, self.name, "output_dim", output_dim)
+        self.combiner = combiner_setting(kind, self.name, combiner)
         self.hash_ids = bool(hash_ids)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.table = keras.layers.Embedding(

@@ -218,7 +218,9 @@ def _evict_shard(layer: DynamicEmbedding, shard: Shard, step: Any) -> Any:
         # Rows (admitted ids) beyond the cap, and as many counted-only ids: oldest first.
         for group in (admitted, tf.logical_not(admitted)):
             kept = tf.logical_and(group, tf.logical_not(remove))
-            excess = tf.maximum(tf.reduce_sum(tf.cast(kept, tf.int32)) - cap, 0)
+            # int64: a cap beyond int32 (up to layers.MAX_SETTING) keeps every row.
+            kept_count = tf.reduce_sum(tf.cast(kept, tf.int64))
+            excess = tf.cast(tf.maximum(kept_count - cap, 0), tf.int32)
             age = tf.where(kept, -last, tf.fill(tf.shape(last), tf.int64.min))
             _, oldest = tf.math.top_k(age, k=excess)
             hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))

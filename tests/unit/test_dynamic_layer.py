@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from psctl.cluster.errors import ConfigError
 from psctl.coordinator.dynamic import (
     DynamicEmbedding,
     Lookup,
@@ -178,15 +179,28 @@ def test_a_checkpoint_of_two_shards_restores_into_three_by_the_keys_hash():
     np.testing.assert_allclose(three.lookup(keys).numpy(), values.numpy())
 
 
-def test_bad_arguments_say_which():
-    with pytest.raises(ValueError, match="admit_after must be >= 1"):
-        DynamicEmbedding(4, admit_after=0)
-    with pytest.raises(ValueError, match="combiner must be one of"):
-        DynamicEmbedding(4, combiner="max")
-    with pytest.raises(ValueError, match="ttl_steps must be >= 1"):
-        DynamicEmbedding(4, ttl_steps=0)
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"admit_after": 0}, "admit_after: 0 is not a whole number from 1 to"),
+        ({"admit_after": 2.5}, "admit_after: 2.5 is not a whole number from 1 to"),
+        ({"ttl_steps": -5}, "ttl_steps: -5 is not a whole number from 1 to"),
+        ({"max_rows_per_shard": 10**30}, "max_rows_per_shard: 10000000000"),
+        ({"combiner": "max"}, "combiner: 'max' is not a combiner; give one of 'sum', 'mean'"),
+    ],
+)
+def test_bad_arguments_are_one_line_naming_the_layer_and_exit_78(kwargs, said):
+    """A ConfigError (exit 78 under psctl: was exit 1, and 10**30 crashed the first
+    eviction pass) that is still the ValueError Keras layers raise."""
+    with pytest.raises(ConfigError) as err:
+        DynamicEmbedding(4, name="users", **kwargs)
+    assert isinstance(err.value, ValueError) and err.value.exit_status == 78
+    assert str(err.value).startswith(f"DynamicEmbedding(name='users') {said}"), err.value
     with pytest.raises(ValueError, match="not supported for rows that appear"):
         DynamicEmbedding(4, embeddings_initializer="orthogonal")
+    # The largest accepted: every row kept, no step ever past its time to live.
+    big = DynamicEmbedding(4, ttl_steps=2**62, max_rows_per_shard=2**62, admit_after=np.int64(3))
+    assert (big.ttl_steps, big.max_rows_per_shard, big.admit_after) == (2**62, 2**62, 3)
 
 
 def test_a_subclassed_model_builds_its_tables_outside_the_symbolic_trace():

@@ -66,7 +66,9 @@ def test_config_round_trips_and_bad_arguments_name_the_argument():
     assert (again.num_buckets, again.output_dim, again.combiner, again.hash_ids) == (
         64, 8, "sqrtn", True
     )  # fmt: skip
-    with pytest.raises(ValueError, match="combiner must be one of sum, mean, sqrtn"):
+    with pytest.raises(ValueError, match="combiner: 'max' is not a combiner; give one of 'sum'"):
         FeatureEmbedding(64, 8, combiner="max")
-    with pytest.raises(ValueError, match="num_buckets and output_dim must be >= 1"):
+    with pytest.raises(ValueError, match="num_buckets: 0 is not a whole number from 1 to"):
         FeatureEmbedding(0, 8)
+    with pytest.raises(ValueError, match="output_dim: 0 is not a whole number from 1 to"):
+        FeatureEmbedding(8, 0)
