@@ -169,7 +169,7 @@ def run_training_process(
         can_checkpoint=serve_control and bool(settings.checkpoint_dir),
         on_state=metrics.set_state if metrics else None,
     )
-    control.recoveries = counters.restarts
+    control.recoveries = counters.restarts + counters.task_recoveries
     control.carry_failures(counters.seen_task_failures)
     control.cluster_generation = len(counters.resizes)
     if counters.stop_at_start:
@@ -193,9 +193,14 @@ def run_training_process(
         if metrics is not None:
             metrics.task_failure(task_type)
 
+    def task_recovery() -> None:
+        counters.process_recoveries += 1
+        counters.leave_report()
+        if metrics is not None:
+            metrics.recovery()
+
     control.on_task_failure = task_failure
-    if metrics is not None:
-        control.on_recovery = metrics.recovery
+    control.on_recovery = task_recovery
     server = None
     if serve_control:
         server = start_control_server(
@@ -490,6 +495,7 @@ def start_metrics(
     earlier = counters.failures_seen({})
     metrics.carry_over(
         restarts=counters.restarts,
+        task_recoveries=counters.task_recoveries,
         ps_failures=earlier["ps"],
         worker_failures=earlier["worker"],
         nonfinite_losses=counters.nonfinite_losses,

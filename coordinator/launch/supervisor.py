@@ -98,6 +98,11 @@ class Counters:
     # psctl status's FAILURES column goes on from them in the next training process.
     seen_task_failures: dict[str, int] = field(default_factory=dict)
     process_task_failures: dict[str, int] = field(default_factory=dict)
+    # Tasks seen SERVING again after a failure by the earlier training processes, and by
+    # this one (psctl_recoveries_total and the summary's recoveries count on from them, as
+    # from the restarts: a resize is no restart).
+    task_recoveries: int = 0
+    process_recoveries: int = 0
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
     # The job was stopped while a training process exited for a fresh start (a resize, a
     # ps recovery): the next one restores the latest checkpoint, trains no step, and ends
@@ -120,6 +125,7 @@ class Counters:
                 "left": self.left,
                 "failures": self.process_failures,
                 "task_failures": self.process_task_failures,
+                "recoveries": self.process_recoveries,
             }
             write_json_atomic(self.report_file, report)
 
@@ -159,6 +165,7 @@ class Counters:
             left = [[str(t), int(i), str(a)] for t, i, a in report.get("left", [])]
             failures = {str(t): int(n) for t, n in report.get("failures", {}).items()}
             by_task = {str(a): int(n) for a, n in report.get("task_failures", {}).items()}
+            recoveries = int(report.get("recoveries", 0))
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
@@ -170,6 +177,7 @@ class Counters:
             self.seen_failures[task_type] = self.seen_failures.get(task_type, 0) + n
         for address, n in by_task.items():
             self.seen_task_failures[address] = self.seen_task_failures.get(address, 0) + n
+        self.task_recoveries += recoveries
 
 
 def new_report_file() -> str:

@@ -534,6 +534,7 @@ class CoordinatorMetrics:
         ps_failures: int,
         nonfinite_losses: int,
         worker_failures: int = 0,
+        task_recoveries: int = 0,
         resize_seconds: Iterable[float] = (),
     ) -> None:
         """What the supervisor counted in this job's earlier training processes; call it
@@ -542,7 +543,8 @@ class CoordinatorMetrics:
             self._resizes.inc()
             self._resize_seconds.observe(seconds)
         self._restarts.inc(restarts)
-        self._recoveries.inc(restarts)  # each restarted process restored the latest checkpoint
+        # Each restarted process restored the latest checkpoint; and the tasks seen back.
+        self._recoveries.inc(restarts + task_recoveries)
         self._ps_failures.inc(ps_failures)
         self._worker_failures.inc(worker_failures)
         self._nonfinite.inc(nonfinite_losses)

@@ -180,3 +180,29 @@ def test_the_next_process_metrics_count_on_from_the_failures_seen_before(tmp_pat
     )
     assert registry.get_sample_value("psctl_ps_failures_total") == 1
     assert registry.get_sample_value("psctl_worker_failures_total") == 2
+
+
+def test_task_recoveries_carry_over_so_the_counter_never_goes_back(tmp_path: Path):
+    """A worker seen back after its failure is a recovery; a resize starts a new training
+    process (no restart), whose psctl_recoveries_total went back to the restarts alone."""
+    from prometheus_client import CollectorRegistry
+
+    from psctl.coordinator.operations.metrics import CoordinatorMetrics
+
+    supervisor = Counters(restarts=1, report_file=str(tmp_path / "report.json"))
+    child = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+    child.process_recoveries = 2
+    child.leave_report()
+    supervisor.take_report()
+    assert supervisor.task_recoveries == 2
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry, job="mlp", num_workers=2, num_ps=1, batch_size=8
+    )
+    metrics.carry_over(
+        restarts=supervisor.restarts,
+        task_recoveries=supervisor.task_recoveries,
+        ps_failures=0,
+        nonfinite_losses=0,
+    )
+    assert registry.get_sample_value("psctl_recoveries_total") == 3
