@@ -32,8 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from psctl.cluster.errors import ConfigError
 from psctl.cluster.signals import RESIZE_SIGNAL, EarlyStops, SignalRelay
-from psctl.coordinator.failures import ResizeRequested, restart_if_starting
+from psctl.coordinator.failures import ResizeRequested, describe, restart_if_starting
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
@@ -413,7 +414,12 @@ def run_training(
         hooks=trainer.hooks,
         metrics=trainer.metrics,
     )
-    loop.train(start_step, steps_per_execution=runner.packer.k)
+    try:
+        loop.train(start_step, steps_per_execution=runner.packer.k)
+    except Exception as err:
+        if trainer.settings.epochs or not _is_end_of_data(err):
+            raise
+        raise _data_ended(trainer) from None
     if trainer.control.resize_requested.is_set() and trainer.is_chief:
         # Every step so far in a checkpoint, then a fresh process on the new cluster
         # restores it: no final evaluation, no summary (the run goes on).
@@ -426,6 +432,35 @@ def run_training(
         wall_started=wall_started,
         steps_per_execution=runner.packer.k,
         evaluate=evaluate if trainer.is_chief else None,
+    )
+
+
+def _is_end_of_data(err: BaseException) -> bool:
+    import tensorflow as tf
+
+    return isinstance(err, tf.errors.OutOfRangeError)
+
+
+def _data_ended(trainer: TrainerBase) -> ConfigError:
+    """A worker's dataset ran out before --steps (a dataset_fn without repeat(), or files
+    emptier than thought): the steps trained so far in a checkpoint (the chief's, where
+    there is a directory), and one line, exit 78: a restart would only run out again."""
+    step = trainer.state.step()
+    kept = "no checkpoint directory: the steps trained are not kept"
+    if trainer.is_chief:
+        try:
+            path = trainer.checkpointer.save()
+        except Exception as err:  # the data's error is the one to report
+            log.warning("no checkpoint of the steps trained: %s", describe(err))
+            path = None
+        if path:
+            kept = f"the {step} steps trained are in {path}"
+    return ConfigError(
+        f"--job {trainer.job.name}",
+        f"dataset_fn's dataset ran out at global step {step} of {trainer.settings.steps} "
+        f"({kept})",
+        "repeat() the training data in dataset_fn (psctl trains --steps steps), or give "
+        "--epochs N to train whole passes over it",
     )
 
 

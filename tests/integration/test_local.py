@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -210,3 +211,25 @@ def test_user_job_file_trains(workdir, run_cli, tmp_path):
     summary = read_json(out)
     assert summary["global_step"] == 600
     assert summary["eval_accuracy"] >= 0.85, summary
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_that_runs_out_keeps_the_steps_and_says_how_to_fix_it(workdir, run_cli, tmp_path):
+    """dataset_fn without repeat(): one line, exit 78, and the steps trained in a checkpoint
+    that a corrected job goes on from (was: exit 1, ~90 lines of TensorFlow, steps lost)."""
+    job = tmp_path / "finite_job.py"
+    job.write_text(USER_JOB.replace(".repeat()", ".take(1024)"))
+    checkpoints = workdir / "ckpt"
+    argv = ["--job", str(job), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100000"]
+    proc = run_cli(local_argv(workdir, *argv, "--steps", "5000"), timeout=200)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("psctl: error:")]
+    match = re.fullmatch(
+        rf"psctl: error: --job {re.escape(str(job))}: dataset_fn's dataset ran out at global "
+        rf"step (\d+) of 5000 \(the \1 steps trained are in .*ckpt-\1\); repeat\(\) the "
+        r"training data in dataset_fn .*",
+        line,
+    )
+    assert match, line
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) < 40, proc.stderr
+    assert (checkpoints / f"ckpt-{match[1]}.index").exists()
