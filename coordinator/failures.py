@@ -278,11 +278,13 @@ def _is_cluster_failure(err: BaseException, *, seen: set[int]) -> bool:
 _BOILERPLATE = re.compile(
     r"Graph execution error:|Detected at node |<stack traces unavailable>|\d+ root error\(s\) "
     r"found|Additional GRPC error information|:UNKNOWN:Error received from peer|\[\[|"
-    r"\d+ successful operations|\d+ derived errors ignored|File \""
+    r"\d+ successful operations|\d+ derived errors ignored|File \"|"
+    r"Exception encountered when calling "  # Keras's wrapper of a layer's error
 )
 _TASK = re.compile(r"/job:(ps|worker|chief)/replica:\d+/task:(\d+)")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras's bold in the messages it wraps
 _TEXT_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -298,7 +300,7 @@ def describe(err: BaseException) -> str:
         message = lines[-1].removeprefix(f"{name}: ")
         frames = [m.groups() for m in map(_TEXT_FRAME.match, lines) if m]
     else:
-        for line in text.splitlines():
+        for line in _ANSI.sub("", text).splitlines():
             line = re.sub(r"^\(\d+\)\s*", "", line.strip())
             if line and not _BOILERPLATE.match(line):
                 message = line

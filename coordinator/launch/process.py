@@ -139,8 +139,7 @@ def end_on_error(
     if decision is Decision.FAIL:
         # Not handled by psctl: the whole error, once (TensorFlow's per-call reports of it
         # are at DEBUG). The CLI adds one line, and the traceback with -v.
-        log.error("job FAILED, not restarted: %s", describe(err))
-        log.debug("the whole error: %s: %s", type(err).__name__, str(err).strip())
+        log.error("job FAILED, not restarted: %s: %s", type(err).__name__, str(err).strip())
     control.finish(State.FAILED, describe(err))
     raise err
 

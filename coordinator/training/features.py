@@ -175,12 +175,12 @@ def _key_problem(
     parts = []
     if missing:
         wanted = ", ".join(_declared(k, expected[k]) for k in missing)
-        parts.append(f"lack {wanted}, an input of the model{where},")
+        parts.append(f"lack {wanted}, an input of the model{where}")
     if unknown:
         keys = ", ".join(repr(k) for k in unknown)
         parts.append(f"have {keys}, which the model has no input for{where}")
     inputs, features = _names(expected), _names(given)
-    return " and ".join(parts) + f" (the model's inputs: {inputs}; the features: {features})"
+    return ", and ".join(parts) + f" (the model's inputs: {inputs}; the features: {features})"
 
 
 def _declared(key: object, expected: Any) -> str:

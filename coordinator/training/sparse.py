@@ -52,8 +52,9 @@ def slot_kinds(optimizer: Any) -> tuple[str, ...]:
         return ("accumulator", "linear")
     raise ConfigError(
         "create_optimizer",
-        f"{type(optimizer).__name__} cannot update sharded embedding tables",
-        f"use one of {SUPPORTED}, or run without --max-shards",
+        f"{type(optimizer).__name__} cannot update sharded (--max-shards) or "
+        "DynamicEmbedding tables",
+        f"use one of {SUPPORTED} (or, for sharded tables only, run without --max-shards)",
     )
 
 

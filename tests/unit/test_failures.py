@@ -805,3 +805,22 @@ def test_describe_names_where_a_traced_function_of_the_job_failed(tmp_path) -> N
     with pytest.raises(ValueError) as caught:
         int("x")
     assert describe(caught.value).startswith("ValueError in test_describe_names_where")
+
+
+def test_describe_reads_the_error_keras_wraps_from_a_layers_call() -> None:
+    """Keras 3 wraps a layer's error as 'Exception encountered when calling X.call()', the
+    message in bold (ANSI) below: the one line is the message (was the wrapper line)."""
+    import keras
+    import numpy as np
+
+    class Picky(keras.layers.Layer):
+        def call(self, ids):
+            dtype = keras.backend.standardize_dtype(ids.dtype)
+            raise TypeError(f"{self.name}: takes integer ids, got {dtype}")
+
+    with pytest.raises(Exception) as caught:
+        Picky(name="users")(np.zeros((2, 1), np.float32))
+    assert "Exception encountered when calling" in str(caught.value)  # what Keras does
+    line = describe(caught.value)
+    assert line.endswith(": users: takes integer ids, got float32"), line
+    assert "\x1b" not in line
