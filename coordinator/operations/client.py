@@ -404,6 +404,12 @@ def health_addresses_of(top: Any, *, source: str) -> dict[tuple[str, int], Addre
         raise ConfigError(f"{cluster_file}: health", "is not an object", shape)
     found: dict[tuple[str, int], Address] = {}
     for task_type, addresses in section.items():
+        if task_type not in ("ps", "worker"):
+            raise ConfigError(
+                f"{cluster_file}: health.{task_type}",
+                "is not a task type with a health service",
+                'give "ps" or "worker" (the servers; the others have none)',
+            )
         if not isinstance(addresses, list):
             raise ConfigError(f"{cluster_file}: health.{task_type}", "is not a list", shape)
         for index, address in enumerate(addresses):

@@ -457,8 +457,7 @@ def _data_ended(trainer: TrainerBase) -> ConfigError:
             kept = f"the {step} steps trained are in {path}"
     return ConfigError(
         f"--job {trainer.job.name}",
-        f"dataset_fn's dataset ran out at global step {step} of {trainer.settings.steps} "
-        f"({kept})",
+        f"dataset_fn's dataset ran out at global step {step} of {trainer.settings.steps} ({kept})",
         "repeat() the training data in dataset_fn (psctl trains --steps steps), or give "
         "--epochs N to train whole passes over it",
     )

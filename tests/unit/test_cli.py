@@ -63,6 +63,9 @@ def test_check_config_from_tf_config():
         (json.dumps({**CLUSTER, "health": 5}), "health: is not an object"),
         (json.dumps({**CLUSTER, "health": {"ps": "h:1"}}), "health.ps: is not a list"),
         (json.dumps({**CLUSTER, "health": {"ps": ["h:x"]}}), "health.ps[0]"),
+        # A misspelt type was dropped, and its servers' health ports taken as TF + 1000.
+        (json.dumps({**CLUSTER, "health": {"wrker": ["h:9"]}}), "health.wrker: is not a task"),
+        (json.dumps({**CLUSTER, "health": {"ps": ["h:8", "h:9"]}}), "health.ps[1]: names a task"),
         (json.dumps({**CLUSTER, "data_service": 5}), "data_service: has no dispatcher"),
         (json.dumps({**CLUSTER, "data_service": {"dispatcher": "h"}}), "data_service.dispatcher"),
     ],
