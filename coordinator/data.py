@@ -187,7 +187,8 @@ def make_dataset(
     label_dtype: Any = None,
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
 ) -> tf.data.Dataset:
-    """Batches of ``(x, y)``: x float32 ``[batch, num_features]``, y ``[batch]`` of
+    """Batches of ``(x, y)``: x ``[batch, num_features]``, float32 (int64 for TFRecords of
+    int64 features alone), y ``[batch]`` of
     ``label_dtype`` (default float32; int64 for class ids).
 
     ``training``: shuffle, repeat forever, full batches only (with ``ctx.one_pass``: shuffle,
@@ -302,9 +303,13 @@ def _tfrecord_parser(info: DataFiles) -> Any:
     }
     spec[info.label_column] = tf.io.FixedLenFeature([], kinds[info.label_kind])
 
+    # Ids stay exact: int64 features alone stay int64 (float32 holds integers exactly only
+    # up to 2**24); with any float feature, all are float32 (docs/data.md).
+    dtype = tf.int64 if set(info.feature_kinds) == {"int64"} else tf.float32
+
     def parse(serialized: Any) -> tuple[Any, Any]:
         parsed = tf.io.parse_example(serialized, spec)
-        parts = [tf.cast(parsed[name], tf.float32) for name in info.feature_names]
+        parts = [tf.cast(parsed[name], dtype) for name in info.feature_names]
         x = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
         return x, parsed[info.label_column]
 

@@ -15,6 +15,7 @@ features (a functional model over named ``keras.Input``s), nested. This module
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -201,14 +202,18 @@ def _check_leaf(name: str, expected: Any, given: Any, *, job: str, source: str) 
     dtype = getattr(given, "dtype", None)
     if dtype is None:
         return
+    # An unnamed keras.Input is "keras_tensor_N": a name the user never wrote.
+    unnamed = re.fullmatch(r"keras_tensor(_\d+)?", name) is not None
+    feature = "the features" if unnamed else repr(name)
+    model_input = "the model's input" if unnamed else f"the model's input {name!r}"
     want, have = _kind(expected.dtype), _kind(dtype)
     if want in _FEEDS and have not in _FEEDS[want]:
         raise _fail(
             job,
             source,
-            f"have {name!r} as {tf.as_dtype(dtype).name}, where the model's input {name!r} is "
+            f"have {feature} as {tf.as_dtype(dtype).name}, where {model_input} is "
             f"{_what(expected)}",
-            f"yield {name!r} as {tf.as_dtype(expected.dtype).name} (or declare the keras.Input "
+            f"yield {feature} as {tf.as_dtype(expected.dtype).name} (or declare the keras.Input "
             f"with dtype={tf.as_dtype(dtype).name!r})",
         )
     shape = getattr(given, "shape", None)
@@ -227,7 +232,7 @@ def _check_leaf(name: str, expected: Any, given: Any, *, job: str, source: str) 
         raise _fail(
             job,
             source,
-            f"have {name!r} of shape {tuple(shape.as_list())}, where the model's input {name!r} "
+            f"have {feature} of shape {tuple(shape.as_list())}, where {model_input} "
             f"is {_what(expected)}",
             "yield batches of the model's input shape (the first axis is the batch)",
         )

@@ -118,7 +118,27 @@ def test_tfrecord_scalar_features_are_concatenated_by_name(tmp_path: Path):
     assert not info.integer_labels
     got_x, got_y = read_all(data.eval_dataset(ctx(evaluation=str(path), label="y")))
     np.testing.assert_array_equal(got_x, [[0, 0, 10], [1, 1, 11], [2, 2, 12]])
+    assert got_x.dtype == np.float32  # with a float feature, all are float32
     np.testing.assert_array_equal(got_y, [0.0, 0.5, 1.0])
+
+
+def test_tfrecord_int64_features_alone_stay_exact_int64_ids(tmp_path: Path):
+    """Raw ids above 2**24 read as float32 collided without an error (2**53 + 1 too)."""
+    path = tmp_path / "ids.tfrecord"
+    ids = [2**62 + 1, 2**24 + 1, 7]
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for i, value in enumerate(ids):
+            feature = {
+                "user": tf.train.Feature(int64_list=tf.train.Int64List(value=[value])),
+                "item": tf.train.Feature(int64_list=tf.train.Int64List(value=[value + 1])),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i % 2])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+    dataset = data.eval_dataset(ctx(evaluation=str(path)), label_dtype=tf.int64)
+    assert dataset.element_spec[0].dtype == tf.int64
+    got_x, _ = read_all(dataset)
+    assert got_x.tolist() == [[v + 1, v] for v in ids]  # by name: item, then user
 
 
 def test_a_directory_means_every_file_in_it(tmp_path: Path):
