@@ -204,15 +204,16 @@ def _check_leaf(name: str, expected: Any, given: Any, *, job: str, source: str) 
         return
     # An unnamed keras.Input is "keras_tensor_N": a name the user never wrote.
     unnamed = re.fullmatch(r"keras_tensor(_\d+)?", name) is not None
-    feature = "the features" if unnamed else repr(name)
+    have_it = "are" if unnamed else f"have {name!r}"  # "dataset_fn's features are ..."
+    have_as = "are" if unnamed else f"have {name!r} as"
+    feature = "them" if unnamed else repr(name)
     model_input = "the model's input" if unnamed else f"the model's input {name!r}"
     want, have = _kind(expected.dtype), _kind(dtype)
     if want in _FEEDS and have not in _FEEDS[want]:
         raise _fail(
             job,
             source,
-            f"have {feature} as {tf.as_dtype(dtype).name}, where {model_input} is "
-            f"{_what(expected)}",
+            f"{have_as} {tf.as_dtype(dtype).name}, where {model_input} is {_what(expected)}",
             f"yield {feature} as {tf.as_dtype(expected.dtype).name} (or declare the keras.Input "
             f"with dtype={tf.as_dtype(dtype).name!r})",
         )
@@ -232,7 +233,7 @@ def _check_leaf(name: str, expected: Any, given: Any, *, job: str, source: str) 
         raise _fail(
             job,
             source,
-            f"have {feature} of shape {tuple(shape.as_list())}, where {model_input} "
+            f"{have_it} of shape {tuple(shape.as_list())}, where {model_input} "
             f"is {_what(expected)}",
             "yield batches of the model's input shape (the first axis is the batch)",
         )

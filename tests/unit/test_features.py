@@ -106,6 +106,15 @@ def test_a_dtype_the_input_cannot_take_is_refused(named, key, given, expect):
     assert expect in text and f"yield {key!r} as" in text
 
 
+def test_an_unnamed_input_is_not_called_by_its_internal_name():
+    """keras.Input((1,), dtype="int64") unnamed is 'keras_tensor_N' inside Keras: the line
+    says 'the model's input', as the user wrote no name."""
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), keras.layers.Dense(1)])
+    text = refused(model, tf.TensorSpec([None, 2], tf.float32))
+    assert "dataset_fn's features are float32, where the model's input is int64" in text
+    assert "keras_tensor" not in text and "yield them as int64" in text, text
+
+
 def test_a_shape_that_does_not_fit_is_refused(named):
     _, built = named
     text = refused(built.model, {**GOOD, "tags": tf.TensorSpec([8, 3], tf.string)})
