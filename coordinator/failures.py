@@ -302,6 +302,7 @@ def describe(err: BaseException) -> str:
     else:
         for line in _ANSI.sub("", text).splitlines():
             line = re.sub(r"^\(\d+\)\s*", "", line.strip())
+            line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)  # TF's op prefix
             if line and not _BOILERPLATE.match(line):
                 message = line
                 break

@@ -46,6 +46,40 @@ class Unusable(Exception):
     """Why a checkpoint cannot be used, in one line."""
 
 
+class ModelMismatch(Unusable):
+    """The checkpoint is whole but was written by another model: a variable or table of
+    another shape, or variables the model lacks (another --job, or other settings)."""
+
+
+def is_model_mismatch(err: BaseException) -> bool:
+    """Whether a restore's error says the model's variables do not fit the checkpoint's
+    values (a fixed variable of another shape: ValueError; a dynamic table's rows of
+    another dimension: InvalidArgumentError from its import), not that files are bad."""
+    import tensorflow as tf
+
+    text = str(err)
+    if isinstance(err, ValueError):
+        return "incompatible tensor" in text or "shape" in text
+    return isinstance(err, tf.errors.InvalidArgumentError) and (
+        "LookupTableImport" in text or "Expected shape" in text
+    )
+
+
+class ModelDoesNotMatch(ConfigError):
+    """Every checkpoint present was written by another model: a configuration error (exit
+    78), and the files are good: they are not to be moved away."""
+
+    def __init__(self, directory: str, bad: list[tuple[Found, str]]) -> None:
+        newest, why = bad[0]
+        super().__init__(
+            "--job",
+            f"the job's model does not match the {len(bad)} checkpoint(s) in {directory} "
+            f"({newest.name}: {why[:_WHY_CHARS]})",
+            "give the --job and the settings (table sizes, dimensions) that wrote them, or "
+            "another --checkpoint-dir for this model",
+        )
+
+
 class NoUsableCheckpoint(ConfigError):
     """Checkpoint files are there, and none can be restored. Starting over from step 0 would
     hide the damage and overwrite the state file, and a new process would meet the same
@@ -94,10 +128,12 @@ def restore_newest(
     None when there is no checkpoint; ``NoUsableCheckpoint`` when none can be loaded."""
     found = checkpoints_in(directory)
     bad: list[tuple[Found, str]] = []
+    mismatched = 0
     for candidate in found:
         try:
             load(candidate.prefix)
         except Unusable as err:
+            mismatched += isinstance(err, ModelMismatch)
             log.error(
                 "checkpoint %s is unusable, skipped (%s in %s): %s",
                 candidate.name,
@@ -110,6 +146,8 @@ def restore_newest(
         if repair_state:
             rebuild_state(directory, [f for f in found if f.step <= candidate.step], candidate)
         return candidate
+    if bad and mismatched == len(bad):
+        raise ModelDoesNotMatch(directory, bad)
     if bad:
         raise NoUsableCheckpoint(directory, bad)
     return None
@@ -134,6 +172,8 @@ def load_checked(
     except (tf.errors.OpError, ValueError) as err:
         if classify(err) in (Failure.PS_LOST, Failure.WORKER_LOST):
             raise
+        if is_model_mismatch(err):
+            raise ModelMismatch(f"the model does not match it: {describe(err)}") from None
         raise Unusable(f"restoring it failed: {describe(err)}") from None
     if partial:
         status.expect_partial()
@@ -142,7 +182,7 @@ def load_checked(
     except AssertionError as err:
         status.expect_partial()  # else its unused values are listed when it is collected
         lines = str(err).strip().splitlines()
-        raise Unusable(
+        raise ModelMismatch(
             f"it lacks variables the model has (another --job?): {lines[0] if lines else ''}"
         ) from None
     for variable in variables:

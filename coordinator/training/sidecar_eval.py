@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoint_files import checkpoints_in
+from psctl.coordinator.training.checkpoint_files import checkpoints_in, is_model_mismatch
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import Job
@@ -81,18 +82,13 @@ class SidecarEvaluator:
             status = self.checkpoint.restore(path)
             status.assert_existing_objects_matched()
         except tf.errors.OpError as err:
+            if is_model_mismatch(err):  # a dynamic table's rows of another dimension
+                raise self._mismatch(path, err) from None
             # Rotated away by the trainer's --keep-checkpoints between the look and the read.
             log.warning("cannot read %s (%s); skipping it", path, type(err).__name__)
             return None
         except (AssertionError, ValueError) as err:
-            # The half-restored checkpoint lists every unused value when collected: noise here.
-            logging.getLogger("tensorflow").setLevel(logging.ERROR)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise ConfigError(
-                f"--job {self.settings.job}",
-                f"its model does not match checkpoint {path} ({first[:200]})",
-                "evaluate with the --job that wrote the checkpoints",
-            ) from None
+            raise self._mismatch(path, err) from None
         status.expect_partial()
         step = int(self.step.numpy())
         started = time.monotonic()
@@ -109,6 +105,16 @@ class SidecarEvaluator:
         )
         self._summarize(result)
         return result
+
+    def _mismatch(self, path: str, err: BaseException) -> ConfigError:
+        # The half-restored checkpoint lists every unused value when collected: noise here.
+        logging.getLogger("tensorflow").setLevel(logging.ERROR)
+        said = describe(err).removeprefix(f"{type(err).__name__}: ")
+        return ConfigError(
+            f"--job {self.settings.job}",
+            f"its model does not match checkpoint {path} ({said[:200]})",
+            "evaluate with the --job that wrote the checkpoints",
+        )
 
     def _summarize(self, result: Evaluation) -> None:
         if self.writer is not None:

@@ -19,6 +19,7 @@ from psctl.coordinator.failures import Decision, Failure, FailurePolicy, Scope, 
 from psctl.coordinator.failures import exit_status as decision_status
 from psctl.coordinator.training.checkpoint_files import (
     STATE_FILE,
+    ModelDoesNotMatch,
     NoUsableCheckpoint,
     check_output_dirs,
     checkpoints_in,
@@ -136,18 +137,47 @@ def test_non_finite_values_fall_back(tmp_path, caplog):
 def test_checkpoint_of_another_model_is_unusable(tmp_path):
     other = tf.train.Checkpoint(table=tf.Variable(tf.zeros([4, 3])))  # no global_step
     tf.train.CheckpointManager(other, str(tmp_path), max_to_keep=2).save(checkpoint_number=50)
-    with pytest.raises(NoUsableCheckpoint) as info:
+    with pytest.raises(ModelDoesNotMatch) as info:
         restore(tmp_path)
     assert "ckpt-50: it lacks variables the model has" in str(info.value)
 
 
-def test_checkpoint_of_another_shape_is_unusable(tmp_path):
+def test_checkpoint_of_another_shape_is_the_models_mismatch_not_damage(tmp_path):
+    """Good files of another model are not 'damaged': the line names the --job and its
+    settings, and does not tell the operator to move them away."""
     other = tf.train.Checkpoint(
         table=tf.Variable(tf.zeros([5, 3])), global_step=tf.Variable(7, dtype=tf.int64)
     )
     tf.train.CheckpointManager(other, str(tmp_path), max_to_keep=2).save(checkpoint_number=7)
-    with pytest.raises(NoUsableCheckpoint, match="ckpt-7: restoring it failed: ValueError"):
+    with pytest.raises(ModelDoesNotMatch) as info:
         restore(tmp_path)
+    text = str(info.value)
+    assert text.startswith("--job: the job's model does not match the 1 checkpoint(s) in")
+    assert "ckpt-7: the model does not match it: ValueError" in text and "move" not in text
+    assert info.value.exit_status == 78
+
+
+def test_a_dynamic_tables_rows_of_another_dimension_are_a_mismatch(tmp_path):
+    """A DynamicEmbedding's shards are hash tables: rows of another dimension fail in
+    their import (InvalidArgumentError 'Expected shape'), not as a ValueError."""
+
+    def table(dim: int) -> tf.Module:
+        module = tf.Module()
+        module.rows = tf.lookup.experimental.MutableHashTable(
+            tf.int64, tf.float32, default_value=tf.zeros([dim])
+        )
+        module.step = tf.Variable(3, dtype=tf.int64)
+        return module
+
+    saved = table(8)
+    saved.rows.insert(tf.constant([1, 2], tf.int64), tf.ones([2, 8]))
+    tf.train.Checkpoint(model=saved).write(str(tmp_path / "ckpt-3"))
+    wider = tf.train.Checkpoint(model=table(16))
+    with pytest.raises(ModelDoesNotMatch) as info:
+        restore_newest(str(tmp_path), lambda prefix: load_checked(wider, prefix, []))
+    text = str(info.value)
+    assert "the model does not match it: InvalidArgumentError: " in text, text
+    assert "{{function_node" not in text and "Expected shape" in text, text
 
 
 @pytest.mark.parametrize("damage", ["garbage", "missing", "empty"])
