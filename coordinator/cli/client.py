@@ -149,7 +149,8 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         "(tables re-split over the ps tasks). psctl local: --workers and/or --ps, the "
         "servers are started or stopped for you. psctl train: --cluster NEW.json, after the "
         "new hosts' servers are started (psctl deploy render); a cluster whose servers do "
-        "not answer within --connect-timeout is refused and the job goes on.",
+        "not answer within --connect-timeout (or --timeout, if shorter) is refused and the "
+        "job goes on.",
         acts=True,
     )
     scale.add_argument("--workers", type=whole_number, help="worker tasks (psctl local)")
@@ -159,7 +160,8 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         "--timeout",
         type=decimal,
         default=300.0,
-        help="seconds to wait for the new cluster's servers (default 300)",
+        help="seconds to wait for the answer, the new cluster's servers included "
+        "(default 300)",
     )
     probe = sub.add_parser(
         "health",

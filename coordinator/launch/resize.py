@@ -121,6 +121,18 @@ def _row(task_type: str, index: int, address: str, state: Any) -> control_pb2.Ta
     )
 
 
+UNDER_WAY = (
+    "another resize is under way (its new servers are awaited, or the training process "
+    "restarts on them): try again when it is done (psctl status shows the new cluster)"
+)
+
+
+def server_wait(limit: float, time_left: float | None) -> float:
+    """Seconds to wait for a new cluster's servers: ``limit``, or less where the caller gives
+    up sooner (``time_left``), with 2 s to spare for the refusal to reach it."""
+    return limit if time_left is None else max(1.0, min(limit, time_left - 2.0))
+
+
 class Resizer:
     """What a launcher's front calls for a Scale request (one at a time): ``prepare(request)``
     makes the new cluster ready and returns (old shape, new shape); then the supervisor asks
@@ -129,7 +141,7 @@ class Resizer:
     def __init__(
         self,
         supervisor: TrainingSupervisor,
-        prepare: Callable[[Any], tuple[str, str]],
+        prepare: Callable[[Any, float | None], tuple[str, str]],
         *,
         checkpoints: bool,
         cluster: Callable[[], ClusterConfig],
@@ -142,7 +154,9 @@ class Resizer:
         self.membership = membership
         self._lock = threading.Lock()
 
-    def __call__(self, request: Any) -> control_pb2.ScaleResponse:
+    def __call__(self, request: Any, time_left: float | None = None) -> control_pb2.ScaleResponse:
+        """``time_left``: seconds until the caller gives up (the Scale RPC's deadline): the
+        wait for new servers ends a little before, so that its refusal reaches the caller."""
         if not self.checkpoints:
             raise ConfigError(
                 "--checkpoint-dir",
@@ -150,13 +164,13 @@ class Resizer:
                 "run the job with --checkpoint-dir to resize it",
             )
         if not self._lock.acquire(blocking=False):
-            raise Refused("a resize is under way: try again when psctl status says RUNNING")
+            raise Refused(UNDER_WAY)
         try:
             if self.supervisor.resizing:
-                raise Refused("a resize is under way: try again when psctl status says RUNNING")
+                raise Refused(UNDER_WAY)
             before = self.cluster()
             try:
-                old, new = self.prepare(request)
+                old, new = self.prepare(request, time_left)
             except (ConfigError, Refused) as err:
                 log.warning("resize refused: %s", err)
                 raise
@@ -176,10 +190,12 @@ class Resizer:
             self._lock.release()
 
 
-def local_prepare(local: Any, *, timeout: float, epochs: bool) -> Callable[[Any], tuple[str, str]]:
+def local_prepare(
+    local: Any, *, timeout: float, epochs: bool
+) -> Callable[[Any, float | None], tuple[str, str]]:
     """psctl local's: start (or retire) servers for the requested counts."""
 
-    def prepare(request: Any) -> tuple[str, str]:
+    def prepare(request: Any, time_left: float | None = None) -> tuple[str, str]:
         local.drop_left()  # workers that left: a resize re-forms the cluster without them
         if request.cluster_json:
             raise ConfigError(
@@ -203,7 +219,7 @@ def local_prepare(local: Any, *, timeout: float, epochs: bool) -> Callable[[Any]
                 "--workers", f"the job already runs on {shape(old)}", "give another count"
             )
         started = time.monotonic()
-        local.resize(num_ps=num_ps, num_workers=workers, timeout=timeout)
+        local.resize(num_ps=num_ps, num_workers=workers, timeout=server_wait(timeout, time_left))
         log.info("new servers SERVING in %.1fs", time.monotonic() - started)
         return shape(old), shape(local.cluster)
 
@@ -221,7 +237,7 @@ class ClusterFile:
         self.cluster = load(Path(path).read_text(), source=path)
         self._dir: str | None = None
 
-    def prepare(self, request: Any) -> tuple[str, str]:
+    def prepare(self, request: Any, time_left: float | None = None) -> tuple[str, str]:
         text = request.cluster_json
         if not text:
             raise ConfigError(
@@ -241,7 +257,7 @@ class ClusterFile:
             raise ConfigError(
                 "--cluster", f"the job already runs on this cluster ({shape(old)})", "change it"
             )
-        wait_serving(new, json.loads(text), timeout=self.timeout)
+        wait_serving(new, json.loads(text), timeout=server_wait(self.timeout, time_left))
         self._write(json.loads(text))
         self.cluster = new
         return shape(old), shape(new)

@@ -83,7 +83,8 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
         # Set by a launcher that can resize its cluster (launch/resize.py): the request in,
         # the answer out; a ConfigError is the operator's to fix (INVALID_ARGUMENT), a
         # Refused one to retry later (FAILED_PRECONDITION).
-        self.on_scale: Callable[[Any], control_pb2.ScaleResponse] | None = None
+        # (request, seconds until the caller's deadline or None) -> the response.
+        self.on_scale: Callable[[Any, float | None], control_pb2.ScaleResponse] | None = None
         # The launcher's view of the cluster, added to every status it answers (a resize's
         # tasks joining and draining, the tasks that left; launch/resize.py Membership).
         self.membership: Callable[[control_pb2.Status], None] | None = None
@@ -218,7 +219,7 @@ class FrontServicer(control_pb2_grpc.ControlServicer):
                 "--cluster FILE in the parameter-server mode do, once training has started)",
             )
         try:
-            return self.on_scale(request)  # type: ignore[misc]
+            return self.on_scale(request, context.time_remaining())  # type: ignore[misc]
         except ConfigError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Refused as err:
@@ -304,11 +305,13 @@ class ControlFront:
         )
 
     @property
-    def on_scale(self) -> Callable[[Any], control_pb2.ScaleResponse] | None:
+    def on_scale(self) -> Callable[[Any, float | None], control_pb2.ScaleResponse] | None:
         return self.servicer.on_scale
 
     @on_scale.setter
-    def on_scale(self, callback: Callable[[Any], control_pb2.ScaleResponse] | None) -> None:
+    def on_scale(
+        self, callback: Callable[[Any, float | None], control_pb2.ScaleResponse] | None
+    ) -> None:
         self.servicer.on_scale = callback
 
     @property

@@ -88,3 +88,31 @@ def test_a_departure_is_listed_once_and_the_list_is_bounded():
     m.apply(status)
     left = [a for a, s in states(status) if s == "LEFT"]
     assert len(left) == LEFT_SHOWN and left[0] == f"gone:{2 * LEFT_SHOWN - 1}"  # newest first
+
+
+def test_a_scale_to_servers_that_never_answer_is_refused_before_the_callers_deadline(tmp_path):
+    """psctl scale --cluster NEW --timeout 4: the refusal (one line, exit 78) comes before
+    the client gives up, not after the coordinator's --connect-timeout (was: the client's
+    'did not answer in time', exit 69, and the coordinator waiting on for 120 s)."""
+    import json
+    import time
+
+    from psctl.cluster.errors import ConfigError
+    from psctl.cluster.ports import free_ports
+    from psctl.coordinator.launch.resize import ClusterFile, Resizer, server_wait
+
+    assert server_wait(120.0, None) == 120.0 and server_wait(120.0, 10.0) == 8.0
+    assert server_wait(5.0, 300.0) == 5.0 and server_wait(120.0, 0.5) == 1.0
+    chief, ps0, w0, w1 = (f"127.0.0.1:{p}" for p in free_ports(4))
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": {"chief": [chief], "ps": [ps0], "worker": [w0]}}))
+    files = ClusterFile(str(path), timeout=120.0)
+    supervisor = SimpleNamespace(resizing=False)
+    resizer = Resizer(supervisor, files.prepare, checkpoints=True, cluster=lambda: files.cluster)  # type: ignore[arg-type]
+    new = {"cluster": {"chief": [chief], "ps": [ps0], "worker": [w0, w1]}}
+    request = control_pb2.ScaleRequest(cluster_json=json.dumps(new))
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"not SERVING at .* after 2s; the job goes on"):
+        resizer(request, 4.0)
+    assert time.monotonic() - started < 4.0
+    assert files.cluster.num_workers == 1, "the job goes on on the old cluster"
