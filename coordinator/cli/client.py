@@ -160,8 +160,7 @@ def add_client_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         "--timeout",
         type=decimal,
         default=300.0,
-        help="seconds to wait for the answer, the new cluster's servers included "
-        "(default 300)",
+        help="seconds to wait for the answer, the new cluster's servers included (default 300)",
     )
     probe = sub.add_parser(
         "health",

@@ -199,8 +199,13 @@ def run_training_process(
         if metrics is not None:
             metrics.recovery()
 
+    def started_at(step: int) -> None:
+        counters.process_start_step, counters.process_started = step, time.time()
+        counters.leave_report()
+
     control.on_task_failure = task_failure
     control.on_recovery = task_recovery
+    control.on_start = started_at
     server = None
     if serve_control:
         server = start_control_server(
@@ -241,6 +246,12 @@ def complete(
     if report:
         failures = counters.failures_seen(control.failure_counts())
         summary.restarts = counters.restarts
+        # The job's, over every training process: where and when the first one started
+        # (this process's own would be only the last part of the run).
+        if counters.job_start_step >= 0:
+            summary.start_step = counters.job_start_step
+        if counters.job_started:
+            summary.wall_seconds = max(summary.wall_seconds, time.time() - counters.job_started)
         summary.ps_failures = failures["ps"]
         summary.worker_failures = failures["worker"]
         summary.coordinator_failures = counters.coordinator_failures

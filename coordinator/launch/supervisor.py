@@ -103,6 +103,13 @@ class Counters:
     # from the restarts: a resize is no restart).
     task_recoveries: int = 0
     process_recoveries: int = 0
+    # The job as a whole, for its summary (wall_seconds, start_step), whichever training
+    # process ends it: when and where the first training process's loop started (Unix
+    # seconds, 0, and -1: none reported yet, as for the first process itself).
+    job_started: float = 0.0
+    job_start_step: int = -1
+    process_started: float = 0.0
+    process_start_step: int = -1
     resizes: list[dict[str, object]] = field(default_factory=list)  # Summary.resizes
     # The job was stopped while a training process exited for a fresh start (a resize, a
     # ps recovery): the next one restores the latest checkpoint, trains no step, and ends
@@ -126,6 +133,8 @@ class Counters:
                 "failures": self.process_failures,
                 "task_failures": self.process_task_failures,
                 "recoveries": self.process_recoveries,
+                "start_step": self.process_start_step,
+                "started": self.process_started,
             }
             write_json_atomic(self.report_file, report)
 
@@ -166,6 +175,8 @@ class Counters:
             failures = {str(t): int(n) for t, n in report.get("failures", {}).items()}
             by_task = {str(a): int(n) for a, n in report.get("task_failures", {}).items()}
             recoveries = int(report.get("recoveries", 0))
+            start_step = int(report.get("start_step", -1))
+            started = float(report.get("started", 0.0))
         except FileNotFoundError:
             return  # it left nothing
         except (OSError, ValueError, TypeError, KeyError) as err:
@@ -178,6 +189,8 @@ class Counters:
         for address, n in by_task.items():
             self.seen_task_failures[address] = self.seen_task_failures.get(address, 0) + n
         self.task_recoveries += recoveries
+        if self.job_start_step < 0 and start_step >= 0:
+            self.job_start_step, self.job_started = start_step, started
 
 
 def new_report_file() -> str:

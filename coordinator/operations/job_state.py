@@ -151,6 +151,7 @@ class JobControl:
         self.clock = time.monotonic
         self._down_since: dict[tuple[str, int], float] = {}  # (type, index) -> since when
         self.on_recovery: Callable[[], None] | None = None
+        self.on_start: Callable[[int], None] | None = None  # the loop's start step, once
         self.recoveries = 0
 
     # -- the training loop's side --------------------------------------------------------

@@ -221,6 +221,8 @@ class TrainingLoop:
         # The status's target: the program's (0 where the data decides: --epochs).
         self.control.target_steps = self.runner.program.progress_total
         self.control.update(global_step=start_step)
+        if self.control.on_start is not None:
+            self.control.on_start(start_step)
         if self.metrics is not None:
             self.metrics.set_global_step(start_step)
             self.metrics.set_target_steps(self.runner.program.progress_total)

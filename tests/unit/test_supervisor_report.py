@@ -206,3 +206,20 @@ def test_task_recoveries_carry_over_so_the_counter_never_goes_back(tmp_path: Pat
         nonfinite_losses=0,
     )
     assert registry.get_sample_value("psctl_recoveries_total") == 3
+
+
+def test_the_summary_spans_the_job_from_its_first_training_process(tmp_path: Path):
+    """After a restart or a resize the summary's start_step and wall_seconds are the
+    job's (where and when the first process's loop started), not the last process's."""
+    supervisor = Counters(report_file=str(tmp_path / "report.json"))
+    for step, started in ((100, 1000.0), (900, 1400.0)):
+        child = Counters(**json.loads(json.dumps(dataclasses.asdict(supervisor))))
+        child.process_start_step, child.process_started = step, started
+        child.leave_report()
+        supervisor.take_report()
+    assert (supervisor.job_start_step, supervisor.job_started) == (100, 1000.0)
+    # A first process killed before its loop started reports none: the next one counts.
+    fresh = Counters(report_file=str(tmp_path / "other.json"))
+    Counters(report_file=fresh.report_file).leave_report()
+    fresh.take_report()
+    assert (fresh.job_start_step, fresh.job_started) == (-1, 0.0)
