@@ -330,7 +330,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         try:
             last = call(target, "GetStatus", control_pb2.GetStatusRequest(), timeout=2.0)
         except ControlError:
-            print("coordinator stopped" + (f" at step {last.global_step}" if last else ""))
+            print(f"coordinator stopped{stopped_at(last)}", flush=True)
             return 0
         time.sleep(0.5)
     raise ControlError(
@@ -338,6 +338,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
         f"(state {state_name(last.state) if last else '?'})",
         EXIT_FAILURE,
     )
+
+
+def stopped_at(last: control_pb2.Status | None) -> str:
+    """The final step where the last status seen was the job's end (DONE); else the last
+    step seen, as such: the steps in flight at the stop finish after it."""
+    if last is None:
+        return ""
+    if state_name(last.state) == "DONE":
+        return f" at step {last.global_step}"
+    seen = f"{state_name(last.state)} at step {last.global_step}"
+    return f" (last seen {seen}; the summary has the final step)"
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

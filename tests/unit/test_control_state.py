@@ -371,3 +371,18 @@ def test_an_operators_stop_wins_over_a_resize(stop):
     assert alone.stop_requested.is_set() and alone.resize_requested.is_set()
     # A resize is no operator's stop: a recovery waiting for a lost ps goes on waiting.
     assert not alone.operator_stop
+
+
+def test_psctl_stop_says_the_final_step_only_when_it_saw_the_end():
+    """The steps in flight at a stop finish after it: a status seen before DONE is not the
+    final step (was printed as 'coordinator stopped at step 11794' for a job ending 12190)."""
+    from psctl.control.v1 import control_pb2
+    from psctl.coordinator.operations.client import stopped_at
+
+    done = control_pb2.Status(state=control_pb2.JOB_STATE_DONE, global_step=12190)
+    stopping = control_pb2.Status(state=control_pb2.JOB_STATE_STOPPING, global_step=11794)
+    assert stopped_at(done) == " at step 12190"
+    assert stopped_at(stopping) == (
+        " (last seen STOPPING at step 11794; the summary has the final step)"
+    )
+    assert stopped_at(None) == ""
