@@ -307,7 +307,14 @@ class JobControl:
             return
         check_transition(current, state)
         for request in self.take_checkpoint_requests():
-            request.future.set_exception(Rejected(f"the job ended ({state.name})"))
+            request.future.set_exception(
+                Rejected(
+                    f"the job ended ({state.name}) before taking this checkpoint: its final "
+                    "checkpoint, the newest in --checkpoint-dir, holds every step"
+                    if state is State.DONE
+                    else f"the job ended ({state.name}) before taking this checkpoint"
+                )
+            )
         try:
             self.set_state(state, message)
         except InvalidTransition:
