@@ -502,6 +502,7 @@ def start_metrics(
         num_ps=cluster.num_ps,
         batch_size=settings.batch_size,
         examples_per_step=examples_per_step,
+        sync=settings.strategy == "sync",
     )
     earlier = counters.failures_seen({})
     metrics.carry_over(

@@ -196,10 +196,11 @@ class CoordinatorMetrics:
         num_ps: int,
         batch_size: int,
         examples_per_step: int = 0,
+        sync: bool = False,
     ) -> None:
         """``batch_size`` is per worker; ``examples_per_step`` (default ``batch_size``: a
         parameter-server step is one worker's batch) counts examples, a sync step being
-        every worker's batch."""
+        every worker's batch. ``sync``: --strategy sync (its all-reduce histogram)."""
         self.registry = registry
         self.job = job
         self.batch_size = examples_per_step or batch_size
@@ -298,13 +299,17 @@ class CoordinatorMetrics:
             "1 while the stall watchdog sees no step finish for --stall-timeout, else 0.",
             registry=r,
         )
-        self._allreduce_seconds = Histogram(
-            "psctl_allreduce_seconds",
-            "Sync mode (--strategy sync) only: seconds the all-reduce that starts each call "
-            "took on the chief; it waits for the slowest worker, so it is the workers' skew "
-            "plus one all-reduce's latency. Observed once per call.",
-            buckets=STEP_BUCKETS,
-            registry=r,
+        self._allreduce_seconds = (
+            Histogram(
+                "psctl_allreduce_seconds",
+                "Sync mode (--strategy sync) only: seconds the all-reduce that starts each "
+                "call took on the chief; it waits for the slowest worker, so it is the "
+                "workers' skew plus one all-reduce's latency. Observed once per call.",
+                buckets=STEP_BUCKETS,
+                registry=r,
+            )
+            if sync
+            else None
         )
         self._stalls = Counter(
             "psctl_stalls",
@@ -434,7 +439,8 @@ class CoordinatorMetrics:
 
     def observe_allreduce(self, seconds: float) -> None:
         """Sync mode: one call's opening all-reduce took ``seconds`` (sync.py)."""
-        self._allreduce_seconds.observe(seconds)
+        if self._allreduce_seconds is not None:
+            self._allreduce_seconds.observe(seconds)
 
     def set_global_step(self, step: int) -> None:
         self._note_step(step)
