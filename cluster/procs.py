@@ -60,6 +60,39 @@ def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[],
     return arm
 
 
+class TrainingProcess(subprocess.Popen[bytes]):
+    """A training process, its stderr passed on by ``forward_stderr`` (TensorFlow's C++
+    reports of a lost task left out unless ``verbose``); ``wait`` returns once all of it
+    is out, so the supervisor's next line comes after the child's last. ``popen``: more of
+    Popen's arguments (``spawn``'s session and parent-death signal)."""
+
+    def __init__(self, argv: Sequence[str], *, verbose: bool, **popen: Any) -> None:
+        from psctl.cluster.logs import forward_stderr
+
+        super().__init__(argv, stderr=subprocess.PIPE, **popen)
+        assert self.stderr is not None
+        self._forwarder = forward_stderr(self.stderr, verbose=verbose)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        self._forwarder.join(timeout=5.0)
+        return code
+
+
+def spawn_training(
+    argv: Sequence[str], *, verbose: bool, death_signal: int = signal.SIGKILL
+) -> TrainingProcess:
+    """``spawn`` for a training process: its own session, ``death_signal`` when the
+    launcher dies, and its stderr filtered as ``TrainingProcess`` does."""
+    return TrainingProcess(
+        argv,
+        verbose=verbose,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent(death_signal),
+    )
+
+
 def spawn(
     argv: Sequence[str],
     *,

@@ -28,7 +28,7 @@ from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.files import write_json_atomic
 from psctl.cluster.health import HealthChecker
-from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.procs import spawn, spawn_training, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare, shape_of
@@ -652,8 +652,8 @@ def local_ps_main(
                 local.drop_left()  # workers that left while the last process ran
                 local.retire()  # a resize's leaving servers: the last process is gone
                 counters_json = json.dumps(dataclasses.asdict(counters))
-                return spawn(
-                    [*argv, "--supervisor-counters", counters_json], death_signal=signal.SIGKILL
+                return spawn_training(
+                    [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
                 )
 
             supervisor = TrainingSupervisor(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.logs import forward_stderr
+from psctl.cluster.procs import TrainingProcess
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
@@ -350,22 +350,6 @@ def failed_tasks(err: BaseException, control: JobControl) -> str:
     addresses = {f"{t.type}:{t.index}": t.address for t in control.tasks}
     shown = [f"{t} ({addresses[t]})" if addresses.get(t) else t for t in tasks]
     return ", ".join(shown) or "a task TensorFlow did not name"
-
-
-class TrainingProcess(subprocess.Popen[bytes]):
-    """The training process, its stderr passed on by ``forward_stderr`` (TensorFlow's C++
-    reports of a lost task left out unless ``verbose``); ``wait`` returns once all of it
-    is out, so the supervisor's next line comes after the child's last."""
-
-    def __init__(self, argv: list[str], *, verbose: bool) -> None:
-        super().__init__(argv, stderr=subprocess.PIPE)
-        assert self.stderr is not None
-        self._forwarder = forward_stderr(self.stderr, verbose=verbose)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = super().wait(timeout)
-        self._forwarder.join(timeout=5.0)
-        return code
 
 
 NO_CHECKPOINTS = (

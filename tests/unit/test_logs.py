@@ -182,7 +182,7 @@ KEPT = [
 def test_training_process_stderr_less_tensorflows_reports_of_a_lost_task(
     capfd: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    from psctl.coordinator.launch.process import TrainingProcess
+    from psctl.cluster.procs import TrainingProcess
 
     code = f"import sys; sys.stderr.write({CHILD_STDERR!r}); sys.exit(3)"
     child = TrainingProcess([sys.executable, "-c", code], verbose=verbose)
