@@ -75,6 +75,14 @@ def metric_factories(
     return factories
 
 
+def consistent_result(metric: Any) -> Any:
+    """``metric.result()`` from one read of each of its variables. ``result()`` reads some
+    twice while the workers add to them: AUC reads its true positives for a ratio's
+    denominator, then again for its numerator, so a call's counts landing in between gave
+    a recall above 1, and a training AUC of 1.05-1.07 early in a run."""
+    return metric.stateless_result([variable.numpy() for variable in metric.variables])
+
+
 def _clone(metric: Any) -> Any:
     return type(metric).from_config(metric.get_config())
 

@@ -21,7 +21,7 @@ from psctl.coordinator.training.dynamic_updates import (
     table_stats,
 )
 from psctl.coordinator.training.features import build_model, check_features, leaf_shape
-from psctl.coordinator.training.metric_objects import metric_factories
+from psctl.coordinator.training.metric_objects import consistent_result, metric_factories
 from psctl.coordinator.training.sparse import SparseRule, SparseUpdater
 from psctl.coordinator.training.tables import building
 
@@ -165,7 +165,7 @@ class TrainState(JobModel):
                 values[name] = total / count if count else float("nan")
         self._last_sums = sums
         for metric in self.other_metrics:
-            values[metric.name] = scalar(metric.result())
+            values[metric.name] = scalar(consistent_result(metric))
         return values
 
 

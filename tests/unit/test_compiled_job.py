@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -219,3 +220,47 @@ def test_a_metric_keras_does_not_know_is_one_line_naming_the_job(spec, said):
     with pytest.raises(ConfigError) as err:
         metric_factories(["auc", spec], label_shape=[None], pred_shape=[None, 1], job="j.py")
     assert str(err.value).startswith(f"--job j.py: {said}"), err.value
+
+
+def test_a_training_auc_is_read_from_one_snapshot_of_its_counts():
+    """The workers add a call's counts to the AUC's variables while the coordinator reads
+    them: result() read the true positives for a denominator and again for the numerator,
+    and a call landing between gave a training AUC of 1.05-1.07. consistent_result reads
+    each variable once, so every ratio is of counts read together."""
+    from psctl.coordinator.training.metric_objects import consistent_result
+
+    auc = keras.metrics.AUC(name="auc")
+    y = np.array([0, 1, 1, 0, 1, 0, 0, 1], np.float32)
+    p = np.array([0.1, 0.9, 0.8, 0.3, 0.4, 0.6, 0.2, 0.7], np.float32)
+    auc.update_state(y, p)
+    before = [v.numpy() for v in auc.variables]
+    later = keras.metrics.AUC(name="later")
+    later.update_state(np.concatenate([y, y]), np.concatenate([p, p]))  # one more call
+    after = [v.numpy() for v in later.variables]
+    reads = []
+
+    class Counted:
+        def __init__(self, variable, value):
+            self.variable, self.value = variable, value
+
+        def numpy(self):
+            reads.append(self.variable.path)
+            return self.value
+
+    # The counts a reader meets with one call's push between its reads.
+    racing = SimpleNamespace(
+        name="auc",
+        variables=[
+            Counted(v, a if "positives" in v.path else b)
+            for v, a, b in zip(auc.variables, after, before, strict=True)
+        ],
+        stateless_result=auc.stateless_result,
+    )
+
+    value = float(consistent_result(racing))
+    assert sorted(reads) == sorted(v.path for v in auc.variables), "each read once"
+    assert 0.0 <= value <= 1.0, value
+    # What the double read computed: a numerator one call newer than its denominator.
+    tp_new, tp_old = after[0], before[0]
+    fn_old = before[[v.path for v in auc.variables].index(auc.false_negatives.path)]
+    assert (tp_new / np.maximum(tp_old + fn_old, 1)).max() > 1.0
