@@ -304,6 +304,30 @@ def object_member(
     return member
 
 
+# What psctl reads at the top of a cluster file or TF_CONFIG; TF_CONFIG's "environment" and
+# "rpc_layer" too (TensorFlow's). Other keys (a platform's own) are left alone.
+TOP_KEYS = ("cluster", "task", "health", "data_service", "environment", "rpc_layer")
+
+
+def check_misspelt_keys(
+    section: Mapping[str, object], known: Sequence[str], source: str, prefix: str
+) -> None:
+    """A key close to one psctl reads is a misspelling that would be ignored in silence
+    ("tsak", "helth", "indx"): one line naming it."""
+    import difflib
+
+    for key in section:
+        if key in known or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        if close:
+            raise config_error(
+                field_name(source, f"{prefix}{key}"),
+                f"is not a key psctl reads (did you mean {close[0]!r}?)",
+                f"rename it {close[0]!r}, or remove it",
+            )
+
+
 def wrapped_cluster(
     top: Mapping[str, object], source: str, required: tuple[str, ...] = REQUIRED
 ) -> ClusterConfig:
@@ -405,6 +429,10 @@ def parse_cluster(
     """Validate decoded JSON: ``{"cluster": {...}, ...}`` or a bare ``{"ps": [...], ...}``."""
     top = top_object(obj, source)
     if "cluster" in top:
+        check_misspelt_keys(top, TOP_KEYS, source, "")
+        task = top.get("task")
+        if isinstance(task, Mapping):
+            check_misspelt_keys(task, ("type", "index"), source, "task.")
         return wrapped_cluster(top, source, required)
     if any(key in TASK_TYPES or key == "master" for key in top):
         return _validate_jobs(top, source, "", required)

@@ -32,7 +32,8 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 @pytest.mark.timeout(60)
 def test_check_config_file_prints_table(tmp_path: Path):
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps(CLUSTER))
+    # Keys of TensorFlow's and of a platform's own are no misspelling of psctl's.
+    path.write_text(json.dumps({**CLUSTER, "environment": "cloud", "job": {"name": "x"}}))
     proc = run("check-config", str(path))
     assert proc.returncode == 0, proc.stderr
     for address in ("10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222", "10.0.0.4:2222"):
@@ -66,6 +67,12 @@ def test_check_config_from_tf_config():
         # A misspelt type was dropped, and its servers' health ports taken as TF + 1000.
         (json.dumps({**CLUSTER, "health": {"wrker": ["h:9"]}}), "health.wrker: is not a task"),
         (json.dumps({**CLUSTER, "health": {"ps": ["h:8", "h:9"]}}), "health.ps[1]: names a task"),
+        # Misspelt keys were ignored in silence; a platform's own keys still are.
+        (json.dumps({**CLUSTER, "helth": {}}), "helth: is not a key psctl reads (did you mean"),
+        (
+            json.dumps({**CLUSTER, "task": {"type": "ps", "index": 0, "indx": 5}}),
+            "task.indx: is not a key psctl reads (did you mean 'index'?)",
+        ),
         (json.dumps({**CLUSTER, "data_service": 5}), "data_service: has no dispatcher"),
         (json.dumps({**CLUSTER, "data_service": {"dispatcher": "h"}}), "data_service.dispatcher"),
     ],
