@@ -115,15 +115,16 @@ class NetnsJob:
             )
         # One long-lived status feed inside the coordinator's host (a psctl per poll would
         # cost a CPU's worth of interpreter starts).
-        self.feed = subprocess.Popen(
-            self.lab.exec("coord", [sys.executable, "-m", "tests.chaos.status_feed", CONTROL]),
-            env=child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        with (self.tmp / "feed.log").open("wb") as feed_log:  # what a failed feed said
+            self.feed = subprocess.Popen(
+                self.lab.exec("coord", [sys.executable, "-m", "tests.chaos.status_feed", CONTROL]),
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=feed_log,
+                text=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )
         assert self.feed.stdout is not None
         self.sampler = Sampler(json.loads(line) for line in self.feed.stdout)
 
@@ -149,7 +150,12 @@ class NetnsJob:
             if step is not None and step >= at_least:
                 return step
             time.sleep(0.2)
-        raise AssertionError(f"step {at_least} not reached in {timeout}s:\n{self.log()[-3000:]}")
+        feed = "running" if self.feed and self.feed.poll() is None else "exited"
+        said = (self.tmp / "feed.log").read_text(errors="replace")[-1500:]
+        raise AssertionError(
+            f"step {at_least} not reached in {timeout}s (status feed {feed}, "
+            f"{len(self.sampler.samples)} samples; its stderr: {said!r}):\n{self.log()[-3000:]}"
+        )
 
     def train_steadily(self, at_step: int, *extra: str) -> tuple[int, float, float]:
         """Start a long job (the test stops it), wait for ``at_step`` and a steady rate:
