@@ -445,11 +445,15 @@ def _is_end_of_data(err: BaseException) -> bool:
 
 def _data_ended(trainer: TrainerBase) -> ConfigError:
     """A worker's dataset ran out before --steps (a dataset_fn without repeat(), or files
-    emptier than thought): the steps trained so far in a checkpoint (the chief's, where
-    there is a directory), and one line, exit 78: a restart would only run out again."""
+    emptier than thought): the steps trained so far in a checkpoint (the parameter-server
+    mode's, where there is a directory), and one line, exit 78: a restart would only run
+    out again."""
     step = trainer.state.step()
-    kept = "no checkpoint directory: the steps trained are not kept"
-    if trainer.is_chief:
+    kept = "no --checkpoint-dir: the steps trained are not kept"
+    if trainer.settings.strategy == "sync":
+        # No save here: the other workers may be gone from the group's collectives.
+        kept = "sync mode: the steps since the last checkpoint are not kept"
+    elif trainer.is_chief:
         try:
             path = trainer.checkpointer.save()
         except Exception as err:  # the data's error is the one to report
