@@ -134,6 +134,12 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
     ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
+    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
+    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    # /metrics first (STARTING, the counts carried from the earlier processes): a process
+    # that restarts waits for its servers, and one stopped meanwhile would otherwise leave
+    # Prometheus without its restart (seen in bench/soak.py --netns).
+    metrics = start_metrics(metrics_port, settings, cluster, counters)
     try:
         wait_for_tf_ports(cluster, timeout=settings.connect_timeout, tick=early.die)
     except Unreachable as err:
@@ -143,7 +149,6 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
         return status
 
-    metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     health = explicit_health_addresses(args.cluster)
     tasks = load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port, health=health)
     check_server_types(tasks, source=source)
@@ -153,8 +158,6 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     with tensorflow_import_quietly():
         import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
-    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
-    metrics = start_metrics(metrics_port, settings, cluster, counters)
 
     def run(control: JobControl, failures: FailurePolicy) -> int:
         summary = _train(

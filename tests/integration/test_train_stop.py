@@ -49,6 +49,7 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
         wrong = subprocess.run(
             psctl_argv(
                 "train", "--cluster", str(swapped), "--control-address", "127.0.0.1:0",
+                "--metrics-port", "0",
                 "--checkpoint-dir", str(workdir / "unused"), "--connect-timeout", "90",
             ),
             capture_output=True, text=True, timeout=150, env=child_env(),

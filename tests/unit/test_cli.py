@@ -119,7 +119,7 @@ def test_train_takes_its_connect_timeout_from_the_environment_and_warns_without_
     started = time.monotonic()
     proc = run(
         "train", "--cluster", str(path), "--control-address", "127.0.0.1:0",
-        env=child_env(PSCTL_CONNECT_TIMEOUT="1"),
+        "--metrics-port", "0", env=child_env(PSCTL_CONNECT_TIMEOUT="1"),
     )  # fmt: skip
     assert proc.returncode == 69, proc.stderr
     assert time.monotonic() - started < 20
