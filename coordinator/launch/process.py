@@ -582,6 +582,7 @@ def load_tasks(
                 "give the tasks.json psctl local wrote",
             ) from None
         return [replace(t, pid=os.getpid()) if t.type == "chief" else t for t in tasks]
+    explicit = health or {}
     tasks = []
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
@@ -590,8 +591,8 @@ def load_tasks(
         if task_type in ("ps", "worker"):
             health_port = address.port + ports.HEALTH_PORT_OFFSET
             metrics_port = address.port + ports.METRICS_PORT_OFFSET
-            if (task_type, index) in (health or {}):
-                health_address = str((health or {})[(task_type, index)])
+            if (task_type, index) in explicit:
+                health_address = str(explicit[(task_type, index)])
             elif health_port < 65536:
                 health_address = str(address.with_port(health_port))
             if metrics_port < 65536:

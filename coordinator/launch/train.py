@@ -106,7 +106,7 @@ def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
     tasks = [t for t in tasks if t.type in TASK_TYPES and t.health_address]
     served = served_task_types([t.health_address for t in tasks])
     wrong = [(t, served[t.health_address]) for t in tasks]
-    wrong = [(t, other) for t, other in wrong if other is not None and other != t.type]
+    wrong = [(t, other) for t, other in wrong if other not in (None, t.type)]
     if wrong:
         task, other = wrong[0]
         more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
