@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
+from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
 
 # With no explicit port, a server's side ports sit at fixed offsets from its TF port, so that
@@ -25,6 +28,83 @@ def side_port(tf_port: int, offset: int, *, field: str) -> int:
             f"set {field} explicitly",
         )
     return port
+
+
+class HealthAddresses:
+    """Where each server's grpc.health.v1 service listens: at the address a cluster file's
+    optional "health" section names (shaped like "cluster"; psctl local writes one), else at
+    its TF port + ``offset``. The one place psctl health, status, scale and deploy look it up.
+    """
+
+    SHAPE = 'give "health": {"ps": ["host:port", ...], "worker": [...]} or leave it out'
+
+    def __init__(
+        self,
+        explicit: Mapping[tuple[str, int], Address] | None = None,
+        *,
+        offset: int = HEALTH_PORT_OFFSET,
+        source: str = "",
+    ) -> None:
+        self.explicit = dict(explicit or {})
+        self.offset = offset
+        self.source = source
+
+    @classmethod
+    def of_file(
+        cls, cluster_file: str | None, *, offset: int = HEALTH_PORT_OFFSET
+    ) -> HealthAddresses:
+        if not cluster_file:
+            return cls(offset=offset)
+        with open(cluster_file) as f:
+            return cls.of_json(json.load(f), source=cluster_file, offset=offset)
+
+    @classmethod
+    def of_json(cls, top: Any, *, source: str, offset: int = HEALTH_PORT_OFFSET) -> HealthAddresses:
+        """From a decoded cluster file (``source`` names it in errors)."""
+        section = top.get("health", {}) if isinstance(top, dict) else {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: health", "is not an object", cls.SHAPE)
+        found: dict[tuple[str, int], Address] = {}
+        for task_type, addresses in section.items():
+            if task_type not in ("ps", "worker"):
+                raise ConfigError(
+                    f"{source}: health.{task_type}",
+                    "is not a task type with a health service",
+                    'give "ps" or "worker" (the servers; the others have none)',
+                )
+            if not isinstance(addresses, list):
+                raise ConfigError(f"{source}: health.{task_type}", "is not a list", cls.SHAPE)
+            for index, address in enumerate(addresses):
+                field = f"{source}: health.{task_type}[{index}]"
+                if not isinstance(address, str):
+                    raise ConfigError(field, "is not a string", 'give "host:port"')
+                found[(task_type, index)] = Address.parse(address, field=field)
+        return cls(found, offset=offset, source=source)
+
+    def get(self, task_type: str, index: int, address: Address) -> Address | None:
+        """The task's health address; None where the file names none and TF port + offset is
+        not a port."""
+        if (task_type, index) in self.explicit:
+            return self.explicit[(task_type, index)]
+        port = address.port + self.offset
+        return address.with_port(port) if 0 < port < 65536 else None
+
+    def require(self, task_type: str, index: int, address: Address, *, field: str) -> Address:
+        """As ``get``, a ConfigError naming ``field`` where there is none."""
+        if (task_type, index) in self.explicit:
+            return self.explicit[(task_type, index)]
+        return address.with_port(side_port(address.port, self.offset, field=field))
+
+    def check_tasks(self, counts: Mapping[str, int]) -> None:
+        """Every named task is one the cluster has (``counts``: tasks by type)."""
+        for (task_type, index), _ in sorted(self.explicit.items()):
+            count = counts.get(task_type, 0)
+            if index >= count:
+                raise ConfigError(
+                    f"{self.source}: health.{task_type}[{index}]",
+                    f"names a task the cluster does not have (it has {count} {task_type})",
+                    f'give one health address per {task_type} task, in the order of "cluster"',
+                )
 
 
 def check_port_free(port: int, *, host: str = "", field: str) -> None:

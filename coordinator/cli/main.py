@@ -270,21 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from psctl.cluster.dataservice import dispatcher_address
+    from psctl.cluster.ports import HealthAddresses
     from psctl.cluster.spec import format_table
     from psctl.cluster.tf_config import check_config
-    from psctl.coordinator.operations.client import explicit_health_addresses
 
     cluster, source, task = check_config(cluster_file=args.file, environ=os.environ)
     # The file's optional sections too: the tf.data service and the health addresses.
     dispatcher = dispatcher_address(flag=None, cluster_file=args.file, environ={})
-    for (task_type, index), _ in explicit_health_addresses(args.file).items():
-        count = cluster.num_ps if task_type == "ps" else cluster.num_workers
-        if index >= count:
-            raise ConfigError(
-                f"{args.file}: health.{task_type}[{index}]",
-                f"names a task the cluster does not have (it has {count} {task_type})",
-                f'give one health address per {task_type} task, in the order of "cluster"',
-            )
+    health = HealthAddresses.of_file(args.file)
+    health.check_tasks({"ps": cluster.num_ps, "worker": cluster.num_workers})
     print(format_table(cluster, source=source))
     if task is not None:
         print(f"task: {task.task_type} {task.task_index} ({task.address})")

@@ -7,7 +7,7 @@ import os
 import socket
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE
-from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.cluster.ports import HEALTH_PORT_OFFSET, HealthAddresses
 from psctl.coordinator.deploy.plan import plan_hosts
 
 
@@ -28,10 +28,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     """`psctl health`'s table of every health service, then every server's TF port tried
     from here (the coordinator host needs them all)."""
     from psctl.cluster.tf_config import resolve_cluster
-    from psctl.coordinator.operations.client import cmd_health, explicit_health_addresses
+    from psctl.coordinator.operations.client import cmd_health
 
     cluster, _ = resolve_cluster(cluster_file=args.cluster, environ=os.environ)
-    plans = plan_hosts(cluster, explicit_health_addresses(args.cluster))
+    plans = plan_hosts(cluster, HealthAddresses.of_file(args.cluster))
     health = cmd_health(
         argparse.Namespace(
             cluster=args.cluster, health_port_offset=HEALTH_PORT_OFFSET, timeout=args.timeout

@@ -3,12 +3,11 @@ the names and paths every rendered file shares."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from psctl.cluster.address import Address, canonical_host
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, side_port
+from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, HealthAddresses, side_port
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.settings import (
     DEFAULT_CONTROL_ADDRESS,
@@ -87,16 +86,14 @@ class HostPlan:
         return ", ".join(names)
 
 
-def plan_hosts(
-    cluster: ClusterConfig, health_addresses: Mapping[tuple[str, int], Address] | None = None
-) -> list[HostPlan]:
+def plan_hosts(cluster: ClusterConfig, health: HealthAddresses | None = None) -> list[HostPlan]:
     """Group the cluster's tasks by host, with every port each server will use.
 
-    Health ports are TF port + 1000 unless ``health_addresses`` (the cluster file's optional
+    Health ports are TF port + 1000 unless ``health`` (from the cluster file's optional
     "health" section) names one; metrics ports are TF port + 2000. Two tasks on one host
     that would share a port are a ConfigError.
     """
-    explicit = health_addresses or {}
+    health = health or HealthAddresses()
     # By host as spelt first; two spellings of one host (Host1 and host1, ::1 and ::0001)
     # are one host, and one directory.
     hosts: dict[str, list[ServerTask]] = {}
@@ -109,10 +106,7 @@ def plan_hosts(
         if task_type not in SERVER_ROLES:
             continue
         field = f"cluster.{task_type}[{index}]"
-        if (task_type, index) in explicit:
-            health_port = explicit[(task_type, index)].port
-        else:
-            health_port = side_port(address.port, HEALTH_PORT_OFFSET, field=f"{field} health port")
+        health_port = health.require(task_type, index, address, field=f"{field} health port").port
         metrics_port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
         task = ServerTask(task_type, index, address, health_port, metrics_port)
         names.setdefault(canonical_host(address.host), address.host)

@@ -17,6 +17,7 @@ from typing import Any
 
 from psctl.cluster.address import canonical_host
 from psctl.cluster.errors import ConfigError, echo
+from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file, require_chief
 from psctl.coordinator.deploy.plan import (
     COORDINATOR_UNIT,
@@ -82,13 +83,11 @@ def render(
     force: bool = False,
 ) -> list[HostPlan]:
     """Write OUT/README.md and OUT/<host>/ for every host of the cluster; returns the plan."""
-    from psctl.coordinator.operations.client import explicit_health_addresses
-
     bin_dir = _absolute_dir(bin_dir, "--bin-dir")
     config_dir = _absolute_dir(config_dir, "--config-dir")
     cluster = load_cluster_file(cluster_file)
     require_chief(cluster, source=cluster_file)
-    plans = plan_hosts(cluster, explicit_health_addresses(cluster_file))
+    plans = plan_hosts(cluster, HealthAddresses.of_file(cluster_file))
     _check_out(out, force=force)
     text = Path(cluster_file).read_text(encoding="utf-8")
     chief_host = next(p.host for p in plans if p.chief_port is not None)

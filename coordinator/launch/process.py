@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import FrameType
@@ -566,7 +566,7 @@ def load_tasks(
     cluster: ClusterConfig,
     *,
     chief_metrics_port: int = 0,
-    health: Mapping[tuple[str, int], Address] | None = None,
+    health: ports.HealthAddresses | None = None,
 ) -> list[TaskInfo]:
     """The tasks GetStatus reports: from psctl local's tasks file (with pids), or else from
     the cluster with the cluster file's health addresses (``health``) or the default side
@@ -582,19 +582,16 @@ def load_tasks(
                 "give the tasks.json psctl local wrote",
             ) from None
         return [replace(t, pid=os.getpid()) if t.type == "chief" else t for t in tasks]
-    explicit = health or {}
+    health = health or ports.HealthAddresses()
     tasks = []
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
         if task_type == "chief" and chief_metrics_port:
             metrics_url = f"{_metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
         if task_type in ("ps", "worker"):
-            health_port = address.port + ports.HEALTH_PORT_OFFSET
+            found = health.get(task_type, index, address)
+            health_address = str(found) if found else ""
             metrics_port = address.port + ports.METRICS_PORT_OFFSET
-            if (task_type, index) in explicit:
-                health_address = str(explicit[(task_type, index)])
-            elif health_port < 65536:
-                health_address = str(address.with_port(health_port))
             if metrics_port < 65536:
                 metrics_url = f"http://{address.with_port(metrics_port)}/metrics"
         pid = os.getpid() if task_type == "chief" else 0

@@ -27,11 +27,10 @@ from typing import Any
 from psctl.cluster import health
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.files import write_json_atomic
-from psctl.cluster.ports import HEALTH_PORT_OFFSET
+from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.spec import ClusterConfig, parse_cluster_json
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.launch.supervisor import TrainingSupervisor
-from psctl.coordinator.operations.client import health_addresses_of
 from psctl.coordinator.operations.front import Refused
 
 log = logging.getLogger(__name__)
@@ -308,13 +307,13 @@ def wait_serving(cluster: ClusterConfig, body: Any, *, timeout: float) -> None:
     """Every ps and worker of ``cluster`` SERVING within ``timeout`` (the file's "health"
     addresses, else TF port + HEALTH_PORT_OFFSET, as ``psctl health`` reads them), else a
     ConfigError naming the first that is not."""
-    explicit = health_addresses_of(body, source="the new cluster")
+    addresses = HealthAddresses.of_json(body, source="the new cluster")
     targets = [
         (
             f"{task_type}:{index}",
             str(
-                explicit.get(
-                    (task_type, index), address.with_port(address.port + HEALTH_PORT_OFFSET)
+                addresses.require(
+                    task_type, index, address, field=f"{task_type}:{index} health port"
                 )
             ),
         )

@@ -35,7 +35,6 @@ from psctl.coordinator.launch.process import (
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters
-from psctl.coordinator.operations.client import explicit_health_addresses
 from psctl.coordinator.operations.job_state import JobControl, TaskInfo
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
@@ -149,7 +148,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
         return status
 
-    health = explicit_health_addresses(args.cluster)
+    health = ports.HealthAddresses.of_file(args.cluster)
     tasks = load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port, health=health)
     check_server_types(tasks, source=source)
 

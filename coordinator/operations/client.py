@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 import grpc
 
-from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
+from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.tf_config import resolve_cluster
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.security import (
@@ -375,19 +375,21 @@ def cmd_health(args: argparse.Namespace) -> int:
     from psctl.cluster import health  # only this command: `psctl status` starts faster
 
     cluster, source = resolve_cluster(cluster_file=args.cluster, environ=_environ())
-    explicit = explicit_health_addresses(args.cluster)
+    addresses = HealthAddresses.of_file(args.cluster, offset=args.health_port_offset)
     rows = [("TYPE", "INDEX", "ADDRESS", "HEALTH ADDRESS", "STATUS")]
     bad = 0
     tasks = []
     for task_type, index, address in cluster.task_addresses():
         if task_type in health.TASK_TYPES:
-            default = address.with_port(address.port + args.health_port_offset)
-            target = str(explicit.get((task_type, index), default))
-            tasks.append((task_type, index, address, target))
-    served = health.served_task_types([t[3] for t in tasks], timeout=args.timeout)
+            found = addresses.get(task_type, index, address)
+            tasks.append((task_type, index, address, str(found) if found else ""))
+    served = health.served_task_types([t[3] for t in tasks if t[3]], timeout=args.timeout)
     for task_type, index, address, target in tasks:
-        result = health.check(target, timeout=args.timeout)
-        status = result.status
+        if not target:  # TF port + offset is past 65535, and the file names none
+            bad += 1
+            rows.append((task_type, str(index), str(address), "-", "NO HEALTH PORT"))
+            continue
+        status = health.check(target, timeout=args.timeout).status
         if served[target] not in (None, task_type):  # the cluster's addresses swapped
             status = f"{status} (a {served[target]}-server)"
         bad += status != "SERVING"
@@ -395,40 +397,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     print(f"cluster from {source}")
     print(_table(rows))
     return 0 if bad == 0 else EXIT_UNAVAILABLE
-
-
-def explicit_health_addresses(cluster_file: str | None) -> dict[tuple[str, int], Address]:
-    """A cluster file may name health addresses in an optional "health" section shaped like
-    "cluster" (psctl local writes one); other tasks use TF port + offset."""
-    if not cluster_file:
-        return {}
-    with open(cluster_file) as f:
-        return health_addresses_of(json.load(f), source=cluster_file)
-
-
-def health_addresses_of(top: Any, *, source: str) -> dict[tuple[str, int], Address]:
-    """The "health" section of a decoded cluster file (``source`` names it in errors)."""
-    cluster_file = source
-    section = top.get("health", {}) if isinstance(top, dict) else {}
-    shape = 'give "health": {"ps": ["host:port", ...], "worker": [...]} or leave it out'
-    if not isinstance(section, dict):
-        raise ConfigError(f"{cluster_file}: health", "is not an object", shape)
-    found: dict[tuple[str, int], Address] = {}
-    for task_type, addresses in section.items():
-        if task_type not in ("ps", "worker"):
-            raise ConfigError(
-                f"{cluster_file}: health.{task_type}",
-                "is not a task type with a health service",
-                'give "ps" or "worker" (the servers; the others have none)',
-            )
-        if not isinstance(addresses, list):
-            raise ConfigError(f"{cluster_file}: health.{task_type}", "is not a list", shape)
-        for index, address in enumerate(addresses):
-            field = f"{cluster_file}: health.{task_type}[{index}]"
-            if not isinstance(address, str):
-                raise ConfigError(field, "is not a string", 'give "host:port"')
-            found[(task_type, index)] = Address.parse(address, field=field)
-    return found
 
 
 def _environ() -> dict[str, str]:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.address import Address
+from psctl.cluster.errors import ConfigError
+from psctl.cluster.ports import HealthAddresses
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.operations.client import explicit_health_addresses
 from psctl.coordinator.operations.job_state import JobControl, Rejected
 from psctl.coordinator.operations.metrics import STATES
 from psctl.coordinator.operations.state import (
@@ -337,19 +338,30 @@ def test_the_state_callback_ends_on_the_latest_state():
 # -- the cluster file's health section (psctl health, psctl deploy) -----------------------
 
 
-def test_explicit_health_addresses(tmp_path: Path):
-    assert explicit_health_addresses(None) == {}
+def test_health_addresses_from_the_cluster_file_else_tf_port_plus_offset(tmp_path: Path):
+    assert HealthAddresses.of_file(None).explicit == {}
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"cluster": {}}))
-    assert explicit_health_addresses(str(path)) == {}
+    assert HealthAddresses.of_file(str(path)).explicit == {}
     path.write_text(
         json.dumps({"cluster": {}, "health": {"ps": ["h:1", "h:2"], "worker": ["w:3"]}})
     )
-    assert explicit_health_addresses(str(path)) == {
+    health = HealthAddresses.of_file(str(path))
+    assert health.explicit == {
         ("ps", 0): Address("h", 1),
         ("ps", 1): Address("h", 2),
         ("worker", 0): Address("w", 3),
     }
+    assert health.get("ps", 1, Address("p", 2222)) == Address("h", 2)
+    assert health.get("worker", 1, Address("w", 2222)) == Address("w", 3222)
+    # No port past 65535: none where a lookup may do without, one line where it may not.
+    assert health.get("worker", 1, Address("w", 65000)) is None
+    with pytest.raises(ConfigError, match="worker:1: default port 65000"):
+        health.require("worker", 1, Address("w", 65000), field="worker:1")
+    assert HealthAddresses(offset=7).get("ps", 0, Address("p", 10)) == Address("p", 17)
+    with pytest.raises(ConfigError, match=r"health.worker\[0\]: names a task the cluster"):
+        health.check_tasks({"ps": 2, "worker": 0})
+    health.check_tasks({"ps": 2, "worker": 1})
 
 
 @pytest.mark.parametrize("stop", ["request_stop", "stop_on_signal"])

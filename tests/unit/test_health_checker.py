@@ -146,3 +146,28 @@ def test_psctl_health_marks_a_server_of_the_other_type(tmp_path, capsys) -> None
     finally:
         for service in (ps, worker):
             service.stop(grace=0)
+
+
+def test_psctl_health_names_a_task_with_no_health_port(tmp_path, capsys) -> None:
+    """A server at TF port 65000 has no default health port (66000): its row says so, and
+    the command fails, where it used to probe the impossible address."""
+    import argparse
+    import json
+
+    from psctl.coordinator.operations.client import cmd_health
+
+    ps = HealthService(host="127.0.0.1", port=0, task_type="ps")
+    ps.set_serving(True)
+    path = tmp_path / "cluster.json"
+    cluster = {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:65000"]}
+    path.write_text(json.dumps({"cluster": cluster, "health": {"ps": [f"127.0.0.1:{ps.port}"]}}))
+    args = argparse.Namespace(cluster=str(path), health_port_offset=1000, timeout=1.0)
+    try:
+        assert cmd_health(args) == 69
+    finally:
+        ps.stop(grace=0)
+    rows = [row.split(maxsplit=4) for row in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [
+        ["ps", "0", "127.0.0.1:2222", f"127.0.0.1:{ps.port}", "SERVING"],
+        ["worker", "0", "127.0.0.1:65000", "-", "NO HEALTH PORT"],
+    ], rows
