@@ -79,18 +79,22 @@ class TrainingProcess(subprocess.Popen[bytes]):
         return code
 
 
+def child_session(death_signal: int, *, nice: int = 0) -> dict[str, Any]:
+    """Popen arguments for a child of psctl's: no stdin, its own session (the terminal's
+    Ctrl-C goes to the launcher only), ``death_signal`` when the launcher dies."""
+    return {
+        "stdin": subprocess.DEVNULL,
+        "start_new_session": True,
+        "preexec_fn": die_with_parent(death_signal, nice=nice),
+    }
+
+
 def spawn_training(
     argv: Sequence[str], *, verbose: bool, death_signal: int = signal.SIGKILL
 ) -> TrainingProcess:
     """``spawn`` for a training process: its own session, ``death_signal`` when the
     launcher dies, and its stderr filtered as ``TrainingProcess`` does."""
-    return TrainingProcess(
-        argv,
-        verbose=verbose,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=die_with_parent(death_signal),
-    )
+    return TrainingProcess(argv, verbose=verbose, **child_session(death_signal))
 
 
 def spawn(
@@ -101,8 +105,7 @@ def spawn(
     death_signal: int = signal.SIGTERM,
     nice: int = 0,
 ) -> subprocess.Popen[bytes]:
-    """Start a child in its own session (the terminal's Ctrl-C goes to the launcher only),
-    with ``death_signal`` when the launcher dies; its output appended to ``log_path``."""
+    """Start a child (``child_session``); its output appended to ``log_path``."""
     out: Any = None
     if log_path is not None:
         out = log_path.open("ab")
@@ -111,10 +114,8 @@ def spawn(
             argv,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent(death_signal, nice=nice),
             env=env,
+            **child_session(death_signal, nice=nice),
         )
     finally:
         if out is not None:
