@@ -331,7 +331,12 @@ def check_misspelt_keys(
 def wrapped_cluster(
     top: Mapping[str, object], source: str, required: tuple[str, ...] = REQUIRED
 ) -> ClusterConfig:
-    """The cluster of ``{"cluster": {...}, ...}``."""
+    """The cluster of ``{"cluster": {...}, ...}`` (a cluster file or TF_CONFIG), whose keys
+    close to ones psctl reads are refused as misspellings."""
+    check_misspelt_keys(top, TOP_KEYS, source, "")
+    task = top.get("task")
+    if isinstance(task, Mapping):
+        check_misspelt_keys(task, ("type", "index"), source, "task.")
     section = object_member(
         top,
         "cluster",
@@ -429,10 +434,6 @@ def parse_cluster(
     """Validate decoded JSON: ``{"cluster": {...}, ...}`` or a bare ``{"ps": [...], ...}``."""
     top = top_object(obj, source)
     if "cluster" in top:
-        check_misspelt_keys(top, TOP_KEYS, source, "")
-        task = top.get("task")
-        if isinstance(task, Mapping):
-            check_misspelt_keys(task, ("type", "index"), source, "task.")
         return wrapped_cluster(top, source, required)
     if any(key in TASK_TYPES or key == "master" for key in top):
         return _validate_jobs(top, source, "", required)

@@ -860,3 +860,23 @@ def test_check_config_cli_bad_task_is_one_line_78(tmp_path: Path) -> None:
         psctl_argv("check-config", str(path)), capture_output=True, text=True, timeout=50
     )
     assert proc.returncode == 0 and "task: ps 0 (host3:2222)" in proc.stdout
+
+
+def test_a_misspelt_key_in_tf_config_is_refused_as_in_a_cluster_file() -> None:
+    """TF_CONFIG {"tsak": ...} was read without its task in silence (check-config exit 0)
+    while the same JSON as a cluster file was refused."""
+    cluster = {"ps": ["h:1"], "worker": ["h:2"]}
+    tsak = json.dumps({"cluster": cluster, "tsak": {"type": "ps", "index": 0}})
+    indx = json.dumps({"cluster": cluster, "task": {"type": "ps", "indx": 0}})
+    for call in (
+        lambda: parse_tf_config(tsak),
+        lambda: resolve_cluster(cluster_file=None, environ={"TF_CONFIG": tsak}),
+        lambda: check_config(cluster_file=None, environ={"TF_CONFIG": tsak}),
+        lambda: resolve_task(
+            cluster_file=None, task_type=None, task_index=None, environ={"TF_CONFIG": tsak}
+        ),
+    ):
+        with pytest.raises(ConfigError, match=r"^TF_CONFIG.tsak: .*did you mean 'task'\?"):
+            call()
+    with pytest.raises(ConfigError, match=r"^TF_CONFIG.task.indx: .*did you mean 'index'\?"):
+        parse_tf_config(indx)
