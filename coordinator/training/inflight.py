@@ -104,18 +104,19 @@ class StallWatchdog:
     clock: Callable[[], float] = time.monotonic
     stalled: bool = False
     stalls: int = 0
-    last_progress: float = field(default=0.0)
+    last_progress: float = field(default=0.0)  # moved on by each stall report too
+    last_finished: float = field(default=0.0)  # when a call last finished
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
-        self.last_progress = self.clock()
+        self.last_progress = self.last_finished = self.clock()
 
     def progress(self) -> bool:
         """A call finished; True when that ends a stall."""
         with self._lock:
-            self.last_progress = self.clock()
+            self.last_progress = self.last_finished = self.clock()
             ended = self.stalled
             self.stalled = False
             return ended
@@ -131,6 +132,14 @@ class StallWatchdog:
             self.stalled = True
             self.stalls += 1
             return idle
+
+    def while_stalled(self, report: Callable[[float], object]) -> None:
+        """From the thread beside the loop: ``report(idle seconds)`` if the job is stalled,
+        under the lock ``progress`` takes, so that a report never lands after the stall's
+        end."""
+        with self._lock:
+            if self.stalled:
+                report(self.clock() - self.last_finished)
 
     def check(self, tracker: CallTracker, *, stopping: bool = False) -> Stall | None:
         """``stopping``: once the job is stalled, every unfinished call is stuck (a stop or

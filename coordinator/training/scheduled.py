@@ -190,16 +190,23 @@ class ScheduledRunner(RunnerBase):
             idle = self.watchdog.check_idle(len(self.calls))
             if idle is not None:
                 self._announce_stall(idle, self._suspects())
+            else:  # the status counts the stall on (the loop publishes nothing meanwhile)
+                self.watchdog.while_stalled(self._show_stall)
 
     def _suspects(self) -> str:
         return ", ".join(self.control.unhealthy_tasks()) or "none (a task is frozen?)"
 
     def _announce_stall(self, idle: float, suspects: str) -> None:
-        message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
-        log.warning("%s", message)
-        self.control.set_message(message)
+        log.warning("%s", self._show_stall(idle, suspects))
         if self.metrics is not None:
             self.metrics.set_stalled(True)
+
+    def _show_stall(self, idle: float, suspects: str | None = None) -> str:
+        """The stall in the status: its length, its suspects, no steps a second."""
+        suspects = self._suspects() if suspects is None else suspects
+        message = f"stalled: no step finished for {idle:.0f}s; tasks not SERVING: {suspects}"
+        self.control.update(message=message, steps_per_second=0.0, examples_per_second=0.0)
+        return message
 
     def _report_stall(self, stuck: list[InFlight], *, started: bool, idle: float) -> None:
         """A stalled job says so, with the tasks that are not SERVING, until steps finish

@@ -111,7 +111,14 @@ def test_the_side_thread_check_reports_a_stall_once_and_the_loop_does_not_again(
     assert watchdog.check_idle(len(calls)) is None  # reported once
     seen = watchdog.check(calls)
     assert seen is not None and not seen.started and watchdog.stalls == 1
+    # While it lasts the status counts it on (it said "for 10s" a minute in).
+    shown: list[float] = []
+    clock.now += 30
+    watchdog.while_stalled(shown.append)
+    assert shown == [pytest.approx(36)]
     assert watchdog.progress() is True  # "steps finish again"
+    watchdog.while_stalled(shown.append)
+    assert len(shown) == 1  # over: nothing more to show
 
 
 def test_a_stopping_job_gives_up_every_call_once_stalled():
