@@ -142,12 +142,47 @@ class Job:
         return dataset
 
 
+def _job_file(spec: str) -> Path | None:
+    """The file a path-like ``--job`` names (a ConfigError if there is none); None for a
+    module name."""
+    if not (spec.endswith(".py") or "/" in spec or spec.startswith(".")):
+        return None
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError("--job", f"no job file at {spec}", "give an existing .py file")
+    return path
+
+
+def _module_names(spec: str) -> list[str]:
+    return [spec] if "." in spec else [f"{BUILTIN_PACKAGE}.{spec}", spec]
+
+
+def _no_job_named(spec: str) -> ConfigError:
+    builtins = ", ".join(builtin_jobs()) or "none"
+    return ConfigError(
+        "--job",
+        f"no job named {spec!r}",
+        f"use a built-in job ({builtins}), a module path (my_pkg.my_job) or a file (job.py)",
+    )
+
+
+def check_job_found(spec: str) -> None:
+    """Before anything waits on servers: a ``--job`` that names no file and no module is one
+    line now (exit 78), not after --connect-timeout (nothing is imported here)."""
+    if _job_file(spec) is not None:
+        return
+    for name in _module_names(spec):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return
+        except (ImportError, ValueError):  # a parent package missing: not this one
+            continue
+    raise _no_job_named(spec)
+
+
 def _import_module(spec: str) -> ModuleType:
-    looks_like_path = spec.endswith(".py") or "/" in spec or spec.startswith(".")
-    if looks_like_path:
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ConfigError("--job", f"no job file at {spec}", "give an existing .py file")
+    path = _job_file(spec)
+    if path is not None:
         mod_name = f"psctl_job_{path.stem}"
         file_spec = importlib.util.spec_from_file_location(mod_name, path)
         if file_spec is None or file_spec.loader is None:
@@ -159,8 +194,7 @@ def _import_module(spec: str) -> ModuleType:
         except (SyntaxError, ModuleNotFoundError) as err:
             raise _import_error(spec, err) from None
         return module
-    candidates = [spec] if "." in spec else [f"{BUILTIN_PACKAGE}.{spec}", spec]
-    for name in candidates:
+    for name in _module_names(spec):
         try:
             return importlib.import_module(name)
         except SyntaxError as err:
@@ -169,12 +203,7 @@ def _import_module(spec: str) -> ModuleType:
             if err.name is not None and not name.startswith(err.name):
                 # The job exists but imports something missing: name that.
                 raise _import_error(spec, err) from None
-    builtins = ", ".join(builtin_jobs()) or "none"
-    raise ConfigError(
-        "--job",
-        f"no job named {spec!r}",
-        f"use a built-in job ({builtins}), a module path (my_pkg.my_job) or a file (job.py)",
-    )
+    raise _no_job_named(spec)
 
 
 def _import_error(spec: str, err: SyntaxError | ModuleNotFoundError) -> ConfigError:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psctl.coordinator.job import check_job_found
 from psctl.coordinator.launch.local import local_ps_main, prepare_local
 from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
 from psctl.coordinator.launch.train import ps_train_main
@@ -35,6 +36,7 @@ LAUNCHERS: dict[str, Launchers] = {
 def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     """`psctl train`: the coordinator (async) or this worker's training process (sync)."""
     settings = resolve_settings(flags=flags, config_file=args.config)
+    check_job_found(settings.job)  # now, not after waiting --connect-timeout for servers
     return LAUNCHERS[settings.strategy].train(args, settings)
 
 
@@ -43,5 +45,6 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     this machine; bad settings and output paths fail before any process starts."""
     workdir, flags = prepare_local(args, flags)
     settings = resolve_settings(flags=flags, config_file=args.config)
+    check_job_found(settings.job)
     check_output_dirs(settings.checkpoint_dir, settings.summary_json)
     return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)

@@ -163,3 +163,19 @@ def test_every_command_says_what_it_does_and_every_default_reads_sensibly():
         text = parser.format_help()
         for odd in ("(default None)", "(default default)", "(default )", "default: None"):
             assert odd not in text, f"{name} --help: {odd}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("job", ["no_such_job.py", "no_such_job"])
+def test_a_job_that_is_not_there_is_refused_before_waiting_for_servers(tmp_path: Path, job: str):
+    """It waited --connect-timeout for the servers, then ended with exit 69 ("servers not
+    reachable"), which systemd and Kubernetes take as final, instead of naming --job."""
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": {**CLUSTER["cluster"], "chief": ["127.0.0.1:1"]}}))
+    started = time.monotonic()
+    proc = run("train", "--cluster", str(path), "--job", job, "--connect-timeout", "50")
+    assert proc.returncode == 78, proc.stderr
+    assert proc.stderr.startswith("psctl: error: --job: no job ") and proc.stderr.count("\n") == 1
+    assert time.monotonic() - started < 30
+    proc = run("local", "--job", job, "--steps", "10", "--workdir", str(tmp_path / "w"))
+    assert proc.returncode == 78 and "--job: no job " in proc.stderr, proc.stderr
