@@ -45,7 +45,7 @@ from psctl.coordinator.failures import (
     tasks_named,
 )
 from psctl.coordinator.launch.argv import psctl_argv
-from psctl.coordinator.launch.resize import ClusterFile, Membership, Resizer, shape_of
+from psctl.coordinator.launch.resize import ClusterFile, Membership, Rejoins, Resizer, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartPolicy,
@@ -420,6 +420,7 @@ def supervise_train(
 
             supervisor.on_left = take_out
             stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
+            stack.enter_context(Rejoins(cluster_file, resizer, supervisor))
         with forward_stop_signals(supervisor):
             return supervisor.run()
 

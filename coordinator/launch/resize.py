@@ -153,9 +153,12 @@ class Resizer:
         self.membership = membership
         self._lock = threading.Lock()
 
-    def __call__(self, request: Any, time_left: float | None = None) -> control_pb2.ScaleResponse:
+    def __call__(
+        self, request: Any, time_left: float | None = None, *, reason: str = "psctl scale"
+    ) -> control_pb2.ScaleResponse:
         """``time_left``: seconds until the caller gives up (the Scale RPC's deadline): the
-        wait for new servers ends a little before, so that its refusal reaches the caller."""
+        wait for new servers ends a little before, so that its refusal reaches the caller.
+        ``reason``: the summary's for this resize."""
         if not self.checkpoints:
             raise ConfigError(
                 "--checkpoint-dir",
@@ -175,7 +178,7 @@ class Resizer:
                 raise
             if self.membership is not None:
                 self.membership.resize(before, self.cluster())
-            if not self.supervisor.request_resize(old=old, new=new):
+            if not self.supervisor.request_resize(old=old, new=new, reason=reason):
                 raise Refused("the job is stopping")
             # The resize under way, or one recorded already for the next training process.
             resizes = len(self.supervisor.counters.resizes)
@@ -235,6 +238,11 @@ class ClusterFile:
         self.timeout = timeout
         self.cluster = load(Path(path).read_text(), source=path)
         self._dir: str | None = None
+        # Workers that left by themselves (a SIGTERM: a preemption, or `systemctl restart`),
+        # by address, with their health addresses: ``Rejoins`` takes each back once it
+        # serves again. The operator's own resize settles the cluster: they are forgotten.
+        self.departed: dict[str, str] = {}
+        self.rejoining = False  # the resize under way is ``Rejoins``'s
 
     def prepare(self, request: Any, time_left: float | None = None) -> tuple[str, str]:
         text = request.cluster_json
@@ -259,6 +267,11 @@ class ClusterFile:
         wait_serving(new, json.loads(text), timeout=server_wait(self.timeout, time_left))
         self._write(json.loads(text))
         self.cluster = new
+        if self.rejoining:
+            back = set(new.workers)
+            self.departed = {a: h for a, h in self.departed.items() if a not in back}
+        else:
+            self.departed = {}
         return shape(old), shape(new)
 
     def without(self, tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
@@ -278,6 +291,11 @@ class ClusterFile:
             for kind, addresses in old.jobs.items()
         }
         body = json.loads(Path(self.path).read_text())
+        health_of = HealthAddresses.of_json(body, source=self.path)
+        for kind, i, address in old.task_addresses():
+            found = health_of.get(kind, i, address) if kind == "worker" else None
+            if (kind, i) in gone and found is not None:
+                self.departed[old.jobs[kind][i]] = str(found)
         cluster = body.get("cluster", body)
         for kind, addresses in jobs.items():
             cluster[kind] = list(addresses)
@@ -290,6 +308,20 @@ class ClusterFile:
         self.cluster = load(json.dumps(body), source=self.path)
         return shape(old), shape(self.cluster)
 
+    def rejoined(self, addresses: list[str]) -> str:
+        """The cluster with these departed workers back, after the others (a running
+        server may take another index: TensorFlow lets it), as JSON for a resize."""
+        body = json.loads(Path(self.path).read_text())
+        cluster = body.get("cluster", body)
+        workers = list(cluster.get("worker", []))
+        named = (
+            body.get("health", {}).get("worker") if isinstance(body.get("health"), dict) else None
+        )
+        if isinstance(named, list) and len(named) == len(workers):  # else: the default ports
+            body["health"]["worker"] = [*named, *(self.departed[a] for a in addresses)]
+        cluster["worker"] = [*workers, *addresses]
+        return json.dumps(body)
+
     def _write(self, body: Any) -> None:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="psctl-cluster-")
@@ -297,6 +329,63 @@ class ClusterFile:
         path = Path(self._dir) / f"cluster-{int(time.time() * 1000)}.json"
         write_json_atomic(path, body)
         self.path = str(path)
+
+
+class Rejoins:
+    """psctl train's workers that left by themselves come back by themselves: once one is
+    SERVING again at its address (``systemctl restart psctl-worker@N``: a SIGTERM, then a
+    start), the cluster grows back to include it, as ``psctl scale`` would (a checkpoint,
+    then a fresh training process). Looked at every ``every`` seconds, beside the loop."""
+
+    def __init__(
+        self,
+        cluster_file: ClusterFile,
+        resizer: Resizer,
+        supervisor: TrainingSupervisor,
+        *,
+        every: float = 2.0,
+    ) -> None:
+        self.cluster_file = cluster_file
+        self.resizer = resizer
+        self.supervisor = supervisor
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="psctl-rejoins", daemon=True)
+
+    def __enter__(self) -> Rejoins:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.poll()
+            except Exception:  # a bad look must not end the watch (nor the job)
+                log.exception("looking for workers back in service failed")
+
+    def poll(self) -> None:
+        departed = dict(self.cluster_file.departed)
+        if not departed or self.supervisor.stopping or self.supervisor.resizing:
+            return
+        back = [a for a, at in departed.items() if health.check(at, timeout=1.0).serving]
+        if not back:
+            return
+        names = ", ".join(f"worker {a}" for a in back)
+        log.warning("%s SERVING again: taking it back into the job", names)
+        self.cluster_file.rejoining = True
+        try:
+            request = control_pb2.ScaleRequest(cluster_json=self.cluster_file.rejoined(back))
+            self.resizer(request, reason=f"{names} back")
+        except (ConfigError, Refused) as err:
+            log.warning(
+                "%s not back in the job yet (tried again in %.0fs): %s", names, self.every, err
+            )
+        finally:
+            self.cluster_file.rejoining = False
 
 
 def load(text: str, *, source: str) -> ClusterConfig:

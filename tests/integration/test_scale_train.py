@@ -3,7 +3,8 @@ worker servers started here with their own commands, as an operator starts them 
 a third worker added (`psctl scale --cluster NEW.json`), a cluster naming a worker nobody
 started refused in one line (exit 78) while the job goes on, the ps moved to a new
 address by rewriting the job's cluster file and sending the launcher SIGHUP, and a worker
-stopped by SIGTERM taken out with no failure counted; each time the new training process
+stopped by SIGTERM taken out with no failure counted, and taken back once its server
+serves again; each time the new training process
 goes on from the step reached when it was asked for."""
 
 from __future__ import annotations
@@ -222,6 +223,13 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
         assert float(s["uptime_seconds"]) > uptime, s  # no new training process
         assert servers[2].wait(timeout=30) == 0
 
+        # (e) ... and started again (`systemctl restart psctl-worker@1`: a SIGTERM, then a
+        # start), it is taken back into the job once it serves, as psctl scale would.
+        before = int(s["global_step"])
+        servers[2] = start_server(workdir, "worker", 1, cluster_file, w1)
+        s = wait_running(address, workers=3, generation=4, after=before, ps=new_ps)
+        assert f"127.0.0.1:{w1}" in [t["address"] for t in members(s)], s["tasks"]
+
         stop = control_cli(address, "stop", timeout=150)
         assert stop.returncode == 0, stop.stderr
         assert job.wait(timeout=150) == 0
@@ -239,10 +247,12 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
         ("1 ps + 2 workers", "1 ps + 3 workers"),
         ("1 ps + 3 workers", "1 ps + 3 workers"),
         ("1 ps + 3 workers", "1 ps + 2 workers"),
+        ("1 ps + 2 workers", "1 ps + 3 workers"),
     ], resizes
-    assert (resizes[-1]["reason"], resizes[-1]["seconds"]) == ("worker:1 left", 0.0), resizes
-    assert all(r["seconds"] > 0 for r in resizes[:2]), resizes  # requested: timed
-    assert summary["restarts"] == 0 and summary["num_workers"] == 2, summary
+    assert (resizes[2]["reason"], resizes[2]["seconds"]) == ("worker:1 left", 0.0), resizes
+    assert resizes[3]["reason"] == f"worker 127.0.0.1:{w1} back", resizes
+    assert all(resizes[i]["seconds"] > 0 for i in (0, 1, 3)), resizes  # requested: timed
+    assert summary["restarts"] == 0 and summary["num_workers"] == 3, summary
     assert summary["worker_failures"] == 0, summary
     assert summary["eval_accuracy"] >= 0.99, summary
     assert processes_mentioning(str(workdir)) == []
