@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -58,7 +59,7 @@ from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.summary import Summary, print_summary, write_summary
+from psctl.coordinator.training.summary import Summary, accuracy_of, print_summary, write_summary
 
 if TYPE_CHECKING:
     from psctl.cluster.metrics import ProcessMetrics
@@ -223,11 +224,53 @@ def run_training_process(
         bad_record = bad_records.as_config_error(err)  # one line naming the file and line
         if bad_record is not None:
             err = bad_record
-        return end_on_error(err, control, failures, recovery_timeout=settings.recovery_timeout)
+        code = end_on_error(err, control, failures, recovery_timeout=settings.recovery_timeout)
+        if code == 0 and serve_control:  # stopped while a lost ps stayed down: no evaluation
+            return complete(
+                kept_summary(settings, control),
+                settings=settings,
+                control=control,
+                counters=counters,
+                metrics=metrics,
+            )
+        return code
     finally:
         at_exit()
         if server is not None:
             stop_control_server(server)
+
+
+def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
+    """The summary of a job that ends on its latest checkpoint, with no final evaluation
+    (stopped while a lost ps stayed down): what that checkpoint holds, and the training
+    values last published. Written, so that --summary-json is never an earlier run's."""
+    from psctl.coordinator.training.checkpoint_files import checkpoints_in
+
+    view = control.view()
+    board = view.board
+    found = checkpoints_in(settings.checkpoint_dir) if settings.checkpoint_dir else []
+    workers = sum(t.type == "worker" for t in view.tasks)
+    return Summary(
+        job=settings.job,
+        global_step=found[0].step if found else 0,  # the steps since are lost with the ps
+        start_step=0,  # the job's, from its first training process (``complete``)
+        target_steps=view.target_steps,
+        loss=board.loss if math.isfinite(board.loss) else None,
+        accuracy=accuracy_of(board.metrics),
+        eval_accuracy=None,
+        eval_loss=None,
+        examples_per_sec=0.0,
+        steps_per_sec=0.0,
+        wall_seconds=0.0,  # the job's (``complete``)
+        train_seconds=0.0,
+        num_workers=workers,
+        num_ps=sum(t.type == "ps" for t in view.tasks),
+        batch_size=settings.batch_size,
+        steps_per_execution=view.steps_per_execution,
+        checkpoint=found[0].prefix if found else None,
+        stopped_early=True,
+        metrics=dict(board.metrics),
+    )
 
 
 def complete(

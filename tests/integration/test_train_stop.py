@@ -6,6 +6,7 @@ PsctlPsDown). First, the same servers refuse a cluster file with their addresses
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -39,6 +40,9 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
     cluster_file = write_cluster(workdir / "cluster.json", chief, [ps0], [w0])
     checkpoints = workdir / "checkpoints"
     log_path = workdir / "logs" / "coordinator.log"
+    summary_path = workdir / "summary.json"
+    # An earlier run's summary at the same path: this run's end replaces it (it was kept).
+    summary_path.write_text(json.dumps({"global_step": 300, "job": "earlier"}))
     ps = start_server(workdir, "ps", 0, cluster_file, ps0)
     worker = start_server(workdir, "worker", 0, cluster_file, w0)
     job = None
@@ -68,6 +72,7 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
                     "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "100",
                     "--steps", "1000000", "--recovery-timeout", str(RECOVERY_TIMEOUT),
                     "--connect-timeout", "10", "--metrics-port", str(metrics_port),
+                    "--summary-json", str(summary_path),
                 ),
                 stdout=log_file, stderr=subprocess.STDOUT, env=child_env(),
             )  # fmt: skip
@@ -102,6 +107,13 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
         assert "stopped while waiting for the ps tasks (ps:0 not SERVING)" in log, log[-3000:]
         assert "one more restores" not in log and "Traceback" not in log, log[-3000:]
         assert sorted(checkpoints.glob("ckpt-*.index"))[-1:] == kept[-1:]
+        # The summary is this job's: the steps its latest checkpoint keeps, no evaluation.
+        summary = json.loads(summary_path.read_text())
+        newest = max(int(p.name.split("-")[1].split(".")[0]) for p in kept)
+        assert summary["job"] == "mlp" and summary["global_step"] == newest, summary
+        assert summary["stopped_early"] is True and summary["eval_accuracy"] is None, summary
+        assert summary["checkpoint"] == str(checkpoints / f"ckpt-{newest}"), summary
+        assert summary["ps_failures"] >= 1 and summary["num_workers"] == 1, summary
     finally:
         kill_if_running(job, timeout=30)
         for server in (ps, worker):
