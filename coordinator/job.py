@@ -17,6 +17,7 @@ TensorFlow's multi-worker tutorial; what the job defines itself wins.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import pkgutil
@@ -259,30 +260,111 @@ def load_job(spec: str) -> Job:
     given = {name: getattr(module, name, None) for name in FROM_COMPILE}
     needed = [name for name, fn in given.items() if not callable(fn)]
     if not needed and metrics is not None:
-        return Job(
+        return _checked(
+            Job(
+                name=spec,
+                create_model=module.create_model,
+                create_optimizer=module.create_optimizer,
+                loss_fn=module.loss_fn,
+                dataset_fn=module.dataset_fn,
+                eval_dataset_fn=eval_fn,
+                metrics=list(metrics),
+                module=module,
+                **extra,
+            )
+        )
+    compiled = FromCompile(spec, module.create_model, needed=needed)
+    return _checked(
+        Job(
             name=spec,
-            create_model=module.create_model,
-            create_optimizer=module.create_optimizer,
-            loss_fn=module.loss_fn,
+            create_model=compiled.create_model,
+            create_optimizer=(
+                compiled.create_optimizer
+                if "create_optimizer" in needed
+                else module.create_optimizer
+            ),
+            loss_fn=compiled.loss_fn if "loss_fn" in needed else module.loss_fn,
             dataset_fn=module.dataset_fn,
             eval_dataset_fn=eval_fn,
-            metrics=list(metrics),
+            metrics=list(metrics) if metrics is not None else compiled.metrics,
             module=module,
             **extra,
         )
-    compiled = FromCompile(spec, module.create_model, needed=needed)
-    return Job(
-        name=spec,
-        create_model=compiled.create_model,
-        create_optimizer=(
-            compiled.create_optimizer if "create_optimizer" in needed else module.create_optimizer
-        ),
-        loss_fn=compiled.loss_fn if "loss_fn" in needed else module.loss_fn,
-        dataset_fn=module.dataset_fn,
-        eval_dataset_fn=eval_fn,
-        metrics=list(metrics) if metrics is not None else compiled.metrics,
-        module=module,
-        **extra,
+    )
+
+
+def _returned(value: object) -> str:
+    shown = f" ({echo(value, limit=40)})" if isinstance(value, (str, int, float)) else ""
+    return f"{type(value).__name__}{shown}"
+
+
+def _checked(job: Job) -> Job:
+    """``job`` whose functions refuse in one line (exit 78) what they return that psctl
+    cannot train on, naming the function, instead of an AttributeError deep in Keras."""
+    field = f"--job {job.name}"
+
+    def create_model() -> Any:
+        import keras
+
+        model = job.create_model()
+        if not isinstance(model, keras.Model):
+            raise ConfigError(
+                field,
+                f"create_model() returned {_returned(model)}, not a keras.Model",
+                "return the model it builds (keras.Model, keras.Sequential or a subclass)",
+            )
+        return model
+
+    def create_optimizer() -> Any:
+        import keras
+
+        optimizer = job.create_optimizer()
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ConfigError(
+                field,
+                f"create_optimizer() returned {_returned(optimizer)}, not a Keras optimizer",
+                "return an instance, e.g. keras.optimizers.Adam(1e-3)",
+            )
+        return optimizer
+
+    def datasets(name: str, fn: Callable[[DataContext], Any]) -> Callable[[DataContext], Any]:
+        def made(ctx: DataContext) -> Any:
+            import tensorflow as tf
+
+            dataset = fn(ctx)
+            if not isinstance(dataset, tf.data.Dataset):
+                raise ConfigError(
+                    field,
+                    f"{name} returned {_returned(dataset)}, not a tf.data.Dataset",
+                    "return a dataset of batches of (features, labels)",
+                )
+            spec = dataset.element_spec
+            if not isinstance(spec, (tuple, list)) or len(spec) < 2:
+                raise ConfigError(
+                    field,
+                    f"{name}'s dataset yields {str(spec)[:120]}, not (features, labels)",
+                    "yield (features, labels) pairs, e.g. dataset.map(lambda x: (x, label(x)))",
+                )
+            return dataset
+
+        return made
+
+    def loss_fn(labels: Any, predictions: Any) -> Any:
+        loss = job.loss_fn(labels, predictions)
+        if loss is None:
+            raise ConfigError(
+                field, "loss_fn returned None", "return the loss: one per example, or its mean"
+            )
+        return loss
+
+    eval_fn = job.eval_dataset_fn
+    return dataclasses.replace(
+        job,
+        create_model=create_model,
+        create_optimizer=create_optimizer,
+        loss_fn=loss_fn,
+        dataset_fn=datasets("dataset_fn", job.dataset_fn),
+        eval_dataset_fn=datasets("eval_dataset_fn", eval_fn) if eval_fn is not None else None,
     )
 
 

@@ -30,8 +30,43 @@ def test_job_file_loads(tmp_path: Path):
     path = tmp_path / "my_job.py"
     path.write_text(GOOD)
     job = load_job(str(path))
-    assert job.create_model() == "model"
+    assert job.loss_fn(1, 2) == 0
     assert job.eval_dataset_fn is None
+
+
+@pytest.mark.timeout(60)
+def test_what_a_jobs_functions_return_is_checked_in_one_line(tmp_path: Path):
+    """A function returning what psctl cannot train on: one line naming it (exit 78), not
+    an AttributeError or a TypeError from deep in Keras or TensorFlow (exit 1)."""
+    import tensorflow as tf
+
+    path = tmp_path / "my_job.py"
+    path.write_text(GOOD)  # a str for a model, for an optimizer, a context for a dataset
+    job = load_job(str(path))
+    expected = [
+        (job.create_model, "create_model() returned str ('model'), not a keras.Model"),
+        (job.create_optimizer, "create_optimizer() returned str ('opt'), not a Keras optimizer"),
+        (lambda: job.dataset_fn(None), "dataset_fn returned NoneType, not a tf.data.Dataset"),
+    ]
+    for call, problem in expected:
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert str(err.value).startswith(f"--job {path}: {problem}; "), err.value
+    path.write_text(
+        GOOD.replace("return ctx", "return __import__('tensorflow').data.Dataset.range(3)").replace(
+            "return 0", "return None"
+        )
+    )
+    job = load_job(str(path))
+    with pytest.raises(ConfigError, match=r"dataset_fn's dataset yields TensorSpec\(shape=\(\)"):
+        job.dataset_fn(None)
+    with pytest.raises(ConfigError, match=r": loss_fn returned None; return the loss"):
+        job.loss_fn(1, 2)
+    pairs = tf.data.Dataset.range(3).map(lambda x: (x, x))
+    path.write_text(
+        GOOD.replace("def dataset_fn(ctx): return ctx", "def dataset_fn(ctx): return ctx")
+    )
+    assert load_job(str(path)).dataset_fn(pairs) is pairs  # (features, labels): passed on
 
 
 def test_job_module_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -42,7 +77,7 @@ def test_job_module_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         job = load_job("userpkg.job_a")
-        assert job.create_optimizer() == "opt"
+        assert job.loss_fn(1, 2) == 0 and job.name == "userpkg.job_a"
     finally:
         sys.modules.pop("userpkg.job_a", None)
         sys.modules.pop("userpkg", None)
