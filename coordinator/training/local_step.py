@@ -177,6 +177,7 @@ def make_local_train_fn(
         updates += [
             variable.assign(value) for variable, value in zip(non_trainable, stats, strict=True)
         ]
+        # One atomic add on the ps (model.count_steps_atomically): no call's K is lost.
         updates.append(iterations.assign_add(tf.cast(num_steps, iterations.dtype)))
         updates.append(mean_sums.assign_add(sums))
         with tf.control_dependencies(updates):
