@@ -22,7 +22,7 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -120,7 +120,7 @@ class Job:
     loss_fn: Callable[[Any, Any], Any]
     dataset_fn: Callable[[DataContext], Any]
     eval_dataset_fn: Callable[[DataContext], Any] | None
-    metrics: Sequence[Any]
+    metrics: Sequence[Any] | Mapping[str, Any]  # a dict: per output, by name
     module: ModuleType
     # Optional, for `psctl export`: the raw request the served model takes
     # (``serving_inputs()``: named TensorSpecs) and how it becomes the model's features
@@ -244,8 +244,14 @@ def load_job(spec: str) -> Job:
     if eval_fn is not None and not callable(eval_fn):
         raise ConfigError(f"--job {spec}", "eval_dataset_fn is not callable", "make it a function")
     metrics = getattr(module, "metrics", None)
-    if metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence)):
-        raise ConfigError(f"--job {spec}", "metrics must be a list", 'e.g. metrics = ["accuracy"]')
+    if isinstance(metrics, Mapping):  # per output of a multi-output model: {name: metrics}
+        metrics = dict(metrics)
+    elif metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence)):
+        raise ConfigError(
+            f"--job {spec}",
+            "metrics must be a list (or a dict by output name)",
+            'e.g. metrics = ["accuracy"]',
+        )
     serving = {name: getattr(module, name, None) for name in SERVING}
     given_serving = [name for name, fn in serving.items() if fn is not None]
     incomplete = len(given_serving) < len(SERVING) or not all(map(callable, serving.values()))
@@ -268,7 +274,7 @@ def load_job(spec: str) -> Job:
                 loss_fn=module.loss_fn,
                 dataset_fn=module.dataset_fn,
                 eval_dataset_fn=eval_fn,
-                metrics=list(metrics),
+                metrics=_metrics_list(metrics),
                 module=module,
                 **extra,
             )
@@ -286,7 +292,7 @@ def load_job(spec: str) -> Job:
             loss_fn=compiled.loss_fn if "loss_fn" in needed else module.loss_fn,
             dataset_fn=module.dataset_fn,
             eval_dataset_fn=eval_fn,
-            metrics=list(metrics) if metrics is not None else compiled.metrics,
+            metrics=_metrics_list(metrics) if metrics is not None else compiled.metrics,
             module=module,
             **extra,
         )
@@ -366,6 +372,11 @@ def _checked(job: Job) -> Job:
         dataset_fn=datasets("dataset_fn", job.dataset_fn),
         eval_dataset_fn=datasets("eval_dataset_fn", eval_fn) if eval_fn is not None else None,
     )
+
+
+def _metrics_list(metrics: Any) -> Any:
+    """The job's ``metrics``: a list, or a dict by output name kept as it is."""
+    return metrics if isinstance(metrics, dict) else list(metrics)
 
 
 class FromCompile:

@@ -21,6 +21,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional  # a model over declared keras.Inputs
 
 from psctl.cluster.errors import ConfigError
 
@@ -50,7 +51,11 @@ def build_model(model: Any, x_spec: Any) -> Any:
 
 def model_inputs(model: Any) -> Any:
     """The model's symbolic inputs in the structure its author gave them (a KerasTensor, a
-    list, a dict), or None where the model has none (subclassed, never called)."""
+    list, a dict), or None where the model has none: a subclassed model declares none, and
+    the inputs Keras records when it is first called on symbolic tensors are its own
+    (named "keras_tensor_N"), not the features' names."""
+    if isinstance(model, keras.Model) and not isinstance(model, Functional | keras.Sequential):
+        return None
     try:
         inputs = model.input
     except (AttributeError, ValueError):  # a Sequential has its Input's only in .inputs
@@ -241,12 +246,18 @@ def _check_leaf(name: str, expected: Any, given: Any, *, job: str, source: str) 
 
 def check_features(model: Any, x_spec: Any, *, job: str, source: str) -> None:
     """Raise ConfigError (one line naming the key) where ``x_spec`` (what ``source``, a
-    dataset function, yields as features) does not fit the model's declared inputs."""
-    expected = model_inputs(model)
+    dataset function, yields as features) does not fit the model's declared inputs.
+    ``model``: a Keras model, or the inputs to match (``symbolic(spec)`` of features)."""
+    expected = model if _is_inputs(model) else model_inputs(model)
     if expected is None:
         return
     for name, want, have in _pairs(expected, x_spec, job=job, source=source):
         _check_leaf(name, want, have, job=job, source=source)
+
+
+def _is_inputs(given: Any) -> bool:
+    leaves = tf.nest.flatten(given) if given is not None else []
+    return bool(leaves) and all(isinstance(t, keras.KerasTensor) for t in leaves)
 
 
 def feature_names(model: Any, x_spec: Any, *, job: str) -> list[str]:

@@ -52,7 +52,7 @@ class DatasetEvaluator:
         examples = 0
         for batch in dataset:
             self.step(batch[0], batch[1])
-            examples += int(batch[1].shape[0])
+            examples += int(tf.nest.flatten(batch[1])[0].shape[0])
         values = {"loss": scalar(self.loss.result())}
         values.update({m.name: scalar(m.result()) for m in self.metrics})
         return values, examples

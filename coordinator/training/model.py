@@ -20,8 +20,16 @@ from psctl.coordinator.training.dynamic_updates import (
     attach_slots,
     table_stats,
 )
-from psctl.coordinator.training.features import build_model, check_features, leaf_shape
-from psctl.coordinator.training.metric_objects import consistent_result, metric_factories
+from psctl.coordinator.training.features import (
+    build_model,
+    check_features,
+    model_inputs,
+    symbolic,
+)
+from psctl.coordinator.training.metric_objects import (
+    consistent_result,
+    structured_metric_factories,
+)
 from psctl.coordinator.training.sparse import SparseRule, SparseUpdater
 from psctl.coordinator.training.tables import building
 
@@ -38,6 +46,10 @@ class JobModel:
     def __init__(self, job: Job, x_spec: Any, y_spec: Any, *, source: str = "dataset_fn") -> None:
         self.job_name = job.name
         self.model = job.create_model()
+        # The model's declared inputs, or None (a subclassed model): once built on x_spec it
+        # has inputs Keras made and named ("keras_tensor_3"), never the ones the job wrote.
+        self.inputs = model_inputs(self.model)
+        self.x_spec = x_spec
         self.check(x_spec, source)
         predictions = build_model(self.model, x_spec)
         self.optimizer = job.create_optimizer()
@@ -50,17 +62,16 @@ class JobModel:
         self.dynamic_layers = dynamic_layers(self.model)
         if self.dynamic_layers:
             attach_slots(self.dynamic_layers, SparseRule(self.optimizer))
-        self.metric_factories = metric_factories(
-            job.metrics,
-            label_shape=leaf_shape(y_spec),
-            pred_shape=leaf_shape(predictions),
-            job=job.name,
+        self.metric_factories = structured_metric_factories(
+            job.metrics, label_spec=y_spec, pred_spec=predictions, job=job.name
         )
 
     def check(self, x_spec: Any, source: str) -> None:
         """ConfigError (one line naming the key) where ``source``'s features do not fit the
-        model's inputs."""
-        check_features(self.model, x_spec, job=self.job_name, source=source)
+        model's inputs: its declared ones, or for a model without (built by psctl on the
+        training features), the training features' structure, keys and dtypes."""
+        inputs = self.inputs if self.inputs is not None else symbolic(self.x_spec)
+        check_features(inputs, x_spec, job=self.job_name, source=source)
 
     def check_eval(self, job: Job, settings: TrainSettings) -> None:
         """Check the eval dataset's features too, before training: the final evaluation

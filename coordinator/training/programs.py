@@ -18,6 +18,7 @@ from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.graph_ops import seconds_since, sum_count
 from psctl.coordinator.training.local_step import make_local_train_fn
+from psctl.coordinator.training.metric_objects import metric_kind
 from psctl.coordinator.training.model import TrainState
 
 
@@ -88,8 +89,8 @@ class CallSums:
 
     def __init__(self, state: TrainState) -> None:
         self.mean_sums = state.mean_sums
-        self.additive = [m for m in state.other_metrics if type(m) in ADDITIVE_METRICS]
-        self.per_step = [m for m in state.other_metrics if type(m) not in ADDITIVE_METRICS]
+        self.additive = [m for m in state.other_metrics if metric_kind(m) in ADDITIVE_METRICS]
+        self.per_step = [m for m in state.other_metrics if metric_kind(m) not in ADDITIVE_METRICS]
 
     def zeros(self) -> list[Any]:
         sums = [tf.zeros(self.mean_sums.shape, self.mean_sums.dtype)]

@@ -5,8 +5,9 @@ checkpoints hold sharded tables whole (tables.py), so the exported model looks e
 up in one table inside the graph. The SavedModel is written to ``OUT/<global step>/``, the
 versioned layout TensorFlow Serving watches, with a ``serving_default`` signature whose
 inputs are what the job's dataset yields as features (one input, ``features``, for one
-tensor; one per feature, under the ``keras.Input`` names, for named inputs) and whose output
-is ``outputs``.
+tensor; one per feature, under the ``keras.Input`` names, for named inputs) and whose
+outputs are ``outputs`` for a model of one output, else one per output (outputs.py: a dict's
+keys, ``output_0``, ``output_1``, ... for a list).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import Unusable, load_checked, restore_newest
 from psctl.coordinator.training.features import feature_names
 from psctl.coordinator.training.model import JobModel
+from psctl.coordinator.training.outputs import named_outputs
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ def serving_module(
     """A ``tf.Module`` holding the model and its ``serve`` function, traced for
     ``features``' spec: one input per leaf of the features, under ``names`` (``features``
     for a model of one input; the ``keras.Input`` names for named inputs), and
-    ``{"outputs": ...}`` out. ``preprocess``: the job's ``serving_features``, when the
+    ``{"outputs": ...}`` out (one per output under its name for several,
+    ``outputs.named_outputs``). ``preprocess``: the job's ``serving_features``, when the
     request is the job's ``serving_inputs()`` rather than the dataset's features."""
     leaves = tf.nest.flatten(features)
     signature = [
@@ -75,7 +78,7 @@ def serving_module(
         inputs = tf.nest.pack_sequence_as(features, list(tensors))
         if preprocess is not None:
             inputs = preprocess(inputs)
-        return {"outputs": model(inputs, training=False)}
+        return named_outputs(model(inputs, training=False))
 
     module = tf.Module()
     module.model = model
@@ -132,11 +135,13 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
         module = serving_module(built.model, x_spec, names)
     target.parent.mkdir(parents=True, exist_ok=True)
     tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
+    outputs = sorted(module.serve.get_concrete_function().structured_outputs)
     log.info(
-        "exported %s (global step %d) to %s; serving_default takes %s",
+        "exported %s (global step %d) to %s; serving_default takes %s and returns %s",
         checkpoint,
         int(step.numpy()),
         target,
         ", ".join(names),
+        ", ".join(outputs),
     )
     return Exported(checkpoint, target)
