@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,6 @@ from psctl.coordinator.launch.local import LocalCluster
 from tests.conftest import psctl_argv, read_json
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def cluster(workdir: Path) -> Iterator[LocalCluster]:
-    local = LocalCluster(num_ps=1, num_workers=2, workdir=workdir / "cluster")
-    try:
-        local.start()
-        local.wait_serving(timeout=120)
-        yield local
-    finally:
-        local.stop()
 
 
 def train(run_cli, cluster: LocalCluster, ckpt: Path, out: Path, *args: str) -> dict:
@@ -42,7 +30,8 @@ def train(run_cli, cluster: LocalCluster, ckpt: Path, out: Path, *args: str) -> 
 
 
 @pytest.mark.timeout(300)
-def test_local_steps_train_and_checkpoints_cross_modes(run_cli, cluster, workdir):
+def test_local_steps_train_and_checkpoints_cross_modes(run_cli, local_cluster, workdir):
+    cluster = local_cluster
     ckpt = workdir / "ckpt"
     local = ["--update-mode", "local", "--local-steps", "50"]
     first = train(run_cli, cluster, ckpt, workdir / "1.json", "--steps", "1200", *local)

@@ -3,12 +3,10 @@ follow) counts every step once, whatever the workers do at the same time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from psctl.coordinator.launch.local import LocalCluster
 from tests.conftest import psctl_argv, read_json, run_python
 
 pytestmark = pytest.mark.integration
@@ -24,17 +22,6 @@ def create_optimizer():
 """
 
 
-@pytest.fixture
-def cluster(workdir: Path) -> Iterator[LocalCluster]:
-    local = LocalCluster(num_ps=1, num_workers=2, workdir=workdir / "cluster")
-    try:
-        local.start()
-        local.wait_serving(timeout=120)
-        yield local
-    finally:
-        local.stop()
-
-
 def counters(ckpt: Path) -> tuple[int, int]:
     """(global step, optimizer iterations) in the latest checkpoint in ``ckpt``."""
     code = (
@@ -48,7 +35,8 @@ def counters(ckpt: Path) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(240)
-def test_iterations_equal_the_global_step_in_both_update_modes(run_cli, cluster, workdir):
+def test_iterations_equal_the_global_step_in_both_update_modes(run_cli, local_cluster, workdir):
+    cluster = local_cluster
     # Before the fix, Keras's read-then-assign increment lost the steps of workers that
     # overlapped: 410-462 of 600 in the default mode, 410-550 in local mode.
     job = workdir / "schedule_job.py"
