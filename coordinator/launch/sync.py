@@ -313,7 +313,7 @@ class LocalSyncJob:
         self.pids: dict[int, int] = {}  # worker -> its training process's pid, as now
         self._tasks_lock = threading.Lock()
         self.supervisors: list[TrainingSupervisor] = []
-        self.statuses: dict[int, int] = {}
+        self.statuses: dict[int, int] = {}  # in the order the supervisors ended
         self._threads: list[threading.Thread] = []
         self._stop_at: float | None = None
 
@@ -403,7 +403,9 @@ class LocalSyncJob:
             if self._stop_at is not None and time.monotonic() - self._stop_at > STOP_GRACE:
                 log.error("workers still running %.0fs after the stop: killing them", STOP_GRACE)
                 break
-        failed = [code for _, code in sorted(self.statuses.items()) if code != 0]
+        # The first failure's (the one that stopped the others): a worker that gave up
+        # (exit 70) ends the job with 70, not with the 75 of a peer stopped meanwhile.
+        failed = [code for code in self.statuses.values() if code != 0]
         return failed[0] if failed else self.statuses.get(0, 1)
 
     def control_stop(self, forwarded: bool) -> None:

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
-from psctl.coordinator.failures import PeerLost, Unreachable, describe
+from psctl.coordinator.failures import PeerLost, RestartFromCheckpoint, Unreachable, describe
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
@@ -255,7 +255,21 @@ class CollectiveRunner(RunnerBase):
         """No watcher to stop."""
 
     def finish(self) -> None:
-        """Nothing in flight to land, nothing to join."""
+        """Nothing in flight to land, nothing to join; but no worker ends before every
+        worker agrees on the outcome of the last step, in one all-gather. A model that is
+        not finite on any worker (the same on every worker after each all-reduce) restarts
+        them all from the latest checkpoint, and a worker that already left (the chief's
+        NaN guard raised after the last call) fails the all-gather here (``PeerLost``) as
+        it would a step. Seen without it: the last step's NaN was found only by the chief's
+        final checkpoint; worker 1 ended done, the chief restarted alone and waited for it
+        for good."""
+        step = self.completed
+        finite = 1.0 if self.owner.model_finite() else 0.0
+        (agreed,) = self.agreement.min([finite])
+        if agreed < 1.0:
+            raise RestartFromCheckpoint(
+                f"the model is not finite at global step {step}: every worker restarts"
+            )
 
 
 class ChiefEvalEvery:
@@ -382,6 +396,17 @@ class SyncTrainer(TrainerBase):
         variables = [*state.model.variables, *state.optimizer.variables, state.global_step]
         broadcast_from_chief(self.strategy, variables, is_chief=self.is_chief)
         return state.step()
+
+    def model_finite(self) -> bool:
+        """Whether this worker's model and optimizer hold only finite floats (what the
+        chief's checkpoint would refuse otherwise); read on the device, no collective."""
+        state = self.state
+        for variable in [*state.model.variables, *state.optimizer.variables]:
+            if tf.as_dtype(variable.dtype).is_floating and not bool(
+                tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(variable)))
+            ):
+                return False
+        return True
 
     def run(self) -> Summary:
         try:

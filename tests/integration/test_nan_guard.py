@@ -3,6 +3,7 @@ process restores the last finite checkpoint and finishes the job."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,38 @@ def test_nan_model_restarts_from_the_last_finite_checkpoint(workdir, run_cli, tm
     assert summary["global_step"] >= 2000
     assert summary["eval_accuracy"] >= 0.90, summary
     assert nonfinite_checkpoints(workdir / "checkpoints") == []
+
+
+@pytest.mark.timeout(90)
+def test_sync_job_that_diverges_at_the_last_step_fails_with_exit_70(workdir, run_cli):
+    """Sync mode, a loss that is NaN from the first step: the run reaches its last step
+    before any status (so before the guard) looks. Every worker must agree that the model
+    is not finite and restart together, until the budget is used up (exit 70). Seen before:
+    worker 1 ended done, the chief restarted alone and waited for it for good."""
+    argv = psctl_argv(
+        "local",
+        "--strategy",
+        "sync",
+        "--workers",
+        "2",
+        "--workdir",
+        str(workdir),
+        "--control-address",
+        "127.0.0.1:0",
+        "--job",
+        str(REPO / "tests" / "jobs" / "diverging.py"),
+        "--steps",
+        "100",
+        "--max-restarts",
+        "1",
+        "--connect-timeout",
+        "30",
+    )
+    started = time.monotonic()
+    proc = run_cli(argv, timeout=80)
+    assert proc.returncode == 70, proc.stderr[-4000:]
+    assert "the model is not finite at global step 100" in proc.stderr, proc.stderr[-4000:]
+    assert "giving up (job FAILED, exit 70)" in proc.stderr, proc.stderr[-4000:]
+    worker_log = (workdir / "logs" / "worker-1.log").read_text()
+    assert "done at global step" not in worker_log, worker_log[-4000:]
+    assert time.monotonic() - started < 80

@@ -7,6 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.loop import TrainingLoop
@@ -26,6 +29,11 @@ class ScriptedAgreement:
         self.sent.append(values)
         other = self.others.pop(0) if self.others else [0.0, 0.0, 0.0]
         return [max(a, b) for a, b in zip(values, other, strict=True)]
+
+    def min(self, values: list[float]) -> list[float]:
+        self.sent.append(values)
+        other = self.others.pop(0) if self.others else [1.0]
+        return [min(a, b) for a, b in zip(values, other, strict=True)]
 
 
 class Program:
@@ -66,7 +74,12 @@ def make_loop(others: list[list[float]], *, chief: bool, k: int = 5) -> tuple[Sy
     program = Program()
     agreement = ScriptedAgreement(others)
     owner = SimpleNamespace(
-        control=control, metrics=None, hooks=None, agreement=agreement, is_chief=chief
+        control=control,
+        metrics=None,
+        hooks=None,
+        agreement=agreement,
+        is_chief=chief,
+        model_finite=lambda: True,
     )
     runner = CollectiveRunner(owner, program, packer=Packer(fixed=k), start_step=0)
     loop = SyncLoop(
@@ -114,3 +127,16 @@ def test_the_chiefs_pause_holds_every_worker_until_resumed():
     assert program.calls == [5, 5]  # nothing ran while paused
     assert loop.control.state is State.RUNNING
     assert loop.paused_seconds > 0
+
+
+def test_every_worker_restarts_when_any_model_is_not_finite_at_the_end():
+    """The last step's outcome is agreed: a worker whose model is finite still restarts when
+    another's is not (the all-gather's min), never ending done alone."""
+    loop, _ = make_loop([], chief=False)
+    loop.runner.completed = 100
+    loop.agreement.others = [[0.0]]  # another worker: not finite
+    with pytest.raises(RestartFromCheckpoint, match="not finite at global step 100"):
+        loop.runner.finish()
+    assert loop.agreement.sent[-1] == [1.0]
+    loop.agreement.others = [[1.0]]
+    loop.runner.finish()  # every worker finite: done
