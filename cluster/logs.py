@@ -26,6 +26,8 @@ _TF_CLOSURE_REPORTS = (
 def configure_logging(*, verbose: bool = False, name: str = "psctl") -> None:
     """Log to stderr; under systemd's journal drop timestamps (journald adds its own)."""
     level = logging.DEBUG if verbose else logging.INFO
+    if not isinstance(sys.stderr, StderrWithoutReader):
+        sys.stderr = StderrWithoutReader(sys.stderr)  # type: ignore[assignment]
     if os.environ.get("JOURNAL_STREAM"):
         fmt = f"{name}: %(levelname)s %(name)s: %(message)s"
     else:
@@ -42,6 +44,36 @@ def configure_logging(*, verbose: bool = False, name: str = "psctl") -> None:
     tf_logger.filters[:] = [f for f in tf_logger.filters if not isinstance(f, _ClosureReports)]
     tf_logger.addFilter(_ClosureReports())
     sys.unraisablehook = _unraisable_hook
+
+
+class StderrWithoutReader:
+    """``sys.stderr`` that drops what it cannot write once its reader is gone, instead of
+    raising BrokenPipeError where a line is printed. A training process's stderr is a pipe to
+    its launcher: when the launcher was killed, the next progress line ended the process
+    before the final checkpoint its stop owes (measured: the steps since the last periodic
+    checkpoint lost)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class _ClosureReports(logging.Filter):

@@ -5,12 +5,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import socket
+import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # With no explicit port, a server's side ports sit at fixed offsets from its TF port, so that
 # `psctl health --cluster FILE` can find every health service from the cluster file alone.
@@ -128,6 +132,31 @@ def check_port_free(port: int, *, host: str = "", field: str) -> None:
                 f"cannot bind {host or '*'}:{port}: {err.strerror}",
                 "choose another port or host",
             ) from None
+
+
+def wait_port_free(port: int, *, field: str, grace: float, host: str = "") -> None:
+    """``check_port_free``, waiting up to ``grace`` seconds for a port that is taken: a
+    process of the job's previous run may still be stopping (a training process whose
+    launcher was killed checkpoints, then exits), and a new run started at once (systemd's
+    restart, an operator's) should not fail on it."""
+    deadline = time.monotonic() + grace
+    announced = False
+    while True:
+        try:
+            return check_port_free(port, host=host, field=field)
+        except PortInUseError:
+            if time.monotonic() >= deadline:
+                raise
+            if not announced:
+                log.warning(
+                    "%s: port %d is in use (the job's previous process still stopping?): "
+                    "waiting up to %.0fs for it",
+                    field,
+                    port,
+                    grace,
+                )
+                announced = True
+            time.sleep(0.5)
 
 
 class PortInUseError(ConfigError):

@@ -21,6 +21,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # From a launcher to its training process: checkpoint now, then exit for a fresh start on
 # a new cluster (psctl scale; training/loop.py).
 RESIZE_SIGNAL = signal.SIGUSR1
+# A training process's parent-death signal (its launcher killed: SIGKILL, OOM): a stop. Not
+# SIGTERM: the kernel sends it again at each reparenting (to another launcher thread, then
+# to init), and a second SIGTERM aborts with no final checkpoint (measured: steps lost).
+LAUNCHER_GONE = signal.SIGUSR2
 
 
 class SignalRelay:

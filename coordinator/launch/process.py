@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.procs import TrainingProcess
+from psctl.cluster.procs import TrainingProcess, die_with_parent
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
+from psctl.cluster.signals import LAUNCHER_GONE
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
 from psctl.coordinator import bad_records
@@ -432,8 +433,12 @@ def supervise_train(
         def start(counters: Counters) -> subprocess.Popen[bytes]:
             counters_json = json.dumps(asdict(counters))
             current = with_cluster(argv, cluster_file.path) if cluster_file else argv
+            # If the launcher dies (SIGKILL, OOM), the training process stops as at a stop,
+            # with its final checkpoint, instead of training on unsupervised.
             return TrainingProcess(
-                [*current, "--supervisor-counters", counters_json], verbose=args.verbose
+                [*current, "--supervisor-counters", counters_json],
+                verbose=args.verbose,
+                preexec_fn=die_with_parent(LAUNCHER_GONE),
             )
 
         if serve_control and not settings.checkpoint_dir:  # once, not at every restart

@@ -97,6 +97,11 @@ def wait_for_tf_ports(
         time.sleep(0.5)
 
 
+# How long a new training process waits for the chief's port held by the job's previous one
+# (its launcher killed: it stops as at a stop, checkpoint and evaluation included).
+PORT_GRACE = 60.0
+
+
 def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
     """Refuse a cluster whose ps and worker addresses are not where its servers are (two
     swapped in the file): TensorFlow would place the variables on a worker's process and
@@ -132,7 +137,9 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     early = EarlyStops()  # a stop while this process starts: kept for the loop
     require_chief(cluster, source=source)
     # TensorFlow binds the chief's port when it connects to the cluster.
-    ports.check_port_free(cluster.task_address("chief", 0).port, field="cluster.chief[0] port")
+    ports.wait_port_free(
+        cluster.task_address("chief", 0).port, field="cluster.chief[0] port", grace=PORT_GRACE
+    )
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     # /metrics first (STARTING, the counts carried from the earlier processes): a process

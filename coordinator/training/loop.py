@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.signals import RESIZE_SIGNAL, EarlyStops, SignalRelay
+from psctl.cluster.signals import LAUNCHER_GONE, RESIZE_SIGNAL, EarlyStops, SignalRelay
 from psctl.coordinator.failures import ResizeRequested, describe, restart_if_starting
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
@@ -77,6 +77,16 @@ def install_stop_signals(control: JobControl, early: EarlyStops | None = None) -
         relay.received = early.received
         log.warning("stopped while starting: no step trained, then checkpoint and exit")
         control.stop_on_signal()
+
+    gone = threading.Event()
+
+    def launcher_gone(signum: int) -> None:  # sent once per reparenting: acted on once
+        if not gone.is_set():
+            gone.set()
+            log.warning("the launcher is gone: finishing in-flight steps, then checkpoint and exit")
+            control.stop_on_signal()
+
+    SignalRelay(launcher_gone, (LAUNCHER_GONE,))
 
     def resize(signum: int) -> None:
         restart_if_starting(control.state is State.STARTING, "the launcher asked for a new cluster")

@@ -119,3 +119,64 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
         for server in (ps, worker):
             kill_if_running(server, timeout=30)
     assert processes_mentioning(str(checkpoints)) == []
+
+
+def test_a_killed_launchers_training_process_checkpoints_and_the_next_run_goes_on(
+    local_cluster, workdir: Path
+):
+    """SIGKILL of `psctl train` (an OOM kill, an operator's kill -9) left its training process
+    training on unsupervised, holding the chief's port: a new `psctl train` started at once
+    failed with exit 1. Now the training process stops as at a stop (its final checkpoint,
+    the kernel's double parent-death signal acted on once) and the new run waits for the
+    port, then goes on from that checkpoint."""
+    (control_port,) = free_ports(1)
+    address = f"127.0.0.1:{control_port}"
+    checkpoints = workdir / "checkpoints"
+    argv = psctl_argv(
+        "train", "--cluster", str(local_cluster.cluster_file), "--control-address", address,
+        "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1000", "--steps", "100000",
+        "--metrics-port", "0", "--connect-timeout", "30",
+    )  # fmt: skip
+    log_path = workdir / "train.log"
+    with log_path.open("wb") as log_file:
+        first = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env())
+    second = None
+    try:
+        wait_until(
+            lambda: (s := status_or_none(address)) and int(s.get("global_step", 0)) > 300,
+            timeout=150,
+            what="training past step 300",
+        )
+        (child,) = [p for p in processes_mentioning("--once") if p in children_of(first.pid)]
+        first.kill()
+        first.wait(10)
+        wait_until(lambda: not pid_alive(child), timeout=60, what="the training process gone")
+        steps = sorted(int(p.name[5:-6]) for p in checkpoints.glob("ckpt-*.index"))
+        assert steps and steps[-1] % 1000 != 0, steps  # its own final checkpoint
+        with log_path.open("ab") as log_file:
+            second = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env()
+            )
+        wait_until(
+            lambda: f"restored {checkpoints}/ckpt-{steps[-1]} " in log_path.read_text(),
+            timeout=120,
+            what=f"the new run restoring ckpt-{steps[-1]}",
+        )
+        stop = control_cli(address, "stop", timeout=150)
+        assert stop.returncode == 0, stop.stderr
+        assert second.wait(timeout=150) == 0, log_path.read_text()[-3000:]
+    finally:
+        kill_if_running(first, timeout=30)
+        kill_if_running(second, timeout=30)
+
+
+def children_of(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return {int(p) for p in path.read_text().split()} if path.exists() else set()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
