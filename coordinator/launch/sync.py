@@ -119,11 +119,11 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     # health state and process), as a worker-server does in the parameter-server mode.
     metrics = None
     process_metrics = None
-    if is_chief:
+    if is_chief and metrics_port:  # 0: none (the chief's address would be worker 0's own)
         metrics = start_metrics(
             metrics_port,
             settings,  # psctl_batch_size: per worker, as in the parameter-server mode
-            cluster.with_chief(str(address.with_port(metrics_port or address.port))),
+            cluster.with_chief(str(address.with_port(metrics_port))),
             counters,
             # A sync step reads a batch on every worker: examples are counted per step so.
             examples_per_step=settings.batch_size * cluster.num_workers,

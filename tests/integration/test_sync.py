@@ -4,6 +4,7 @@ and leaves nothing running."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from psctl.cluster.ports import free_ports
 from tests.conftest import (
+    child_env,
     control_cli,
     describe_process,
     kill_if_running,
@@ -208,3 +210,37 @@ def test_sync_trains_a_job_with_an_auc_metric(run_cli, workdir, tmp_path):
     assert summary["global_step"] == 200
     assert summary["eval_auc"] is not None and summary["eval_auc"] > 0.6, summary
     assert "auc" in summary["metrics"], summary
+
+
+@pytest.mark.timeout(200)
+def test_sync_train_without_metrics_runs(workdir):
+    """`psctl train --strategy sync --metrics-port 0` on worker 0: /metrics off, as in the
+    parameter-server mode. It was refused (exit 78: the chief's /metrics address taken as
+    worker 0's own, 'also used by cluster.worker[0]')."""
+    workdir.mkdir(parents=True)
+    tf_ports = free_ports(2)
+    cluster = workdir / "cluster.json"
+    workers = [f"127.0.0.1:{port}" for port in tf_ports]
+    cluster.write_text(json.dumps({"cluster": {"worker": workers}}))
+
+    def argv(index: int) -> list[str]:
+        return psctl_argv(
+            "train", "--strategy", "sync", "--cluster", str(cluster), "--task-index", str(index),
+            "--metrics-port", "0", "--health-port", "0", "--steps", "40",
+            "--control-address", "127.0.0.1:0", "--connect-timeout", "60",
+        )  # fmt: skip
+
+    procs = [
+        subprocess.Popen(
+            argv(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [proc.communicate(timeout=150)[0] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], outs[0][-3000:] + outs[1][-2000:]
+        assert "done | step: 40" in outs[0], outs[0][-3000:]
+        assert "metrics on" not in outs[0], outs[0][-3000:]
+    finally:
+        for proc in procs:
+            kill_if_running(proc, timeout=30)
