@@ -136,7 +136,8 @@ def _pairs(expected: Any, given: Any, *, job: str, source: str, at: str = "") ->
             raise _fail(
                 job,
                 source,
-                f"are {_shape_of(given)} where the model takes named inputs ({_names(expected)})",
+                f"are {structure_of(given)} where the model takes named inputs "
+                f"({_names(expected)})",
                 "yield (features, label) with features a dict of {input name: tensor}",
             )
         missing = [k for k in expected if k not in given]
@@ -152,7 +153,7 @@ def _pairs(expected: Any, given: Any, *, job: str, source: str, at: str = "") ->
             raise _fail(
                 job,
                 source,
-                f"are {_shape_of(given)} where the model takes {len(expected)} inputs in order",
+                f"are {structure_of(given)} where the model takes {len(expected)} inputs in order",
                 "yield a tuple of features in the order of the model's inputs",
             )
         if len(given) != len(expected):
@@ -195,7 +196,8 @@ def _declared(key: object, expected: Any) -> str:
     return repr(key)
 
 
-def _shape_of(given: Any) -> str:
+def structure_of(given: Any) -> str:
+    """How a nest reads in an error line: a dict (its keys), a sequence of N, one tensor."""
     if isinstance(given, Mapping):
         return f"a dict ({_names(given)})"
     if isinstance(given, Sequence):

@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError, echo
-from psctl.coordinator.training.features import leaf_shape
+from psctl.coordinator.training.features import leaf_shape, structure_of
 from psctl.coordinator.training.outputs import batch_size, output_keys
 
 # Names a misspelling is matched against (keras.metrics.get takes these and class names).
@@ -117,7 +117,7 @@ def structured_metric_factories(
     if _label_keys(label_spec, outputs) is None:
         raise ConfigError(
             where,
-            f"the labels are {_structure(label_spec)} where the model has the outputs "
+            f"the labels are {structure_of(label_spec)} where the model has the outputs "
             f"{', '.join(names)}",
             "yield (features, labels) with labels of the outputs' structure (a dict of the "
             "same keys, or a tuple of one label per output)",
@@ -145,14 +145,6 @@ def _label_keys(label_spec: Any, outputs: list[tuple[str, Any]]) -> list[Any] | 
     if isinstance(label_spec, Sequence) and len(label_spec) == len(keys):
         return keys if all(isinstance(k, int) for k in keys) else None
     return None
-
-
-def _structure(spec: Any) -> str:
-    if isinstance(spec, Mapping):
-        return f"a dict ({', '.join(sorted(str(k) for k in spec))})"
-    if isinstance(spec, Sequence):
-        return f"a sequence of {len(spec)}"
-    return "one tensor"
 
 
 def _pick(fn: Any, key: Any, y_true: Any, y_pred: Any, **kwargs: Any) -> Any:
