@@ -246,12 +246,14 @@ def load_job(spec: str) -> Job:
     metrics = getattr(module, "metrics", None)
     if isinstance(metrics, Mapping):  # per output of a multi-output model: {name: metrics}
         metrics = dict(metrics)
-    elif metrics is not None and (isinstance(metrics, str) or not isinstance(metrics, Sequence)):
-        raise ConfigError(
-            f"--job {spec}",
-            "metrics must be a list (or a dict by output name)",
-            'e.g. metrics = ["accuracy"]',
-        )
+    elif metrics is not None:
+        if isinstance(metrics, str) or not isinstance(metrics, Sequence):
+            raise ConfigError(
+                f"--job {spec}",
+                "metrics must be a list (or a dict by output name)",
+                'e.g. metrics = ["accuracy"]',
+            )
+        metrics = list(metrics)
     serving = {name: getattr(module, name, None) for name in SERVING}
     given_serving = [name for name, fn in serving.items() if fn is not None]
     incomplete = len(given_serving) < len(SERVING) or not all(map(callable, serving.values()))
@@ -265,34 +267,27 @@ def load_job(spec: str) -> Job:
     extra = {name: serving[name] for name in SERVING}
     given = {name: getattr(module, name, None) for name in FROM_COMPILE}
     needed = [name for name, fn in given.items() if not callable(fn)]
-    if not needed and metrics is not None:
-        return _checked(
-            Job(
-                name=spec,
-                create_model=module.create_model,
-                create_optimizer=module.create_optimizer,
-                loss_fn=module.loss_fn,
-                dataset_fn=module.dataset_fn,
-                eval_dataset_fn=eval_fn,
-                metrics=_metrics_list(metrics),
-                module=module,
-                **extra,
-            )
-        )
-    compiled = FromCompile(spec, module.create_model, needed=needed)
+    create_model, dataset_fn = module.create_model, module.dataset_fn
+    create_optimizer: Any = given["create_optimizer"]  # callable unless ``needed``
+    loss_fn: Any = given["loss_fn"]
+    if needed or metrics is None:  # what the job leaves to its compiled model
+        compiled = FromCompile(spec, create_model, needed=needed)
+        create_model = compiled.create_model
+        if "create_optimizer" in needed:
+            create_optimizer = compiled.create_optimizer
+        if "loss_fn" in needed:
+            loss_fn = compiled.loss_fn
+        if metrics is None:
+            metrics = compiled.metrics
     return _checked(
         Job(
             name=spec,
-            create_model=compiled.create_model,
-            create_optimizer=(
-                compiled.create_optimizer
-                if "create_optimizer" in needed
-                else module.create_optimizer
-            ),
-            loss_fn=compiled.loss_fn if "loss_fn" in needed else module.loss_fn,
-            dataset_fn=module.dataset_fn,
+            create_model=create_model,
+            create_optimizer=create_optimizer,
+            loss_fn=loss_fn,
+            dataset_fn=dataset_fn,
             eval_dataset_fn=eval_fn,
-            metrics=_metrics_list(metrics) if metrics is not None else compiled.metrics,
+            metrics=metrics,
             module=module,
             **extra,
         )
@@ -372,11 +367,6 @@ def _checked(job: Job) -> Job:
         dataset_fn=datasets("dataset_fn", job.dataset_fn),
         eval_dataset_fn=datasets("eval_dataset_fn", eval_fn) if eval_fn is not None else None,
     )
-
-
-def _metrics_list(metrics: Any) -> Any:
-    """The job's ``metrics``: a list, or a dict by output name kept as it is."""
-    return metrics if isinstance(metrics, dict) else list(metrics)
 
 
 class FromCompile:
