@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -209,8 +210,19 @@ _WORKER_LOSS_CODES = frozenset({_UNAVAILABLE, _ABORTED})
 _CLUSTER_CODES = frozenset({_UNAVAILABLE, _ABORTED, _CANCELLED, _DEADLINE_EXCEEDED})
 
 
+def unstaged(err: BaseException) -> BaseException:
+    """The error itself where TensorFlow's autograph re-raised it as a ``StagingError`` (it
+    does so for an exception whose constructor takes more than a message, ConfigError's
+    included: a too-small eval set found while ``--eval-every``'s function was traced was
+    exit 1 and a traceback): the original, its ``__context__``."""
+    while type(err).__name__ == "StagingError" and isinstance(err.__context__, BaseException):
+        err = err.__context__
+    return err
+
+
 def classify(err: BaseException) -> Failure:
     """Names what ``err`` means for the job (see ``Failure``)."""
+    err = unstaged(err)
     if isinstance(err, RestartFromCheckpoint):
         return Failure.NON_FINITE
     if isinstance(err, ConfigError) or bad_records.found_in(err) is not None:
@@ -230,10 +242,18 @@ def classify(err: BaseException) -> Failure:
     return Failure.JOB_ERROR
 
 
+# Sync mode: the signal that ends a training process whose workers did not all join within
+# --connect-timeout (training/sync.py arms it; default action: the process ends). TensorFlow
+# waits for the group holding the GIL, so nothing in Python could end the wait.
+JOIN_DEADLINE = signal.SIGALRM
+
+
 def classify_exit(code: int) -> Failure | None:
     """What a training process's exit status (``Popen.returncode``) says; None: it finished."""
     if code == 0:
         return None
+    if code == -JOIN_DEADLINE:
+        return Failure.UNREACHABLE
     if code < 0:
         return Failure.TRAINING_CRASHED
     if code == EXIT_RESTART:

@@ -45,6 +45,7 @@ from psctl.coordinator.failures import (
     exit_status,
     restart_if_starting,
     tasks_named,
+    unstaged,
 )
 from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.launch.resize import ClusterFile, Membership, Rejoins, Resizer, shape_of
@@ -219,13 +220,14 @@ def run_training_process(
         log.info("resizing: %s; a fresh training process goes on on the new cluster", err)
         control.set_state(State.RECOVERING, f"resizing the cluster ({err})")
         return EXIT_RESTART
-    except BaseException as err:
-        if classify(err) is Failure.NON_FINITE:
+    except BaseException as caught:
+        error = unstaged(caught)  # a ConfigError raised in a traced function: as itself
+        if classify(error) is Failure.NON_FINITE:
             count_nonfinite(counters, metrics)
-        bad_record = bad_records.as_config_error(err)  # one line naming the file and line
+        bad_record = bad_records.as_config_error(error)  # one line naming the file and line
         if bad_record is not None:
-            err = bad_record
-        code = end_on_error(err, control, failures, recovery_timeout=settings.recovery_timeout)
+            error = bad_record
+        code = end_on_error(error, control, failures, recovery_timeout=settings.recovery_timeout)
         if code == 0 and serve_control:  # stopped while a lost ps stayed down: no evaluation
             return complete(
                 kept_summary(settings, control),

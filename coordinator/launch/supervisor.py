@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,7 @@ from psctl.cluster.files import write_json_atomic
 from psctl.cluster.signals import RESIZE_SIGNAL
 from psctl.coordinator.failures import (
     EXIT_RESTART,
+    JOIN_DEADLINE,
     RESTARTS,
     Decision,
     Failure,
@@ -206,6 +208,10 @@ def describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
+# A stop signal repeated within this many seconds is one stop (request_stop).
+STOP_ECHO = 1.0
+
+
 class TrainingSupervisor:
     """Runs the training process until it finishes, restarting it when it should.
 
@@ -249,6 +255,7 @@ class TrainingSupervisor:
         self._resize: dict[str, object] | None = None  # asked for, not done yet
         self._resize_started = self._resize_sent = 0.0
         self._forwarded = 0  # the stop signal request_stop sent the training process
+        self._forwarded_at = -STOP_ECHO  # when (clock)
         # Children inherit it ignored: a resize signal that reaches a training process
         # before it installs its handler (training/loop.py) must not kill it.
         with contextlib.suppress(ValueError):  # not the main thread: a test's supervisor
@@ -337,6 +344,16 @@ class TrainingSupervisor:
                 # for --connect-timeout (69), the job's own code raising (1) or a stop:
                 # restarting cannot help. The child's status is the job's; one killed by a
                 # signal ends it with the decision's.
+                if code == -JOIN_DEADLINE and not self.stopping:  # sync: no group in time
+                    log.error("not every worker joined within --connect-timeout")
+                    print(
+                        "psctl: error: not every worker joined within --connect-timeout; "
+                        "start psctl train --strategy sync on every worker of the cluster "
+                        f"file, or raise --connect-timeout; giving up (exit "
+                        f"{exit_status(decision)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return code if code >= 0 else exit_status(decision)
             if decision is Decision.RESTART_WITH_BACKOFF:
                 self.counters.coordinator_failures += 1
@@ -420,10 +437,18 @@ class TrainingSupervisor:
             self.request_stop(signal.SIGTERM)
 
     def request_stop(self, signum: int) -> None:
-        """Forward a stop to the training process; never restart after it."""
+        """Forward a stop to the training process; never restart after it. The same signal
+        again within STOP_ECHO seconds is the same stop, not the second one that aborts:
+        `timeout` sends its signal to the command and again to its process group (seen: a
+        run aborted with no checkpoint, 1 in 3), and systemd may do alike."""
         self.stopping = True
         child = self.child
+        now = self.clock()
+        if signum == self._forwarded and now - self._forwarded_at < STOP_ECHO:
+            log.debug("%s again at once: the same stop", signal.Signals(signum).name)
+            return
         if child is not None and child.poll() is None:
+            self._forwarded_at = now
             log.warning(
                 "%s: asking the training process to stop (checkpoint first)",
                 signal.Signals(signum).name,

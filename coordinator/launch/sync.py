@@ -133,7 +133,14 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if args.tasks_file:
         tasks = load_tasks(args.tasks_file, cluster)
     else:
-        tasks = sync_tasks(cluster, index, chief_metrics_port=worker_metrics_port(cluster, 0, args))
+        tasks = sync_tasks(
+            cluster,
+            index,
+            chief_metrics_port=worker_metrics_port(cluster, 0, args),
+            health=ports.HealthAddresses.of_file(args.cluster),
+            own_health_port=health_port,
+            own_metrics_port=metrics_port,
+        )
     # SERVING from when this worker joined the group until it is done, as a server's.
     health = WorkerHealth(host=host, port=health_port, metrics=process_metrics)
 
@@ -192,18 +199,31 @@ def worker_metrics_port(cluster: ClusterConfig, index: int, args: argparse.Names
     return port if port < 65536 else 0
 
 
-def sync_tasks(cluster: ClusterConfig, index: int, *, chief_metrics_port: int) -> list[TaskInfo]:
-    """Every worker of a sync job as status lists it from the cluster alone: its health at
-    its TF port + 1000 and its /metrics (worker 0's on the coordinator's port), this
-    worker's pid (the others' are on their hosts)."""
+def sync_tasks(
+    cluster: ClusterConfig,
+    index: int,
+    *,
+    chief_metrics_port: int,
+    health: ports.HealthAddresses,
+    own_health_port: int,
+    own_metrics_port: int,
+) -> list[TaskInfo]:
+    """Every worker of a sync job as status lists it: its health where the cluster file's
+    "health" section says (``health``), else at its TF port + 1000, and its /metrics
+    (worker 0's on the coordinator's port); this worker's pid, and its own health and
+    /metrics ports as its flags set them (the others' pids are on their hosts)."""
     tasks = []
-    for task in load_tasks(None, cluster):
+    for task in load_tasks(None, cluster, health=health):
+        address = cluster.task_address("worker", task.index)
         if task.index == 0:
-            address = cluster.task_address("worker", 0)
             url = f"http://{address.with_port(chief_metrics_port)}/metrics"
             task = replace(task, metrics_url=url if chief_metrics_port else "")
         if task.index == index:
-            task = replace(task, pid=os.getpid())
+            own = str(address.with_port(own_health_port)) if own_health_port else ""
+            task = replace(task, pid=os.getpid(), health_address=own)
+            if index != 0:
+                url = f"http://{address.with_port(own_metrics_port)}/metrics"
+                task = replace(task, metrics_url=url if own_metrics_port else "")
         tasks.append(task)
     return tasks
 

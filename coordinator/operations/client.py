@@ -34,9 +34,10 @@ RPC_TIMEOUT = 5.0  # seconds; every RPC has a deadline
 class ControlError(Exception):
     """One line for the operator, and the exit status that goes with it."""
 
-    def __init__(self, message: str, exit_status: int) -> None:
+    def __init__(self, message: str, exit_status: int, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.exit_status = exit_status
+        self.code = code  # the RPC's status, where one came back
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,11 @@ def _describe(err: grpc.RpcError, address: str, target: Target | None = None) ->
         )
     if code == grpc.StatusCode.UNAVAILABLE:
         reason = "connection refused" if "refused" in (details or "").lower() else details
-        return ControlError(f"no coordinator at {address}: {reason}", EXIT_UNAVAILABLE)
+        return ControlError(f"no coordinator at {address}: {reason}", EXIT_UNAVAILABLE, code)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return ControlError(f"coordinator at {address} did not answer in time", EXIT_UNAVAILABLE)
+        return ControlError(
+            f"coordinator at {address} did not answer in time", EXIT_UNAVAILABLE, code
+        )
     if code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's to fix: a setting's line
         return ControlError(details or "invalid request", EXIT_CONFIG)
     if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not psctl's Control API
@@ -329,9 +332,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         try:
             last = call(target, "GetStatus", control_pb2.GetStatusRequest(), timeout=2.0)
-        except ControlError:
-            print(f"coordinator stopped{stopped_at(last)}", flush=True)
-            return 0
+        except ControlError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE:  # nothing listens there any more
+                print(f"coordinator stopped{stopped_at(last)}", flush=True)
+                return 0
+            # Busy (a deadline) or any other answer: it is still there.
         time.sleep(0.5)
     raise ControlError(
         f"coordinator at {args.address} still running after {args.timeout:.0f}s "

@@ -25,8 +25,16 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "checkpoint"  # what tf.train.CheckpointManager reads to find the newest
 _INDEX = re.compile(r"^ckpt-(\d+)\.index$")  # CheckpointManager's names: ckpt-<global step>
-_WHY_CHARS = 160  # a reason in the final one-line error, cut to this
+WHY_CHARS = 160  # a reason in the final one-line error, cut to this
 _DIR_FIX = "give a directory this user can create and write to"
+
+
+def cut_reason(why: str) -> str:
+    """A reason for the one-line error: at most WHY_CHARS, cut between words."""
+    why = " ".join(why.split())
+    if len(why) <= WHY_CHARS:
+        return why
+    return why[: WHY_CHARS + 1].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,9 @@ class ModelDoesNotMatch(ConfigError):
         super().__init__(
             "--job",
             f"the job's model does not match the {len(bad)} checkpoint(s) in {directory} "
-            f"({newest.name}: {why[:_WHY_CHARS]})",
-            "give the --job and the settings (table sizes, dimensions) that wrote them, or "
+            f"({newest.name}: {cut_reason(why)})",
+            "give the --job and the settings (its optimizer, table sizes, dimensions) that "
+            "wrote them, or "
             "another --checkpoint-dir for this model",
         )
 
@@ -86,7 +95,7 @@ class NoUsableCheckpoint(ConfigError):
     files: a configuration error (exit 78), for the operator to look at."""
 
     def __init__(self, directory: str, bad: list[tuple[Found, str]]) -> None:
-        shown = "; ".join(f"{found.name}: {why[:_WHY_CHARS]}" for found, why in bad)
+        shown = "; ".join(f"{found.name}: {cut_reason(why)}" for found, why in bad)
         super().__init__(
             "--checkpoint-dir",
             f"none of the {len(bad)} checkpoint(s) in {directory} can be restored ({shown})",

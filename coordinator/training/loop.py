@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.signals import LAUNCHER_GONE, RESIZE_SIGNAL, EarlyStops, SignalRelay
-from psctl.coordinator.failures import ResizeRequested, describe, restart_if_starting
+from psctl.coordinator.failures import (
+    Failure,
+    ResizeRequested,
+    classify,
+    describe,
+    restart_if_starting,
+)
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
@@ -430,6 +436,7 @@ def run_training(
         loop.train(start_step, steps_per_execution=runner.packer.k)
     except Exception as err:
         if trainer.settings.epochs or not _is_end_of_data(err):
+            _keep_steps_trained(trainer, err, start_step)
             raise
         raise _data_ended(trainer) from None
     if trainer.control.resize_requested.is_set() and trainer.is_chief:
@@ -453,6 +460,33 @@ def _is_end_of_data(err: BaseException) -> bool:
     return isinstance(err, tf.errors.OutOfRangeError)
 
 
+def _save_trained(trainer: TrainerBase) -> str | None:
+    """A checkpoint of the steps trained, before a run that cannot be restarted ends (the
+    parameter-server mode's chief, where there is a directory; a sync worker's peers may be
+    gone from the group's collectives); None: none written. Its error is logged: the run's
+    own is the one to report."""
+    if trainer.settings.strategy == "sync" or not trainer.is_chief:
+        return None
+    try:
+        return trainer.checkpointer.save()
+    except Exception as err:
+        log.warning("no checkpoint of the steps trained: %s", describe(err))
+        return None
+
+
+def _keep_steps_trained(trainer: TrainerBase, err: BaseException, start_step: int) -> None:
+    """A configuration error or the job's own found mid-run (an eval set too small for its
+    workers at the first --eval-every, a metric that raises): no restart can help, so the
+    run ends, with the steps trained since the last checkpoint saved first."""
+    if classify(err) not in (Failure.CONFIG_ERROR, Failure.JOB_ERROR):
+        return  # restarted, or a ps gone: the latest checkpoint is the one to go on from
+    if trainer.state.step() <= start_step:
+        return
+    path = _save_trained(trainer)
+    if path:
+        log.warning("the run ends on an error: the steps trained are in %s", path)
+
+
 def _data_ended(trainer: TrainerBase) -> ConfigError:
     """A worker's dataset ran out before --steps (a dataset_fn without repeat(), or files
     emptier than thought): the steps trained so far in a checkpoint (the parameter-server
@@ -461,16 +495,12 @@ def _data_ended(trainer: TrainerBase) -> ConfigError:
     step = trainer.state.step()
     kept = "no --checkpoint-dir: the steps trained are not kept"
     if trainer.settings.strategy == "sync":
-        # No save here: the other workers may be gone from the group's collectives.
         kept = "sync mode: the steps since the last checkpoint are not kept"
-    elif trainer.is_chief:
-        try:
-            path = trainer.checkpointer.save()
-        except Exception as err:  # the data's error is the one to report
-            log.warning("no checkpoint of the steps trained: %s", describe(err))
-            path = None
-        if path:
-            kept = f"the {step} steps trained are in {path}"
+    path = _save_trained(trainer)
+    if path:
+        # The step saved (ckpt-<step>): calls in flight may have finished since the read.
+        step = int(path.rsplit("-", 1)[1])
+        kept = f"the {step} steps trained are in {path}"
     return ConfigError(
         f"--job {trainer.job.name}",
         f"dataset_fn's dataset ran out at global step {step} of {trainer.settings.steps} ({kept})",

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,13 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
-from psctl.coordinator.failures import PeerLost, RestartFromCheckpoint, Unreachable, describe
+from psctl.coordinator.failures import (
+    JOIN_DEADLINE,
+    PeerLost,
+    RestartFromCheckpoint,
+    Unreachable,
+    describe,
+)
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
@@ -75,6 +83,17 @@ def sync_strategy(cluster: ClusterConfig, index: int, *, connect_timeout: float)
         task_id=index,
         rpc_layer="grpc",
     )
+    # TensorFlow 2.21's coordination service waits for every worker with no deadline (it
+    # turns the health check that timeout drove off) and holds the GIL meanwhile: the
+    # deadline is a signal whose default action ends this process; its supervisor reads it
+    # as unreachable (failures.classify_exit: exit 69).
+    log.info(
+        "waiting up to %.0fs (--connect-timeout) for every worker to join: %s",
+        connect_timeout,
+        ", ".join(cluster.workers),
+    )
+    signal.signal(JOIN_DEADLINE, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(connect_timeout)))
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     except RuntimeError as err:
@@ -84,6 +103,8 @@ def sync_strategy(cluster: ClusterConfig, index: int, *, connect_timeout: float)
                 f"{', '.join(cluster.workers)}"
             ) from err
         raise
+    finally:
+        signal.alarm(0)
 
 
 def peer_lost(err: BaseException) -> bool:

@@ -100,3 +100,32 @@ def test_bad_eval_file_fails_before_training(workdir, run_cli, tmp_path):
     assert "Traceback" not in proc.stderr
     assert "train | step:" not in proc.stderr
     assert processes_mentioning(str(workdir)) == []
+
+
+@pytest.mark.timeout(200)
+def test_an_eval_file_too_small_for_eval_every_keeps_the_steps_trained(workdir, run_cli, tmp_path):
+    """One eval example for 2 workers, found when ``--eval-every``'s evaluation is first
+    traced: one line and exit 78, with the steps trained in a checkpoint. It was exit 1, a
+    TensorFlow StagingError with its frames, and every step since the last checkpoint lost."""
+    x, y, ex, ey = mlp.make_data()
+    train, evaluation = tmp_path / "train.csv", tmp_path / "eval.csv"
+    data.write_csv(train, x[:2000], y[:2000])
+    data.write_csv(evaluation, ex[:1], ey[:1])
+    checkpoints = workdir / "ckpt"
+    proc = run_cli(
+        local_argv(
+            workdir, "--train-data", str(train), "--eval-data", str(evaluation),
+            "--steps", "5000", "--eval-every", "200", "--checkpoint-dir", str(checkpoints),
+            "--checkpoint-every", "100000",
+        ),
+        timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("psctl: error")]
+    assert errors == [
+        f"psctl: error: --eval-data: 1 examples in {evaluation} for 2 workers; give at least "
+        "one example per worker"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "StagingError" not in proc.stderr
+    steps = [int(p.name[len("ckpt-") : -len(".index")]) for p in checkpoints.glob("ckpt-*.index")]
+    assert steps and max(steps) >= 200, (steps, proc.stderr[-2000:])

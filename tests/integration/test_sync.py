@@ -244,3 +244,49 @@ def test_sync_train_without_metrics_runs(workdir):
     finally:
         for proc in procs:
             kill_if_running(proc, timeout=30)
+
+
+@pytest.mark.timeout(200)
+def test_a_sync_worker_whose_peer_never_starts_ends_at_the_connect_timeout(workdir):
+    """Worker 0 of 2, worker 1 never started: exit 69 after ``--connect-timeout`` with one
+    line, as sync.md says. TensorFlow 2.21 waits for the group with no deadline (it ran
+    13 min, SIGTERM and ``psctl stop`` not acted on). A ``psctl stop`` meanwhile says
+    "coordinator stopped" only once it is gone (it said so while the job still ran)."""
+    workdir.mkdir(parents=True)
+    cluster = workdir / "cluster.json"
+    tf_port, absent, control = free_ports(3)
+    workers = [f"127.0.0.1:{tf_port}", f"127.0.0.1:{absent}"]
+    cluster.write_text(json.dumps({"cluster": {"worker": workers}}))
+    address = f"127.0.0.1:{control}"
+
+    def start(connect_timeout: int) -> subprocess.Popen[str]:
+        argv = psctl_argv(
+            "train", "--strategy", "sync", "--cluster", str(cluster), "--task-index", "0",
+            "--metrics-port", "0", "--health-port", "0", "--steps", "40",
+            "--checkpoint-dir", str(workdir / "ckpt"), "--control-address", address,
+            "--connect-timeout", str(connect_timeout),
+        )  # fmt: skip
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+        )
+
+    proc = start(5)
+    try:
+        out = proc.communicate(timeout=90)[0]
+        assert proc.returncode == 69, out[-3000:]
+        assert out.strip().splitlines()[-1] == (
+            "psctl: error: not every worker joined within --connect-timeout; start psctl train "
+            "--strategy sync on every worker of the cluster file, or raise --connect-timeout; "
+            "giving up (exit 69)"
+        ), out[-3000:]
+
+        proc = start(30)
+        deadline = time.monotonic() + 60
+        while status_or_none(address) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stop = control_cli(address, "stop", "--timeout", "90", timeout=120)
+        assert stop.returncode == 0 and "coordinator stopped" in stop.stdout, stop
+        proc.wait(timeout=5)  # gone when stop said so
+        assert "not every worker joined" not in proc.stdout.read(), "a stop is no failed join"
+    finally:
+        kill_if_running(proc, timeout=30)

@@ -314,3 +314,14 @@ def test_psctl_train_checks_the_directories_before_anything_else(tmp_path, once)
         "give a directory this user can create and write to\n"
     )
     assert time.monotonic() - started < 20
+
+
+def test_a_long_reason_is_cut_between_words():
+    """The final line cut TensorFlow's message mid-word ('... and name de); give ...')."""
+    from psctl.coordinator.training.checkpoint_files import WHY_CHARS, cut_reason
+
+    why = "Expected shape [500,8] for value, got [500,16] " + "word " * 60
+    cut = cut_reason(why)
+    assert len(cut) <= WHY_CHARS + 4 and cut.endswith(" ...")
+    assert cut[: -len(" ...")].split(" ")[-1] == "word"
+    assert cut_reason("short  reason\n") == "short reason"

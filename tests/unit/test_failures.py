@@ -42,7 +42,12 @@ from psctl.coordinator.failures import (
     tasks_named,
 )
 from psctl.coordinator.launch import process
-from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
+from psctl.coordinator.launch.supervisor import (
+    STOP_ECHO,
+    Counters,
+    RestartPolicy,
+    TrainingSupervisor,
+)
 from psctl.coordinator.operations.job_state import TaskInfo
 from psctl.coordinator.operations.state import State
 from tests.conftest import child_env, psctl_argv
@@ -644,6 +649,34 @@ def test_supervisor_never_restarts_after_a_stop(code: int, status: int) -> None:
     assert len(starts) == 1
     assert child.signals == [signal.SIGTERM]  # forwarded while it ran
     assert sup.counters.restarts == 0
+
+
+def test_a_stop_signal_sent_twice_at_once_is_one_stop() -> None:
+    """`timeout` signals the command and then its process group: the launcher gets SIGTERM
+    twice at once. Forwarded twice, the training process took the second as the abort
+    (exit 130, no checkpoint). Once within STOP_ECHO; a later one is the second stop."""
+    fake = FakeTime()
+    holder: list[TrainingSupervisor] = []
+
+    def stops() -> None:
+        holder[0].request_stop(signal.SIGTERM)
+        holder[0].request_stop(signal.SIGTERM)  # the process group's copy
+        fake.now += STOP_ECHO / 2
+        holder[0].request_stop(signal.SIGTERM)
+        assert child.signals == [signal.SIGTERM]
+        fake.now += STOP_ECHO
+        holder[0].request_stop(signal.SIGTERM)  # an operator's second stop
+
+    child = FakeChild(0, fake, on_wait=stops)
+    sup = TrainingSupervisor(
+        lambda counters: child,  # type: ignore[arg-type,return-value]
+        policy=NoJitter(),
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    holder.append(sup)
+    assert sup.run() == 0
+    assert child.signals == [signal.SIGTERM, signal.SIGTERM]
 
 
 def test_supervisor_stop_during_backoff() -> None:

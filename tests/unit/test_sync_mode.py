@@ -11,18 +11,22 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file
 from psctl.coordinator.failures import (
     EXIT_RESTART,
+    JOIN_DEADLINE,
     Decision,
     Failure,
     FailurePolicy,
     PeerLost,
     Scope,
     classify,
+    classify_exit,
     exit_status,
+    unstaged,
 )
-from psctl.coordinator.launch.sync import resolve_sync_cluster, workers_only
+from psctl.coordinator.launch.sync import resolve_sync_cluster, sync_tasks, workers_only
 from psctl.coordinator.settings import resolve_settings
 from tests.fakes import FakeOpError
 
@@ -174,3 +178,65 @@ def test_every_strategy_has_its_launchers_in_the_one_dispatch_table():
     from psctl.coordinator.settings import STRATEGIES
 
     assert sorted(LAUNCHERS) == sorted(STRATEGIES)
+
+
+def test_status_lists_sync_workers_at_the_cluster_files_health_addresses(tmp_path):
+    """The cluster file's "health" section and this worker's own --health-port and
+    --worker-metrics-port: status showed every worker UNREACHABLE at TF port + 1000 while
+    `psctl health` found them SERVING where the file said."""
+    path = tmp_path / "cluster.json"
+    health = {"worker": ["127.0.0.1:7120", "127.0.0.1:7121"]}
+    path.write_text(json.dumps({"cluster": WORKERS, "health": health}))
+    cluster = workers_only(load_cluster_file(path, required=SYNC_REQUIRED))
+    tasks = sync_tasks(
+        cluster,
+        1,
+        chief_metrics_port=9940,
+        health=HealthAddresses.of_file(str(path)),
+        own_health_port=7221,
+        own_metrics_port=7321,
+    )
+    assert [t.health_address for t in tasks] == ["127.0.0.1:7120", "127.0.0.1:7221"]
+    assert [t.metrics_url for t in tasks] == [
+        "http://127.0.0.1:9940/metrics",
+        "http://127.0.0.1:7321/metrics",
+    ]
+    # Without a section: TF port + 1000, as the servers' default.
+    plain = sync_tasks(
+        cluster,
+        0,
+        chief_metrics_port=0,
+        health=HealthAddresses(),
+        own_health_port=0,
+        own_metrics_port=0,
+    )
+    assert [t.health_address for t in plain] == ["", "127.0.0.1:3002"]
+    assert plain[0].metrics_url == ""
+
+
+def test_a_training_process_ended_by_the_join_deadline_is_unreachable():
+    """Sync mode: the signal that ends a worker whose group did not form within
+    --connect-timeout is exit 69's failure, never restarted."""
+    assert classify_exit(-JOIN_DEADLINE) is Failure.UNREACHABLE
+    decision = FailurePolicy().decide(Failure.UNREACHABLE, scope=Scope.PROCESS)
+    assert exit_status(decision) == 69
+
+
+def test_a_config_error_raised_in_a_traced_function_is_itself():
+    """Autograph re-raises an exception whose constructor takes more than a message as a
+    StagingError, the original in its __context__: it is still a configuration error."""
+    import tensorflow as tf
+
+    def dataset() -> object:
+        raise ConfigError("--eval-data", "1 examples for 2 workers", "give more")
+
+    @tf.function
+    def traced() -> object:
+        dataset()
+        return tf.constant(1)
+
+    with pytest.raises(Exception) as caught:
+        traced()
+    assert type(caught.value).__name__ == "StagingError"
+    assert isinstance(unstaged(caught.value), ConfigError)
+    assert classify(caught.value) is Failure.CONFIG_ERROR
