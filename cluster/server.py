@@ -250,7 +250,13 @@ def resolve_options(
         )
     health = _port_setting(args.health_port, environ, "PSCTL_HEALTH_PORT", "--health-port")
     if health is None or health == 0:
-        health = ports.side_port(task.port, ports.HEALTH_PORT_OFFSET, field="--health-port")
+        # Where the cluster file's "health" section puts it (psctl health and status look
+        # there), else TF port + 1000.
+        health = (
+            ports.HealthAddresses.of_file(args.cluster)
+            .require(task.task_type, task.task_index, task.task_address, field="--health-port")
+            .port
+        )
     metrics = _port_setting(args.metrics_port, environ, "PSCTL_METRICS_PORT", "--metrics-port")
     if metrics is None:
         metrics = ports.side_port(task.port, ports.METRICS_PORT_OFFSET, field="--metrics-port")

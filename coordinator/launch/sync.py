@@ -109,9 +109,10 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     address = cluster.task_address("worker", index)
     host = bind_host(None, os.environ, address.host)
     metrics_port = worker_metrics_port(cluster, index, args)
-    health_port = (
-        address.port + ports.HEALTH_PORT_OFFSET if args.health_port is None else args.health_port
-    )
+    health_addresses = ports.HealthAddresses.of_file(args.cluster)
+    health_port = args.health_port
+    if health_port is None:  # as a worker-server's: the cluster file's, else TF port + 1000
+        health_port = health_addresses.require("worker", index, address, field="--health-port").port
     if health_port:
         ports.check_port_free(health_port, host=host, field="--health-port")
     # Every worker serves /metrics on its host: the chief the coordinator's series (steps,
@@ -137,7 +138,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             cluster,
             index,
             chief_metrics_port=worker_metrics_port(cluster, 0, args),
-            health=ports.HealthAddresses.of_file(args.cluster),
+            health=health_addresses,
             own_health_port=health_port,
             own_metrics_port=metrics_port,
         )

@@ -74,11 +74,11 @@ def test_health_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         service.stop(grace=0)
 
 
-def _options(tmp_path: Path, cluster: dict, index: int, *flags: str):
+def _options(tmp_path: Path, cluster: dict, index: int, *flags: str, health: dict | None = None):
     from psctl.cluster import server
 
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"cluster": cluster}))
+    path.write_text(json.dumps({"cluster": cluster, **({"health": health} if health else {})}))
     args = server.build_parser("worker").parse_args(
         ["--cluster", str(path), "--index", str(index), "--metrics-port", "0", *flags]
     )
@@ -161,3 +161,18 @@ def test_a_task_of_another_type_names_the_command_that_exists(task, server_type,
         server.resolve_options(server_type, args, {"TF_CONFIG": tf_config})
     assert err.value.field == "TF_CONFIG.task.type"
     assert err.value.fix == f"{fix}, or set task.type to {server_type!r}"
+
+
+def test_health_port_comes_from_the_flag_the_cluster_files_section_or_tf_port_plus_1000(
+    tmp_path: Path,
+):
+    """The cluster file's "health" section, which psctl health and status follow: a server
+    started with that file and no --health-port listened at TF port + 1000 instead, so
+    both showed it UNREACHABLE."""
+    cluster = {"ps": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2230", "127.0.0.1:2231"]}
+    section = {"worker": ["127.0.0.1:2330", "127.0.0.1:7331"]}
+    assert _options(tmp_path, cluster, 1, health=section).health_port == 7331
+    assert _options(tmp_path, cluster, 1, "--health-port", "7400", health=section).health_port == (
+        7400
+    )
+    assert _options(tmp_path, cluster, 1).health_port == 3231
