@@ -335,6 +335,7 @@ def run_command(args: argparse.Namespace) -> int:
         return int({**COMMANDS, **CLIENT_COMMANDS}[args.command](args))
     except (ConfigError, ControlError) as err:
         print(f"psctl: error: {err}", file=sys.stderr)
+        _quiet_teardown()
         return err.exit_status
     except BrokenPipeError:  # e.g. `psctl status --json | head`
         sys.stderr.close()
@@ -345,7 +346,15 @@ def run_command(args: argparse.Namespace) -> int:
     except Exception as err:  # one line for the operator; the traceback with -v
         log.debug("failed", exc_info=True)
         print(f"psctl: error: {describe(err)}", file=sys.stderr)
+        _quiet_teardown()
         return EXIT_FAILURE
+
+
+def _quiet_teardown() -> None:
+    """The error line stays the last one: TensorFlow warns as the objects of a failed
+    restore are collected at exit (seen: 40 'Value in checkpoint could not be found'
+    lines after `psctl export`'s error)."""
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,18 @@ def test_sidecar_evaluates_checkpoints_as_they_appear(workdir, run_cli, tmp_path
     )
     assert wrong.returncode == 78, wrong.stderr[-3000:]
     assert "does not match checkpoint" in wrong.stderr and "Traceback" not in wrong.stderr
+    # Exporting it: the error line is the last (TensorFlow's ~40 warnings about the failed
+    # restore's values came after it, at exit).
+    export = run_cli(
+        psctl_argv(
+            "export", "--checkpoint-dir", str(ckpt), "--job", str(job), "--out",
+            str(tmp_path / "export"),
+        ),
+        timeout=120,
+    )  # fmt: skip
+    assert export.returncode == 78, export.stderr[-3000:]
+    last = export.stderr.strip().splitlines()[-1]
+    assert last.startswith("psctl: error: --job: the job's model does not match"), last
 
 
 OTHER_JOB = """
