@@ -396,6 +396,15 @@ def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
     prefix = "train." if "train" in data else ""
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: train", "is not a table", "write [train] with key = value")
+    outside = [key for key in data if key != "train"] if prefix else []
+    if outside:  # read by nothing: a setting written above [train] was silently dropped
+        key = outside[0]
+        raise ConfigError(
+            f"{path}: {key if _KEY.fullmatch(key) else echo(key)}",
+            "is outside the [train] table, and only [train] is read",
+            "move it under [train], or drop the [train] line (a file with no table is read "
+            "whole)",
+        )
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")

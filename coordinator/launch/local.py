@@ -42,7 +42,7 @@ from psctl.coordinator.launch.supervisor import (
 )
 from psctl.coordinator.operations.front import Refused, launch_control
 from psctl.coordinator.operations.security import ControlSecurity
-from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.settings import TrainSettings, env_name, load_toml
 
 log = logging.getLogger("psctl.local")
 
@@ -587,10 +587,12 @@ def prepare_local(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[Path
     (port 0: a free one; ``args.control_address`` is set to it)."""
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     flags = dict(flags)
-    if not flags.get("checkpoint_dir") and not os.environ.get("PSCTL_CHECKPOINT_DIR"):
-        flags["checkpoint_dir"] = str(workdir / "checkpoints")
-    if not flags.get("logdir") and not os.environ.get("PSCTL_LOGDIR"):
-        flags["logdir"] = str(workdir / "tensorboard")
+    # The work dir's places are defaults: below a flag, PSCTL_<NAME> and --config's [train]
+    # (they were put in as flags, above the config file's, which was then ignored).
+    configured = load_toml(args.config) if getattr(args, "config", None) else {}
+    for name, place in (("checkpoint_dir", "checkpoints"), ("logdir", "tensorboard")):
+        if not flags.get(name) and not os.environ.get(env_name(name)) and name not in configured:
+            flags[name] = str(workdir / place)
     control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
     if control.port == 0:
         control = control.with_port(ports.free_ports(1, control.host)[0])

@@ -162,6 +162,19 @@ def test_unknown_toml_key(tmp_path: Path):
         resolve_settings(flags={}, config_file=str(cfg), environ={})
 
 
+def test_a_key_outside_the_train_table_is_an_error(tmp_path: Path):
+    """Keys above [train] were read by nothing: `stepz = 5` and `steps = 20` there were
+    dropped without a word and the run trained 1500 steps. A file with no table is read
+    whole, as before."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text("stepz = 5\nsteps = 20\n[train]\nbatch_size = 32\n")
+    with pytest.raises(ConfigError, match=r"job.toml: stepz: is outside the \[train\] table"):
+        resolve_settings(flags={}, config_file=str(cfg), environ={})
+    cfg.write_text("steps = 20\nbatch_size = 32\n")
+    settings = resolve_settings(flags={}, config_file=str(cfg), environ={})
+    assert (settings.steps, settings.batch_size) == (20, 32)
+
+
 def test_invalid_toml(tmp_path: Path):
     cfg = tmp_path / "job.toml"
     cfg.write_text("[train\n")
@@ -494,3 +507,23 @@ def test_supervision_flags_are_settings_under_systemd_too():
     assert (s.connect_timeout, s.max_restarts, s.recovery_timeout) == (5.0, 3, 9.0)
     with pytest.raises(ConfigError, match="PSCTL_MAX_RESTARTS: got -1"):
         resolve_settings(flags={}, config_file=None, environ={"PSCTL_MAX_RESTARTS": "-1"})
+
+
+def test_psctl_local_takes_the_config_files_places_over_its_work_dirs(tmp_path: Path):
+    """`psctl local --config job.toml` with checkpoint_dir and logdir in [train]: the work
+    dir's places were put in as flags, above the file, which was silently ignored (a second
+    run started at step 0 in a new work dir). Flags and PSCTL_<NAME> still win."""
+    from psctl.coordinator.cli.main import build_parser, train_flag_values
+    from psctl.coordinator.launch.local import prepare_local
+
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f'[train]\ncheckpoint_dir = "{tmp_path / "ckpt"}"\n')
+    argv = ["local", "--workdir", str(tmp_path / "w"), "--control-address", "127.0.0.1:0"]
+    args = build_parser().parse_args([*argv, "--config", str(cfg)])
+    _, flags = prepare_local(args, train_flag_values(args))
+    settings = resolve_settings(flags=flags, config_file=str(cfg), environ={})
+    assert settings.checkpoint_dir == str(tmp_path / "ckpt")
+    assert settings.logdir == str(tmp_path / "w" / "tensorboard")  # not in the file
+    args = build_parser().parse_args([*argv, "--config", str(cfg), "--checkpoint-dir", "x"])
+    _, flags = prepare_local(args, train_flag_values(args))
+    assert resolve_settings(flags=flags, config_file=str(cfg), environ={}).checkpoint_dir == "x"
