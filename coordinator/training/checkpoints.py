@@ -131,7 +131,10 @@ class Checkpointer:
         thaws or gRPC gives up on it (seen: 120 s), and a save on the loop's thread held every
         worker idle that long. Skipped (False) while the previous one is still running."""
         if self._saver is not None and self._saver.is_alive():
-            log.warning("checkpoint skipped: the previous save is still running (a frozen task?)")
+            log.warning(
+                "checkpoint skipped: the previous save is still running (a save takes longer "
+                "than --checkpoint-every steps train, or a task is frozen)"
+            )
             return False
         self._saver = threading.Thread(target=self._save_logged, name="checkpoint", daemon=True)
         self._saver.start()
