@@ -1,5 +1,7 @@
-"""A small job whose loss is NaN from the first step: every training process diverges, so
-the NaN guard restarts it until the restart budget is used up (exit 70)."""
+"""A small job whose model is NaN after its first step while the loss it reports stays
+finite: only the check of every variable (at the last step, before a checkpoint) finds it,
+whatever the timing (a NaN loss was found at the status cadence first on a slow machine).
+Every training process diverges, so psctl restarts it until the budget is used up (70)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ def create_optimizer() -> keras.optimizers.Optimizer:
     return keras.optimizers.Adam(0.01)
 
 
+@tf.custom_gradient
+def _poisoned(loss: tf.Tensor) -> tuple[tf.Tensor, object]:
+    def grad(upstream: tf.Tensor) -> tf.Tensor:
+        return upstream * float("nan")  # every gradient NaN: the model goes NaN
+
+    return tf.where(tf.math.is_finite(loss), loss, tf.zeros_like(loss)), grad  # finite
+
+
 def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
-    return _ce(labels, predictions) * tf.math.log(-1.0)  # NaN
+    return _poisoned(_ce(labels, predictions))
 
 
 def dataset_fn(ctx: DataContext) -> tf.data.Dataset:
