@@ -6,3 +6,12 @@ top-level folder per part (``coordinator/``, ``cluster/``, ``ps_server/``,
 """
 
 __version__ = "0.1.0"
+
+import os as _os
+
+# psctl forks only to exec a child (servers, training processes, tools). gRPC's fork
+# support, on by default in this grpcio's core, runs a pre-fork handler that waits for gRPC's
+# threads, one of which can be waiting for the GIL the forking thread holds: a hang for good
+# (seen in the test suite, in subprocess's fork). Off unless the environment says otherwise;
+# set before anything imports grpc, and inherited by every child.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -187,14 +187,15 @@ def test_another_uid_cannot_read_the_token(runtime: Path, tmp_path: Path):
     # Even with every directory on the way open, the file's own mode keeps uid 65534 out.
     for path in (tmp_path, runtime.parent, runtime):
         path.chmod(0o755)
+    # setpriv, not subprocess's user=: that makes Python fork() (no vfork) in a process with
+    # gRPC's threads, whose fork handler can wait for a thread that waits for the GIL (seen:
+    # the suite hung here in CI, beyond pytest-timeout's reach).
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     proc = subprocess.run(
-        ["cat", str(published.control_path)],
+        [*nobody, "cat", str(published.control_path)],
         capture_output=True,
         text=True,
         timeout=10,
-        user=65534,
-        group=65534,
-        extra_groups=[],
     )
     assert proc.returncode != 0
     assert "Permission denied" in proc.stderr
