@@ -402,8 +402,7 @@ def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
         raise ConfigError(
             f"{path}: {key if _KEY.fullmatch(key) else echo(key)}",
             "is outside the [train] table, and only [train] is read",
-            "move it under [train], or drop the [train] line (a file with no table is read "
-            "whole)",
+            "move it under [train], or drop the [train] line (a file with no table is read whole)",
         )
     out = {}
     for key, value in table.items():
