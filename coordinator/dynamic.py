@@ -11,9 +11,10 @@ A table is one ``tf.lookup.experimental.MutableHashTable`` per shard, keyed by i
 
 On a cluster there is one shard per ps task, and a key lives on shard ``shard_of(key)``
 (a multiplicative hash of the key, so that ids in sequence or of one stride spread evenly).
-Anywhere else (the checkpoint mirror, ``psctl evaluate``, ``psctl export``) a table is one
-local shard; checkpoints hold the tables whole, re-split over however many ps tasks there
-are when they are restored (training/dynamic_updates.py).
+Anywhere else (the checkpoint's skeleton, ``psctl evaluate``, ``psctl export``) a table is
+one local shard; checkpoints hold each table as the one-shard table's (keys, values), saved
+in slices by the ps tasks and re-split over however many there are when they are restored
+(training/sharded_save.py).
 
 Strings are keyed by their 63-bit fingerprint (``tf.strings.to_hash_bucket_fast`` over
 2**63 - 1 buckets: stable across processes, and with 10^9 distinct strings two of them
@@ -212,8 +213,8 @@ class DynamicEmbedding(keras.layers.Layer):
             return
         devices = _CONTEXT.devices
         if devices:
-            # Not tracked by the layer: checkpoints hold the table whole, written from the
-            # coordinator's mirror (training/dynamic_updates.py).
+            # Not tracked by the layer: checkpoints save the shards in the one-shard
+            # layout below (training/sharded_save.py).
             shards = [self._make_shard(device) for device in devices]
             object.__setattr__(self, "_psctl_shards", shards)
         else:

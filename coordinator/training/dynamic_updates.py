@@ -15,9 +15,9 @@ while training, the counts an operator sees, and the checkpoint transfers.
 - **Eviction** (``Evict``, every ``EVICT_EVERY`` seconds from the coordinator, run on each
   ps by a function placed there: nothing leaves the ps but the counts): ids not seen for
   ``ttl_steps`` global steps, then the least recently seen beyond ``max_rows_per_shard``.
-- **Checkpoints**: every table is read whole (each shard's ``export()``) into the
-  coordinator's mirror, a one-shard copy of the same layer, whose tables the checkpoint
-  holds; restoring re-splits the keys by ``shard_of`` over the shards there are now.
+- **Checkpoints** (sharded_save.py): each shard's ``export()`` is saved by its ps as a row
+  slice of the one-shard table's (keys, values); restoring, each shard takes the keys that
+  ``shard_of`` gives it, over the shards there are now.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import gen_lookup_ops
 
 from psctl.coordinator.dynamic import (
     ADMITTED,
@@ -305,91 +303,3 @@ class Evict:
         if now - self.last_publish >= self.publish_every:
             self.last_publish = now
             self.publish(self.step(), table_stats(self.layers))
-
-
-# -- checkpoints ---------------------------------------------------------------------------
-
-
-def _export(table: Any, device: str | None) -> tuple[np.ndarray, np.ndarray]:
-    with _on(device):
-        keys, values = table.export()
-    return keys.numpy(), values.numpy()
-
-
-def _import(table: Any, device: str | None, keys: Any, values: Any) -> None:
-    """Replace the table's contents with ``keys`` -> ``values``."""
-    with _on(device):
-        gen_lookup_ops.lookup_table_import_v2(
-            table.resource_handle,
-            tf.constant(keys, tf.int64),
-            tf.constant(values, table.value_dtype),
-        )
-
-
-class TableMirror:
-    """A one-shard table of the checkpoint mirror, read and written as a (keys, values)
-    pair (the checkpoint's ``Transfer.mirror``)."""
-
-    def __init__(self, table: Any, name: str) -> None:
-        self.table = table
-        self.path = name
-
-    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
-        return _export(self.table, None)
-
-    def assign(self, value: tuple[np.ndarray, np.ndarray]) -> None:
-        _import(self.table, None, *value)
-
-
-@dataclass(frozen=True)
-class ShardedTable:
-    """One of a dynamic layer's tables (``embeddings``, ``meta``, ``slots``) over all its
-    shards, read whole and written back re-split."""
-
-    layer: DynamicEmbedding
-    what: str
-
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        parts = [_export(shard.tables()[self.what], shard.device) for shard in self.layer.shards]
-        return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
-
-    def write(self, value: tuple[np.ndarray, np.ndarray]) -> None:
-        keys, values = value
-        shards = self.layer.shards
-        positions, _ = split_by_shard(tf.constant(keys, tf.int64), len(shards))
-        for shard, where in zip(shards, positions, strict=True):
-            index = where.numpy()
-            _import(shard.tables()[self.what], shard.device, keys[index], values[index])
-
-
-@dataclass(frozen=True)
-class Counters:
-    """A layer's admitted and evicted totals, summed over its shards; restored into the
-    first shard."""
-
-    layer: DynamicEmbedding
-
-    def read(self) -> np.ndarray:
-        total: np.ndarray = np.sum([s.counters.numpy() for s in self.layer.shards], axis=0)
-        return total
-
-    def write(self, value: np.ndarray) -> None:
-        for i, shard in enumerate(self.layer.shards):
-            shard.counters.assign(value if i == 0 else np.zeros_like(value))
-
-
-def dynamic_transfers(
-    layers: Sequence[DynamicEmbedding], mirrors: Sequence[DynamicEmbedding]
-) -> list[tuple[str, Any, Any, Any]]:
-    """(name, read, write, mirror) of every dynamic table and counter, paired with the
-    mirror's one-shard copy of the same layer."""
-    found: list[tuple[str, Any, Any, Any]] = []
-    for layer, mirror in zip(layers, mirrors, strict=True):
-        local = mirror.shards[0]
-        for what, table in local.tables().items():
-            sharded = ShardedTable(layer, what)
-            name = f"{layer.name}/{what}"
-            found.append((name, sharded.read, sharded.write, TableMirror(table, name)))
-        counters = Counters(layer)
-        found.append((f"{layer.name}/counters", counters.read, counters.write, local.counters))
-    return found

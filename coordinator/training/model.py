@@ -1,7 +1,7 @@
 """The job's model and optimizer, and the training state that lives on the ps tasks.
 
 Built in one place for every process that needs them: the coordinator (under the
-strategy's scope, on the ps), its checkpoint mirror, and the sidecar evaluator.
+strategy's scope, on the ps), its checkpoint's skeleton, and the sidecar evaluator.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class TrainState(JobModel):
         # num_ps: the parameter-server strategy's ps tasks (0: no ps, sync mode).
         with building(settings) as plan, placed(ps_devices(num_ps) if num_ps else None):
             super().__init__(job, x_spec, y_spec)
+        self.num_ps = num_ps
         count_steps_atomically(self.optimizer)
         if num_ps:
             # Sync mode's replicas update in lock-step (no stale read): Keras's own step.

@@ -11,13 +11,15 @@ is partitioned: Keras 3 variables over a ``ShardedVariable`` break ``tape.gradie
 - The job's Keras optimizer updates the dense variables exactly as before; the tables are
   updated by ``SparseUpdater`` with the same optimizer's hyper-parameters, on the touched
   rows only (see sparse.py for the math, "lazy" Adam included).
-- Checkpoints hold each table whole, in the layout of the same model without psctl
-  (``embeddings`` and the optimizer's slots for it): they restore into any number of ps
-  tasks, and ``psctl evaluate`` or a plain Keras model read them as they are.
+- Checkpoints hold each table in the layout of the same model without psctl
+  (``embeddings`` and the optimizer's slots for it), written as row slices by the ps that
+  hold them (sharded_save.py): they restore into any number of ps tasks, and
+  ``psctl evaluate`` or a plain Keras model read them as they are.
 
 psctl intercepts ``Embedding.build``/``call`` while it builds the job's model on the
 cluster (``building()``); layers built elsewhere, and the coordinator's own copies of the
-model (checkpoints, evaluation), are plain Keras.
+model (evaluation), are plain Keras; the checkpoint's skeleton (``skeleton()``) is plain
+Keras with one-row tables.
 """
 
 from __future__ import annotations
@@ -55,39 +57,6 @@ class Table:
     def rows(self) -> int:
         return int(self.variable.shape[0])
 
-    def read(self, shards: Sequence[Any] | None = None) -> np.ndarray:
-        """The whole table (or one of its slots) as one array, read in row blocks and
-        joined once."""
-        blocks = [block for shard in (shards or self.shards) for block in _row_blocks(shard)]
-        return np.concatenate(blocks, axis=0)
-
-    def write(self, value: np.ndarray, shards: Sequence[Any] | None = None) -> None:
-        """Assign a whole table (or slot) value to the shards, split as they are."""
-        start = 0
-        for shard in shards or self.shards:
-            rows = int(shard.shape[0])
-            shard.assign(value[start : start + rows])
-            start += rows
-        if start != value.shape[0]:
-            raise ValueError(f"{self.layer.name}: {value.shape[0]} rows for {start}")
-
-
-READ_BLOCK_BYTES = 32 << 20  # rows a checkpoint reads from a shard at a time
-
-
-def _row_blocks(shard: Any) -> list[np.ndarray]:
-    """A shard's rows, gathered a block at a time on its ps. A whole read would copy the
-    shard there first: a variable that sparse updates touched is in copy-on-read mode (one
-    more shard of ps memory at each checkpoint, measured: +340 MB per ps at 10M x 16)."""
-    rows = int(shard.shape[0])
-    row_bytes = max(1, int(np.prod(shard.shape[1:])) * shard.dtype.size)
-    block = max(1, READ_BLOCK_BYTES // row_bytes)
-    blocks = [
-        tf.gather(shard, tf.range(start, min(start + block, rows))).numpy()
-        for start in range(0, rows, block)
-    ]
-    return blocks or [shard.numpy()]
-
 
 def lookup_rows(shards: Sequence[Any], ids: Any) -> Any:
     """``ids``' rows of the table split into ``shards`` (contiguous, in order): one gather
@@ -107,6 +76,7 @@ def lookup_rows(shards: Sequence[Any], ids: Any) -> Any:
 
 class _Building(threading.local):
     plan: TablePlan | None = None
+    skeleton: TablePlan | None = None
 
 
 _BUILDING = _Building()
@@ -156,6 +126,21 @@ def building(settings: TrainSettings) -> Iterator[TablePlan]:
         _BUILDING.plan = None
 
 
+@contextlib.contextmanager
+def skeleton(settings: TrainSettings) -> Iterator[None]:
+    """While the checkpoint's skeleton (the plain model, in the coordinator) is built: the
+    Embedding layers that are psctl tables on the cluster get a one-row table, so that the
+    skeleton has the plain model's variables, keys and slots at no cost in memory."""
+    _install()
+    _BUILDING.skeleton = TablePlan(
+        min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards
+    )
+    try:
+        yield
+    finally:
+        _BUILDING.skeleton = None
+
+
 def table_of(layer: Any) -> Table | None:
     table: Table | None = layer.__dict__.get("_psctl_table")
     return table
@@ -172,6 +157,14 @@ def _install() -> None:
     _ORIGINAL["build"], _ORIGINAL["call"] = embedding.build, embedding.call
 
     def build(self: Any, input_shape: Any = None) -> None:
+        shrink = _BUILDING.skeleton
+        if not self.built and shrink is not None and shrink.wants(self):
+            rows, self.input_dim = self.input_dim, 1
+            try:
+                _ORIGINAL["build"](self, input_shape)
+            finally:
+                self.input_dim = rows
+            return
         plan = _BUILDING.plan
         if self.built or plan is None or not plan.wants(self):
             _ORIGINAL["build"](self, input_shape)
@@ -226,8 +219,8 @@ def _build_table(layer: Any, plan: TablePlan) -> None:
     finally:
         _BUILDING.table = False
     table = Table(layer=layer, variable=variable)
-    # Not a Keras weight and not tracked by the layer: the checkpoint mirror writes it in
-    # the layout of the plain model (training/checkpoints.py).
+    # Not a Keras weight and not tracked by the layer: checkpoints save it in the layout of
+    # the plain model (training/sharded_save.py).
     object.__setattr__(layer, "_psctl_table", table)
     layer.built = True
     plan.tables.append(table)

@@ -57,8 +57,9 @@ def test_damaged_checkpoints_resume_from_the_newest_usable_one(workdir, run_cli,
     assert len(saved) >= 2 and saved[-1] == 300, saved
     previous = saved[-2]
 
-    # The newest data file scrambled: the previous checkpoint is restored, the bad files named.
-    (data,) = ckpt.glob("ckpt-300.data-*")
+    # The newest checkpoint's biggest data file (the ps's shard) scrambled: the previous
+    # checkpoint is restored, the bad files named.
+    data = max(ckpt.glob("ckpt-300.data-*"), key=lambda p: p.stat().st_size)
     scramble(data)
     proc, summary = run("b", 300)
     assert summary["start_step"] == previous and summary["global_step"] == 300

@@ -22,9 +22,9 @@ from psctl.coordinator.dynamic import (
 from psctl.coordinator.training.dynamic_updates import (
     DynamicUpdater,
     Evictor,
-    dynamic_transfers,
     table_stats,
 )
+from psctl.coordinator.training.sharded_save import Hashed, ShardedCheckpoint
 from tests.unit.test_sparse import DIM, OPTIMIZERS, ROWS, initial, run_sparse, sparse_grad
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,13 +151,25 @@ def test_one_layer_called_on_two_features_updates_each_id_once_with_both_gradien
     np.testing.assert_allclose(rows[2], np.full(DIM, -1.0))
 
 
-def test_a_checkpoint_of_two_shards_restores_into_three_by_the_keys_hash():
+def checkpoint_of(layer: DynamicEmbedding) -> ShardedCheckpoint:
+    """The layer's tables as the training state's checkpoint holds them (sharded_save.py)."""
+    hashed = [
+        Hashed(f"{what}-keys", f"{what}-values", what, [(s.device, s.tables()[what])
+                                                         for s in layer.shards])
+        for what in layer.shards[0].tables()
+    ]  # fmt: skip
+    return ShardedCheckpoint(
+        dense=[], rows=[], hashed=hashed, summed=[], step_key="step",
+        saved_step=tf.Variable(0, dtype=tf.int64), object_graph=b"",
+    )  # fmt: skip
+
+
+def test_a_checkpoint_of_two_shards_restores_into_three_by_the_keys_hash(tmp_path):
     with placed(["/cpu:0", "/cpu:0"]):
         two = layer_of()
     with placed(["/cpu:0"] * 3):
         three = layer_of()
-    mirror = layer_of()
-    for layer in (two, three, mirror):
+    for layer in (two, three):
         DynamicUpdater(keras.optimizers.Adagrad(0.1), [layer])
     keys = tf.constant(np.arange(-50, 950, 10) * 1_000_003, tf.int64)  # one stride
     values = tf.random.normal([keys.shape[0], DIM])
@@ -166,11 +178,11 @@ def test_a_checkpoint_of_two_shards_restores_into_three_by_the_keys_hash():
     for index, shard in enumerate(two.shards):
         mine = positions_two == index
         shard.embeddings.insert(tf.boolean_mask(keys, mine), tf.boolean_mask(values, mine))
-    for (_, read, _, copy), (_, _, write, _) in zip(
-        dynamic_transfers([two], [mirror]), dynamic_transfers([three], [mirror]), strict=True
-    ):
-        copy.assign(read())  # two shards -> the mirror (what the checkpoint holds)
-        write(copy.numpy())  # the mirror -> three shards
+    # A shard already holding keys is emptied by a restore.
+    three.shards[-1].embeddings.insert(tf.constant([5], tf.int64), tf.ones([1, DIM]))
+    saved = checkpoint_of(two)
+    saved._write(str(tmp_path / "ckpt-1"))
+    checkpoint_of(three).load(str(tmp_path / "ckpt-1"))
     spread = [int(shard.embeddings.size()) for shard in three.shards]
     assert sum(spread) == keys.shape[0] and min(spread) > 0, spread
     for index, shard in enumerate(three.shards):

@@ -1,0 +1,749 @@
+"""Checkpoints written and read where the variables live: every ps saves and restores its
+own shards, all at once, in the shared checkpoint directory; no process holds the model.
+
+The files are TensorFlow's own (a V2 bundle: ``ckpt-N.index`` and ``ckpt-N.data-*``, with
+the object graph), in the layout of the plain Keras model: what ``tf.train.Checkpoint``
+writes for the same model without psctl, so ``psctl export``, ``psctl evaluate`` and a plain
+Keras model read them as they are. A table is saved as row slices of its whole tensor, one
+or more per ps; TensorFlow's reader joins the slices, and reads any row range of the table
+from them, whatever the ps count that wrote it.
+
+- **Save**: each ps runs ``SaveV2`` on its own variables (a fixed table's rows in blocks of
+  ``BLOCK_BYTES``, so no shard is copied whole; a dynamic table's export), in a temporary
+  bundle of its own; the coordinator writes the object graph and the step, then
+  ``MergeV2Checkpoints`` joins the bundles' index files (the data files are renamed, never
+  read). This is TensorFlow's ``MultiDeviceSaver``, done with eager ops placed on each ps:
+  TensorFlow would trace it as a function, which registers on every worker, so one frozen
+  worker blocked the save (seen). Eager ops on a ps involve no worker.
+- **Restore**: each ps reads the rows of its shards (``RestoreV2`` with a slice), checks
+  that they are finite, and assigns them; a dynamic table's shard takes, from every saved
+  slice, the keys that hash to it. Any ps count restores any checkpoint (a resize).
+- **Damage**: the index is read and checked first (every key, every shape, every data
+  file present); each value read is checked by its CRC (TensorFlow's reader) or its length
+  and must be finite. A damaged checkpoint raises ``Unusable`` and the caller falls back to
+  the previous one, whose restore overwrites every value.
+
+The checkpoint directory must be one that every ps host and the coordinator see at the same
+path (on one host: any directory; across hosts: NFS, ``gs://``, ``hdfs://``, ...):
+``check_shared`` says so in one line at start when a ps cannot read what the coordinator
+wrote there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.checkpoint import graph_view, save_util
+from tensorflow.python.ops import gen_io_ops, gen_lookup_ops
+from tensorflow.python.training.saving import saveable_object_util
+
+from psctl.cluster.errors import ConfigError
+from psctl.coordinator.dynamic import DynamicEmbedding, shard_of
+from psctl.coordinator.failures import Failure, classify, describe
+from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable
+from psctl.coordinator.training.tables import Table
+
+log = logging.getLogger(__name__)
+
+BLOCK_BYTES = 64 << 20  # the most a ps copies at once while saving or restoring a table
+SLICES_KEY = "_PSCTL_SLICES"  # where each dynamic table's row slices are (JSON)
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_DATA = re.compile(r"\.data-(\d+)-of-(\d+)$")
+
+
+class NotFinite(Exception):
+    """A value to be saved holds NaN or infinity: the checkpoint is refused."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def ps_device(variable: Any) -> str | None:
+    """The ps task device a variable (or table) lives on; None: this process."""
+    device = str(getattr(variable, "device", "") or "")
+    return device if "/job:ps/" in device else None
+
+
+def task_of(device: str | None) -> str:
+    """``ps:1`` for a ps device; ``chief`` for this process."""
+    if device is None:
+        return "chief"
+    match = re.search(r"/job:(\w+)/replica:\d+/task:(\d+)", device)
+    return f"{match.group(1)}:{match.group(2)}" if match else device
+
+
+def _on(device: str | None) -> Any:
+    return tf.device(device) if device else tf.device(None)
+
+
+def _tf_variable(variable: Any) -> Any:
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(tf.as_dtype(dtype).is_floating)
+
+
+def _finite(tensor: Any) -> bool:
+    """Checked where the tensor is: only the answer crosses the network."""
+    if not _is_float(tensor.dtype):
+        return True
+    return bool(tf.reduce_all(tf.math.is_finite(tensor)))
+
+
+def _spec(shape: Sequence[int], start: int, rows: int) -> str:
+    """``shape_and_slice`` for rows ``[start, start + rows)`` of a tensor of ``shape``."""
+    dims = " ".join(str(d) for d in shape)
+    return f"{dims} {':'.join([f'{start},{rows}'] + ['-'] * (len(shape) - 1))}"
+
+
+def _row_ranges(rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, BLOCK_BYTES // max(1, row_bytes))
+    return [(start, min(step, rows - start)) for start in range(0, rows, step)]
+
+
+# -- what a checkpoint holds -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A variable saved whole from its task (model weights, optimizer state, counters)."""
+
+    key: str
+    name: str
+    variable: Any  # a Keras variable or a tf.Variable
+
+    @property
+    def device(self) -> str | None:
+        return ps_device(_tf_variable(self.variable))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A fixed table (or one of its optimizer slots): contiguous row shards on the ps, saved
+    as row slices of the whole table."""
+
+    key: str
+    name: str
+    shards: Sequence[Any]  # tf.Variables, in row order
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows = sum(int(s.shape[0]) for s in self.shards)
+        return (rows, *(int(d) for d in self.shards[0].shape[1:]))
+
+
+@dataclass(frozen=True)
+class Hashed:
+    """One of a dynamic layer's hash tables (vectors, meta, slots) over its shards, saved
+    as the (keys, values) pair of a one-shard table: each shard's export one row slice."""
+
+    keys_key: str
+    values_key: str
+    name: str
+    tables: Sequence[tuple[str | None, Any]]  # (device, MutableHashTable), in shard order
+
+
+@dataclass(frozen=True)
+class Summed:
+    """A dynamic layer's admitted and evicted totals: summed over its shards when saved,
+    restored into the first shard."""
+
+    key: str
+    name: str
+    variables: Sequence[Any]
+
+
+@dataclass
+class Written:
+    """What one task wrote: its temporary bundles (in merge order) and their bytes."""
+
+    prefixes: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class ShardedCheckpoint:
+    """The training state's checkpoint, saved and restored by the tasks that hold it.
+    ``tf.train.CheckpointManager`` saves through ``_write`` (its rotation and state file
+    are TensorFlow's)."""
+
+    def __init__(
+        self,
+        *,
+        dense: Sequence[Dense],
+        rows: Sequence[Rows],
+        hashed: Sequence[Hashed],
+        summed: Sequence[Summed],
+        step_key: str,
+        saved_step: Any,
+        object_graph: bytes,
+        save_counter: Any = None,
+    ) -> None:
+        self.dense = list(dense)
+        self.rows = list(rows)
+        self.hashed = list(hashed)
+        self.summed = list(summed)
+        self.step_key = step_key
+        self.saved_step = saved_step
+        self.object_graph = object_graph
+        self.save_counter = (
+            tf.Variable(0, dtype=tf.int64, trainable=False)
+            if save_counter is None
+            else save_counter
+        )
+        self.last_report = ""
+
+    # -- save --------------------------------------------------------------------------
+
+    def _write(self, file_prefix: str, options: Any = None) -> str:
+        """Write the checkpoint at ``file_prefix`` (the manager's hook); raises ``NotFinite``
+        (nothing written) when a value is not finite."""
+        prefix = _absolute(str(file_prefix))
+        temp = f"{prefix}_temp_{uuid.uuid4().hex[:8]}"
+        tf.io.gfile.makedirs(temp)
+        try:
+            written = self._save_all(temp)
+            order = sorted(written)  # ps tasks in order, the chief last
+            prefixes = [p for task in order for p in written[task].prefixes]
+            gen_io_ops.merge_v2_checkpoints(prefixes, prefix, delete_old_dirs=False)
+        finally:
+            # The merge moved the data files out; the parts' index files are left.
+            if tf.io.gfile.exists(temp):
+                tf.io.gfile.rmtree(temp)
+        self.last_report = _report(order, written)
+        for callback in getattr(options, "experimental_write_callbacks", None) or []:
+            callback(str(file_prefix))
+        return str(file_prefix)
+
+    def _save_all(self, temp: str) -> dict[str, Written]:
+        written: dict[str, Written] = defaultdict(Written)
+        lock = threading.Lock()
+        counter = iter(range(1 << 30))
+
+        def save(
+            device: str | None, names: list[str], specs: list[str], tensors: list[Any]
+        ) -> None:
+            task = task_of(device)
+            with lock:
+                part = f"{temp}/{task.replace(':', '-')}-{next(counter):05d}"
+            with _on(device):
+                gen_io_ops.save_v2(part, names, specs, tensors)
+            nbytes = sum(_nbytes(t) for t in tensors)
+            with lock:
+                written[task].prefixes.append(part)
+                written[task].nbytes += nbytes
+
+        slices: dict[str, list[list[int]]] = {}
+        for item in self.hashed:
+            # One table at a time: each ps holds one export of it until saved.
+            slices.update(self._save_hashed(item, save))
+        pieces: dict[str | None, list[Callable[[], Iterator[Piece]]]] = defaultdict(list)
+        for dense in self.dense:
+            pieces[dense.device].append(functools.partial(_dense_pieces, dense))
+        for table in self.rows:
+            for shard, start in zip(table.shards, _starts(table.shards), strict=True):
+                pieces[ps_device(shard)].append(functools.partial(_row_pieces, table, shard, start))
+        _parallel(
+            {
+                task_of(device): functools.partial(_save_in_blocks, device, found, save)
+                for device, found in pieces.items()
+            }
+        )
+        # The chief's part: the step, the dynamic counters, where the slices are, the graph.
+        names = [self.step_key, SLICES_KEY, OBJECT_GRAPH_KEY]
+        tensors = [
+            tf.constant(int(self.saved_step.numpy()), tf.int64),
+            tf.constant(json.dumps(slices)),
+            tf.constant(self.object_graph),
+        ]
+        for summed in self.summed:
+            names.append(summed.key)
+            tensors.append(tf.add_n([tf.convert_to_tensor(v) for v in summed.variables]))
+        save(None, names, [""] * len(names), tensors)
+        return written
+
+    def _save_hashed(self, item: Hashed, save: Callable[..., None]) -> dict[str, list[list[int]]]:
+        def export(device: str | None, table: Any) -> tuple[Any, Any, int]:
+            with _on(device):
+                keys, values = table.export()
+                rows = int(tf.shape(keys)[0])
+                if rows and not _finite(values):
+                    raise NotFinite(item.name)
+            return keys, values, rows
+
+        names = [f"{task_of(d)}#{i}" for i, (d, _) in enumerate(item.tables)]
+        exports = _parallel(
+            {
+                name: functools.partial(export, device, table)
+                for name, (device, table) in zip(names, item.tables, strict=True)
+            }
+        )
+        parts = [exports[name] for name in names]
+        total = sum(rows for _, _, rows in parts)
+        width = [int(d) for d in parts[0][1].shape[1:]]
+        dtype = parts[0][1].dtype
+        if total == 0:
+            # An empty table still has its entries (a reader of the whole model wants them).
+            empty_values = tf.zeros([0, *width], dtype)
+            save(
+                None,
+                [item.keys_key, item.values_key],
+                ["", ""],
+                [tf.zeros([0], tf.int64), empty_values],
+            )
+            return {item.keys_key: []}
+        row_bytes = int(np.prod(width or [1])) * dtype.size + 8
+        jobs: dict[str, Callable[[], None]] = {}
+        where: list[list[int]] = []
+        offset = 0
+        for i, ((device, _), (keys, values, rows)) in enumerate(
+            zip(item.tables, parts, strict=True)
+        ):
+            ranges = [(offset + a, n, a) for a, n in _row_ranges(rows, row_bytes)]
+            where += [[a, n] for a, n, _ in ranges]
+            offset += rows
+
+            def save_shard(
+                device: Any = device, keys: Any = keys, values: Any = values, ranges: Any = ranges
+            ) -> None:
+                for start, n, local in ranges:
+                    with _on(device):
+                        k = keys[local : local + n]
+                        v = values[local : local + n]
+                    save(
+                        device,
+                        [item.keys_key, item.values_key],
+                        [_spec([total], start, n), _spec([total, *width], start, n)],
+                        [k, v],
+                    )
+
+            jobs[f"{task_of(device)}#{i}"] = save_shard
+        _parallel(jobs)
+        return {item.keys_key: where}
+
+    # -- restore -----------------------------------------------------------------------
+
+    def load(self, prefix: str) -> None:
+        """Restore ``prefix`` into the tasks' variables; ``Unusable`` (or ``ModelMismatch``)
+        saying why it cannot be, before or while its values are read."""
+        prefix = _absolute(prefix)
+        try:
+            reader = tf.train.load_checkpoint(prefix)
+            shapes = reader.get_variable_to_shape_map()
+        except Exception as err:
+            raise Unusable(f"its index cannot be read: {_why(err)}") from None
+        self._check_index(prefix, shapes)
+        try:
+            step = int(reader.get_tensor(self.step_key))
+            slices: dict[str, list[list[int]]] = {}
+            if SLICES_KEY in shapes:
+                slices = json.loads(reader.get_tensor(SLICES_KEY))
+            counts = {s.key: np.asarray(reader.get_tensor(s.key)) for s in self.summed}
+        except Exception as err:
+            raise Unusable(f"reading it failed: {_why(err)}") from None
+        try:
+            self._restore_tasks(prefix, shapes, reader, slices)
+        except (Unusable, ConfigError):
+            raise
+        except Exception as err:
+            if isinstance(err, tf.errors.OpError) and classify(err) in (
+                Failure.PS_LOST,
+                Failure.WORKER_LOST,
+            ):
+                raise
+            raise Unusable(f"restoring it failed: {_why(err)}") from None
+        for summed in self.summed:
+            for i, variable in enumerate(summed.variables):
+                value = counts[summed.key]
+                variable.assign(value if i == 0 else np.zeros_like(value))
+        self.saved_step.assign(step)
+
+    def _check_index(self, prefix: str, shapes: dict[str, list[int]]) -> None:
+        expected: dict[str, tuple[int, ...] | None] = {self.step_key: ()}
+        for dense in self.dense:
+            expected[dense.key] = tuple(int(d) for d in dense.variable.shape)
+        for table in self.rows:
+            expected[table.key] = table.shape
+        for item in self.hashed:
+            expected[item.keys_key] = None
+            expected[item.values_key] = None
+        for summed in self.summed:
+            expected[summed.key] = None
+        for key, shape in expected.items():
+            if key not in shapes:
+                raise ModelMismatch(f"it lacks variables the model has (another --job?): {key}")
+            if shape is not None and tuple(shapes[key]) != shape:
+                raise ModelMismatch(
+                    f"the model does not match it: {key} is {tuple(shapes[key])} there, "
+                    f"{shape} in the model"
+                )
+        for item in self.hashed:
+            want = _width(item.tables[0][1])
+            got = tuple(shapes[item.values_key][1:])
+            if got != want:
+                raise ModelMismatch(
+                    f"the model does not match it: {item.name} rows are {got} there, "
+                    f"{want} in the model"
+                )
+        _check_data_files(prefix)
+
+    def _restore_tasks(
+        self, prefix: str, shapes: dict[str, list[int]], reader: Any, slices: dict[str, Any]
+    ) -> None:
+        dtypes = reader.get_variable_to_dtype_map()
+        by_device: dict[str | None, list[Callable[[], None]]] = defaultdict(list)
+        for dense in self.dense:
+            by_device[dense.device].append(_dense_loader(dense, prefix, dtypes[dense.key]))
+        for table in self.rows:
+            for shard, start in zip(table.shards, _starts(table.shards), strict=True):
+                loader = _rows_loader(table, shard, start, prefix, dtypes[table.key])
+                by_device[ps_device(shard)].append(loader)
+        _parallel({task_of(d): _in_order(jobs) for d, jobs in by_device.items()})
+        for item in self.hashed:
+            shape = shapes[item.values_key]
+            pieces = slices.get(item.keys_key)
+            if pieces is None:  # written whole (before psctl saved by shard): one piece
+                pieces = [[0, int(shape[0])]] if shape[0] else []
+            jobs = {
+                f"{task_of(device)}#{i}": _hashed_loader(
+                    item, i, prefix, shape, dtypes[item.values_key], pieces
+                )
+                for i, (device, _) in enumerate(item.tables)
+            }
+            _parallel(jobs)
+
+
+# -- per task jobs ---------------------------------------------------------------------------
+
+
+def _starts(shards: Sequence[Any]) -> list[int]:
+    sizes = [int(s.shape[0]) for s in shards]
+    return [int(x) for x in np.cumsum([0, *sizes[:-1]])]
+
+
+Piece = tuple[str, str, Any]  # (key, shape_and_slice, tensor on its task)
+
+
+def _save_in_blocks(
+    device: str | None,
+    sources: Sequence[Callable[[], Iterator[Piece]]],
+    save: Callable[..., None],
+) -> None:
+    """Save a task's pieces, as they are read, in bundles of about ``BLOCK_BYTES``: few
+    files, and at most a block more of the task's memory."""
+    batch: list[Piece] = []
+    size = 0
+    for source in sources:
+        for piece in source():
+            batch.append(piece)
+            size += _nbytes(piece[2])
+            if size >= BLOCK_BYTES:
+                save(device, *(list(x) for x in zip(*batch, strict=True)))
+                batch, size = [], 0
+    if batch:
+        save(device, *(list(x) for x in zip(*batch, strict=True)))
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.dtype.size) * int(np.prod(tensor.shape))
+
+
+def _dense_pieces(dense: Dense) -> Iterator[Piece]:
+    with _on(dense.device):
+        value = tf.convert_to_tensor(_tf_variable(dense.variable))
+        if not _finite(value):
+            raise NotFinite(dense.name)
+    yield dense.key, "", value
+
+
+def _row_pieces(table: Rows, shard: Any, start: int) -> Iterator[Piece]:
+    device = ps_device(shard)
+    row_bytes = int(np.prod(shard.shape[1:])) * shard.dtype.size
+    for first, n in _row_ranges(int(shard.shape[0]), row_bytes):
+        with _on(device):
+            # A gather, not a read of the whole shard: a variable that sparse updates
+            # touched copies itself whole on a plain read (+340 MB per ps at 10M x 16).
+            block = tf.gather(shard, tf.range(first, first + n))
+            if not _finite(block):
+                raise NotFinite(table.name)
+        yield table.key, _spec(table.shape, start + first, n), block
+
+
+def _dense_loader(dense: Dense, prefix: str, dtype: Any) -> Callable[[], None]:
+    def run() -> None:
+        with _on(dense.device):
+            (value,) = gen_io_ops.restore_v2(prefix, [dense.key], [""], [dtype])
+            if not _finite(value):
+                raise Unusable(f"{dense.name} holds values that are not finite")
+            _tf_variable(dense.variable).assign(value)
+
+    return run
+
+
+def _rows_loader(
+    table: Rows, shard: Any, start: int, prefix: str, dtype: Any
+) -> Callable[[], None]:
+    def run() -> None:
+        device = ps_device(shard)
+        row_bytes = int(np.prod(shard.shape[1:])) * shard.dtype.size
+        for first, n in _row_ranges(int(shard.shape[0]), row_bytes):
+            spec = _spec(table.shape, start + first, n)
+            with _on(device):
+                (block,) = gen_io_ops.restore_v2(prefix, [table.key], [spec], [dtype])
+                if not _finite(block):
+                    raise Unusable(f"{table.name} holds values that are not finite")
+                shard.scatter_update(tf.IndexedSlices(block, tf.range(first, first + n)))
+
+    return run
+
+
+def _hashed_loader(
+    item: Hashed,
+    index: int,
+    prefix: str,
+    shape: Sequence[int],
+    dtype: Any,
+    pieces: Sequence[Sequence[int]],
+) -> Callable[[], None]:
+    """Shard ``index`` takes, from every saved slice, the keys that hash to it."""
+    device, table = item.tables[index]
+    count = len(item.tables)
+    total = int(shape[0])
+
+    def run() -> None:
+        with _on(device):
+            # Empty it first: a fallback after a damaged checkpoint starts clean.
+            gen_lookup_ops.lookup_table_import_v2(
+                table.resource_handle,
+                tf.zeros([0], tf.int64),
+                tf.zeros([0, *shape[1:]], table.value_dtype),
+            )
+            for start, n in pieces:
+                keys, values = gen_io_ops.restore_v2(
+                    prefix,
+                    [item.keys_key, item.values_key],
+                    [_spec([total], start, n), _spec(shape, start, n)],
+                    [tf.int64, dtype],
+                )
+                if not _finite(values):
+                    raise Unusable(f"{item.name} holds values that are not finite")
+                mine = tf.equal(shard_of(keys, count), index)
+                table.insert(tf.boolean_mask(keys, mine), tf.boolean_mask(values, mine))
+
+    return run
+
+
+def _width(table: Any) -> tuple[int, ...]:
+    default = table._default_value  # the row a missing key reads: its shape is a row's
+    return tuple(int(d) for d in default.shape)
+
+
+def _in_order(jobs: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for job in jobs:
+            job()
+
+    return run
+
+
+def _parallel(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run each task's job on a thread of its own (eager ops wait on the network with the
+    GIL released); the first error, if any, is raised once all have ended."""
+    if len(jobs) <= 1:
+        return {name: job() for name, job in jobs.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        concurrent.futures.wait(futures.values())
+    return {name: future.result() for name, future in futures.items()}
+
+
+def _absolute(prefix: str) -> str:
+    """The ps tasks run elsewhere (another working directory, another host): a local path
+    must be absolute there."""
+    return prefix if "://" in prefix else os.path.abspath(prefix)
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, tf.errors.OpError):
+        return describe(err)
+    return f"{type(err).__name__}: {err}".split("\n")[0]
+
+
+def _check_data_files(prefix: str) -> None:
+    """Every data file the index names is there and not empty (a copy or save cut short
+    leaves one missing or short; a short one is found by its length when read)."""
+    directory, stem = os.path.split(prefix)
+    try:
+        names = tf.io.gfile.listdir(directory)
+    except tf.errors.OpError as err:
+        raise Unusable(f"cannot list {directory}: {describe(err)}") from None
+    found: dict[int, int] = {}
+    for name in names:
+        if name.startswith(stem + ".data-"):
+            match = _DATA.search(name)
+            if match:
+                found[int(match.group(1))] = int(match.group(2))
+    counts = set(found.values())
+    if len(counts) != 1:
+        raise Unusable(f"its data files are missing or of two saves ({sorted(found)})")
+    (total,) = counts
+    missing = [i for i in range(total) if i not in found]
+    if missing:
+        names_missing = ", ".join(f"{stem}.data-{i:05d}-of-{total:05d}" for i in missing)
+        raise Unusable(f"data file(s) missing: {names_missing}")
+
+
+def _report(order: Sequence[str], written: dict[str, Written]) -> str:
+    """``ps:0 3 files 412 MB, ps:1 ...``: what each task wrote."""
+    parts = []
+    for task in order:
+        w = written[task]
+        parts.append(f"{task} {len(w.prefixes)} file(s) {w.nbytes / 1e6:.0f} MB")
+    return ", ".join(parts)
+
+
+# -- the plan: which key each variable is saved under ----------------------------------------
+
+
+def plan(
+    *,
+    ps_model: Any,
+    ps_optimizer: Any,
+    tables: Sequence[Table],
+    dynamic_layers: Sequence[DynamicEmbedding],
+    skeleton_checkpoint: Any,
+    skeleton_model: Any,
+    skeleton_optimizer: Any,
+    skeleton_dynamic: Sequence[DynamicEmbedding],
+    saved_step: Any,
+) -> ShardedCheckpoint:
+    """Pair every variable and table of the training state with its key in the checkpoint
+    of the plain model (the skeleton: the same ``create_model`` built in this process with
+    every psctl table one row long, so that it costs nothing, and dynamic tables empty)."""
+    # tf.train.CheckpointManager counts saves in the checkpoint's save_counter, which
+    # every checkpoint it wrote holds (and every reader's tf.train.Checkpoint expects).
+    save_counter = skeleton_checkpoint.save_counter
+    serialized, _, _, proto = save_util.serialize_graph_view(
+        graph_view.ObjectGraphView(skeleton_checkpoint)
+    )
+    keys: dict[int, list[str]] = {}
+    for trackable, tensors in serialized.items():
+        if trackable is None or not tensors:  # the object graph; objects with nothing saved
+            continue
+        if isinstance(trackable, saveable_object_util.SaveableCompatibilityConverter):
+            trackable = trackable.obj
+        keys.setdefault(id(trackable), []).extend(tensors)
+
+    def key_of(obj: Any) -> str:
+        (key,) = keys.pop(id(obj))
+        return key
+
+    def pair_of(table: Any) -> tuple[str, str]:
+        found = sorted(keys.pop(id(table)))
+        keys_key = next(k for k in found if k.endswith("-keys"))
+        values_key = next(k for k in found if k.endswith("-values"))
+        return keys_key, values_key
+
+    ps_layers = _embeddings(ps_model)
+    skeleton_layers = _embeddings(skeleton_model)
+    rows: list[Rows] = []
+    skip: set[int] = set()
+    slots = {v.name: v for v in skeleton_optimizer.variables}
+    for table in tables:
+        copy = skeleton_layers[next(i for i, lay in enumerate(ps_layers) if lay is table.layer)]
+        var = copy.embeddings
+        skip.add(id(var))
+        rows.append(Rows(key_of(var), var.path, table.shards))
+        for kind in table.slots:
+            slot = slots[f"{var.path.replace('/', '_')}_{kind}"]
+            skip.add(id(slot))
+            rows.append(Rows(key_of(slot), slot.path, table.slots[kind]))
+    sources = list(ps_model.variables) + list(ps_optimizer.variables)
+    copies = [
+        v
+        for v in list(skeleton_model.variables) + list(skeleton_optimizer.variables)
+        if id(v) not in skip
+    ]
+    dense = [
+        Dense(key_of(copy), source.path if hasattr(source, "path") else source.name, source)
+        for source, copy in zip(sources, copies, strict=True)
+    ]
+    hashed: list[Hashed] = []
+    summed: list[Summed] = []
+    for layer, copy in zip(dynamic_layers, skeleton_dynamic, strict=True):
+        local = copy.shards[0]
+        for what, table in local.tables().items():
+            keys_key, values_key = pair_of(table)
+            tables_there = [(s.device, s.tables()[what]) for s in layer.shards]
+            hashed.append(Hashed(keys_key, values_key, f"{layer.name}/{what}", tables_there))
+        summed.append(
+            Summed(
+                key_of(local.counters), f"{layer.name}/counters", [s.counters for s in layer.shards]
+            )
+        )
+    step_key = key_of(saved_step)
+    dense.append(Dense(key_of(save_counter), "save_counter", save_counter))
+    if keys:
+        left = sorted(k for ks in keys.values() for k in ks)
+        raise RuntimeError(f"psctl cannot place these checkpoint keys: {left}")
+    return ShardedCheckpoint(
+        dense=dense,
+        rows=rows,
+        hashed=hashed,
+        summed=summed,
+        step_key=step_key,
+        saved_step=saved_step,
+        object_graph=proto.SerializeToString(),
+        save_counter=save_counter,
+    )
+
+
+def _embeddings(model: Any) -> list[Any]:
+    """The model's Embedding layers, in build order (both models list them alike)."""
+    return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]
+
+
+def check_shared(directory: str, devices: Iterable[str]) -> None:
+    """Every ps reads a file the coordinator just wrote in ``directory``: else one line
+    (exit 78) saying the directory must be shared. A checkpoint is written by every ps and
+    joined by the coordinator, in one directory."""
+    devices = list(devices)
+    if not devices:
+        return
+    path = os.path.join(_absolute(directory), f".psctl-shared-{uuid.uuid4().hex[:12]}")
+    token = uuid.uuid4().hex
+    with tf.io.gfile.GFile(path, "w") as f:
+        f.write(token)
+    try:
+        for device in devices:
+            try:
+                with tf.device(device):
+                    seen = tf.io.read_file(path)
+                ok = seen.numpy().decode() == token
+            except tf.errors.NotFoundError:
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    "--checkpoint-dir",
+                    f"{task_of(device)} does not see {directory} as this process does "
+                    f"(it cannot read {os.path.basename(path)}, written here)",
+                    "give a directory every ps host and the coordinator share at the same "
+                    "path (NFS, gs://, hdfs://; on one host any directory)",
+                )
+    finally:
+        tf.io.gfile.remove(path)
