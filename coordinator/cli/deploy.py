@@ -67,8 +67,15 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         help="reach every server's TF port and health service; non-zero if any is not up",
         description="From this host, check every server of the cluster: its grpc.health.v1 "
         "service (psctl health's table) and whether its TF port accepts connections; exit "
-        "69 if any is not up.",
+        "69 if any is not up. With --checkpoint-dir, also that every ps reads a file this "
+        "host writes there (each ps saves its own shards of every checkpoint): exit 78 if "
+        "one does not.",
     )
     check_p.add_argument("--cluster", metavar="FILE", help="cluster file (default: $TF_CONFIG)")
+    check_p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="the job's checkpoint directory: check that every ps host shares it at this path",
+    )
     check_p.add_argument("--timeout", type=decimal, default=2.0, help="seconds per check")
     return {"deploy": cmd_deploy}

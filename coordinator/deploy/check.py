@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from typing import Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, HealthAddresses
 from psctl.coordinator.deploy.plan import plan_hosts
+
+CHECK_JOB = "psctl_deploy_check"  # this process's name for the ps tasks
 
 
 def _tcp_open(host: str, port: int, timeout: float) -> str:
@@ -48,6 +51,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     hosts = sum(1 for p in plans if p.servers)
+    if args.checkpoint_dir and closed == 0 and health == 0:
+        check_checkpoint_dir(cluster, args.checkpoint_dir)
+        print(f"checkpoint dir: every ps reads {args.checkpoint_dir} as this host writes it")
     if closed == 0 and health == 0:
         print(f"up: all {len(servers)} servers on {hosts} hosts SERVING, every TF port open")
         return 0
@@ -56,3 +62,24 @@ def cmd_check(args: argparse.Namespace) -> int:
         problems.append(f"{closed} TF port(s) not reachable from here")
     print(f"not ready: {'; '.join(problems)}")
     return EXIT_UNAVAILABLE
+
+
+def check_checkpoint_dir(cluster: Any, directory: str) -> None:
+    """Every ps reads a file written here in ``directory`` (ConfigError, exit 78, if one
+    does not): the same check the training process makes at start. This process joins the
+    ps tasks' eager runtime as a job of its own, as TensorFlow's ``connect_to_host`` does;
+    the running job is not touched."""
+    import tensorflow as tf
+
+    from psctl.coordinator.training.checkpoint_files import require_writable_dir
+    from psctl.coordinator.training.sharded_save import check_shared
+
+    require_writable_dir(directory, field="--checkpoint-dir")
+    addresses = list(cluster.as_dict().get("ps", []))
+    if not addresses:
+        return
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec({CHECK_JOB: addresses}), job_name="localhost"
+    )
+    devices = [f"/job:{CHECK_JOB}/replica:0/task:{i}/device:CPU:0" for i in range(len(addresses))]
+    check_shared(directory, devices, names=[f"ps:{i}" for i in range(len(addresses))])

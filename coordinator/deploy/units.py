@@ -40,6 +40,13 @@ _NAMES = {
     "final_statuses": " ".join(str(s) for s in FINAL_EXIT_STATUSES),
 }
 _PRIVATE_DEVICES = "PrivateDevices=yes"
+# A ps writes its own shards of every checkpoint (coordinator/training/sharded_save.py).
+_PS_STATE = (
+    "# Every ps saves its own shards of each checkpoint into the job's checkpoint directory\n"
+    "# (@state_dir@/checkpoints by default: on several hosts, a file system they share).\n"
+    "StateDirectory=psctl"
+).replace("@state_dir@", STATE_DIR)
+_WORKER_STATE = "# A worker writes no checkpoint: no StateDirectory=."
 _WORKER_DEVICES = "# No PrivateDevices=: a worker may use GPUs (/dev/nvidia*), which it would hide."
 
 
@@ -78,6 +85,7 @@ def _server_unit(role: str, *, bin_dir: str, config_dir: str) -> str:
         bin_dir=bin_dir,
         config_dir=config_dir,
         hardening=_hardening(_WORKER_DEVICES if role == "worker" else _PRIVATE_DEVICES),
+        state=_WORKER_STATE if role == "worker" else _PS_STATE,
     )
 
 

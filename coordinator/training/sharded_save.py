@@ -91,6 +91,16 @@ def _on(device: str | None) -> Any:
     return tf.device(device) if device else tf.device(None)
 
 
+def _sync(device: str | None) -> None:
+    """Wait for the ops sent to ``device`` so far, and raise the error of any that failed.
+    Ops without outputs (SaveV2, writes, assigns, inserts) are only queued on a remote task:
+    a value read back from it comes after them (measured: a file written by a ps was there
+    0 of 20 times right after the call, 20 of 20 after a read)."""
+    if device is not None:
+        with tf.device(device):
+            tf.constant(0).numpy()
+
+
 def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
@@ -243,6 +253,7 @@ class ShardedCheckpoint:
                 part = f"{temp}/{task.replace(':', '-')}-{next(counter):05d}"
             with _on(device):
                 gen_io_ops.save_v2(part, names, specs, tensors)
+            _sync(device)
             nbytes = sum(_nbytes(t) for t in tensors)
             with lock:
                 written[task].prefixes.append(part)
@@ -413,7 +424,7 @@ class ShardedCheckpoint:
             for shard, start in zip(table.shards, _starts(table.shards), strict=True):
                 loader = _rows_loader(table, shard, start, prefix, dtypes[table.key])
                 by_device[ps_device(shard)].append(loader)
-        _parallel({task_of(d): _in_order(jobs) for d, jobs in by_device.items()})
+        _parallel({task_of(d): _in_order(jobs, d) for d, jobs in by_device.items()})
         for item in self.hashed:
             shape = shapes[item.values_key]
             pieces = slices.get(item.keys_key)
@@ -544,6 +555,7 @@ def _hashed_loader(
                     raise Unusable(f"{item.name} holds values that are not finite")
                 mine = tf.equal(shard_of(keys, count), index)
                 table.insert(tf.boolean_mask(keys, mine), tf.boolean_mask(values, mine))
+        _sync(device)
 
     return run
 
@@ -553,10 +565,11 @@ def _width(table: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in default.shape)
 
 
-def _in_order(jobs: list[Callable[[], None]]) -> Callable[[], None]:
+def _in_order(jobs: list[Callable[[], None]], device: str | None) -> Callable[[], None]:
     def run() -> None:
         for job in jobs:
             job()
+        _sync(device)
 
     return run
 
@@ -718,32 +731,58 @@ def _embeddings(model: Any) -> list[Any]:
     return [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]
 
 
-def check_shared(directory: str, devices: Iterable[str]) -> None:
-    """Every ps reads a file the coordinator just wrote in ``directory``: else one line
-    (exit 78) saying the directory must be shared. A checkpoint is written by every ps and
-    joined by the coordinator, in one directory."""
+def check_shared(
+    directory: str, devices: Iterable[str], *, names: Sequence[str] | None = None
+) -> None:
+    """Every ps reads a file the coordinator just wrote in ``directory``, and writes one the
+    coordinator reads: else one line (exit 78) saying what is wrong. A checkpoint is written
+    by every ps and joined by the coordinator, in one directory."""
     devices = list(devices)
     if not devices:
         return
-    path = os.path.join(_absolute(directory), f".psctl-shared-{uuid.uuid4().hex[:12]}")
+    names = list(names or [task_of(d) for d in devices])
+    stem = os.path.join(_absolute(directory), f".psctl-shared-{uuid.uuid4().hex[:12]}")
     token = uuid.uuid4().hex
-    with tf.io.gfile.GFile(path, "w") as f:
+    fix = (
+        "give a directory every ps host and the coordinator share at the same path, "
+        "writable by the ps tasks' user (NFS, gs://, hdfs://; on one host any directory)"
+    )
+    with tf.io.gfile.GFile(stem, "w") as f:
         f.write(token)
+    written = []
     try:
-        for device in devices:
+        for device, name in zip(devices, names, strict=True):
             try:
                 with tf.device(device):
-                    seen = tf.io.read_file(path)
+                    seen = tf.io.read_file(stem)
                 ok = seen.numpy().decode() == token
             except tf.errors.NotFoundError:
                 ok = False
             if not ok:
                 raise ConfigError(
                     "--checkpoint-dir",
-                    f"{task_of(device)} does not see {directory} as this process does "
-                    f"(it cannot read {os.path.basename(path)}, written here)",
-                    "give a directory every ps host and the coordinator share at the same "
-                    "path (NFS, gs://, hdfs://; on one host any directory)",
+                    f"{name} does not see {directory} as this process does "
+                    f"(it cannot read {os.path.basename(stem)}, written here)",
+                    fix,
                 )
+            theirs = f"{stem}-{name.replace(':', '-')}"
+            try:
+                with tf.device(device):
+                    tf.io.write_file(theirs, token)
+                _sync(device)
+                written.append(theirs)
+            except tf.errors.OpError as err:
+                raise ConfigError(
+                    "--checkpoint-dir",
+                    f"{name} cannot write to {directory} ({describe(err)})",
+                    fix,
+                ) from None
+            with tf.io.gfile.GFile(theirs) as f:
+                if f.read() != token:
+                    raise ConfigError(
+                        "--checkpoint-dir", f"{name} wrote {theirs}, read back otherwise", fix
+                    )
     finally:
-        tf.io.gfile.remove(path)
+        for path in [stem, *written]:
+            if tf.io.gfile.exists(path):
+                tf.io.gfile.remove(path)

@@ -5,7 +5,8 @@ The multi-host test starts every server and the coordinator through this, from t
 rendered units, so that TensorFlow serves and trains under the units' sandbox. What is
 applied here (each as systemd does it):
 
-- DynamicUser=yes: a user and group of their own (nobody, 65534), no supplementary groups
+- DynamicUser=yes: a user and group of their own (nobody, 65534), no supplementary groups;
+  the same for every unit, as User=psctl asks of systemd (one transient user per host)
 - NoNewPrivileges=yes, CapabilityBoundingSet= (empty), UMask=
 - SystemCallFilter= (an allow list, then ~ lists taken out; groups expanded by
   `systemd-analyze syscall-filter`), SystemCallErrorNumber=, RestrictAddressFamilies=
@@ -68,6 +69,10 @@ NOT_APPLIED = frozenset(
         "LockPersonality",
         "SystemCallArchitectures",
         "MemoryDenyWriteExecute",
+        # What they ask (every psctl unit of a host shares one transient user) holds here
+        # anyway: DynamicUser= runs every sandboxed process as nobody.
+        "User",
+        "Group",
     }
 )
 NOBODY = 65534

@@ -53,6 +53,7 @@ from tests.integration.netns_hosts import (
     sandboxed,
     service_env,
     value,
+    values,
     write_cluster,
 )
 from tests.integration.sandbox import NOBODY
@@ -175,9 +176,16 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             env["NOTIFY_SOCKET"] = str(sockets[name].path)
             argv = exec_argv(value(unit, "Service", "ExecStart"), instance, env)
             assert argv[0] == str(BIN_DIR / f"{task_type}-server")
+            # A ps unit's StateDirectory=psctl: its shards of every checkpoint land there.
+            state = values(unit, "Service", "StateDirectory")
+            assert state == (["psctl"] if task_type == "ps" else []), state
+            writable = [str(state_dir)] if state else []
             services[name] = Service(
                 name=name,
-                argv=lab.exec(host, sandboxed(unit, argv, exposed=[PYTHON_HOME, CHECKOUT])),
+                argv=lab.exec(
+                    host,
+                    sandboxed(unit, argv, writable=writable, exposed=[PYTHON_HOME, CHECKOUT]),
+                ),
                 env=env,
                 policy=RestartPolicy.of(unit),
                 log_path=tmp_path / f"{task_type}-{index}.log",

@@ -227,3 +227,36 @@ def test_the_coordinators_memory_does_not_grow_with_the_table(workdir: Path):
     # held the model would hold once more (and more while writing it).
     large = peak_rss_of_training(workdir, "3M")
     assert large / small < 1.15, (small, large)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_dir_the_ps_cannot_see_is_one_line_and_exit_78(workdir: Path, run_cli):
+    """ram:// is a file system of each process's own: what a directory that is not shared
+    between the hosts looks like to psctl."""
+    fix = "give a directory every ps host and the coordinator share at the same path"
+    proc = run_cli(
+        local_argv(workdir / "run", "--steps", "50", "--checkpoint-dir", "ram://ckpt"),
+        timeout=240,
+    )
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("psctl: error:")]
+    assert line.startswith("psctl: error: --checkpoint-dir: ps:0 does not see ram://ckpt"), line
+    assert fix in line and "Traceback" not in proc.stderr
+
+    cluster = LocalCluster(num_ps=2, num_workers=1, workdir=workdir / "cluster")
+    try:
+        cluster.start()
+        cluster.wait_serving(timeout=120)
+        shared = str(workdir / "shared")
+        outs = {}
+        for directory, status in ((shared, 0), ("ram://not-shared", 78)):
+            argv = psctl_argv("deploy", "check", "--cluster", str(cluster.cluster_file),
+                              "--checkpoint-dir", directory)  # fmt: skip
+            proc = run_cli(argv, timeout=120)
+            assert proc.returncode == status, proc.stdout + proc.stderr[-2000:]
+            outs[directory] = proc
+        assert f"checkpoint dir: every ps reads {shared}" in outs[shared].stdout
+        line = outs["ram://not-shared"].stderr
+        assert fix in line and "ps:0 does not see ram://not-shared" in line, line
+    finally:
+        cluster.stop()
