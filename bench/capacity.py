@@ -198,6 +198,7 @@ def main() -> int:
           f"the ps, {dynamic['steps_per_sec']:.1f} steps/s")  # fmt: skip
     print(f"coordinator peak at {args.rows} rows / at {args.small_rows}: {ratio:.2f}x")
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(
         f"capacity: coordinator peak {gb(large['coordinator_peak_bytes'])} at {args.rows} rows "
