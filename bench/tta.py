@@ -364,7 +364,7 @@ def plain_order(trained: Any, plain: Any) -> list[Any]:
     """The variables of psctl's model on the ps in the order of the plain Keras model built by
     the same job: where the plain model has an Embedding's ``embeddings``, psctl's table
     (tables.py; not a Keras weight). The rest come in the same order in both (as the
-    checkpoint mirror pairs them, training/checkpoints.py)."""
+    checkpoint pairs them with the keys of the plain model, training/sharded_save.py)."""
     import keras
 
     from psctl.coordinator.training.tables import table_of
