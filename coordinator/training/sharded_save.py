@@ -228,7 +228,7 @@ class ShardedCheckpoint:
         tf.io.gfile.makedirs(temp)
         try:
             written = self._save_all(temp)
-            order = sorted(written)  # ps tasks in order, the chief last
+            order = sorted(written)  # the chief, then the ps tasks in order
             prefixes = [p for task in order for p in written[task].prefixes]
             gen_io_ops.merge_v2_checkpoints(prefixes, prefix, delete_old_dirs=False)
         finally:
@@ -269,24 +269,23 @@ class ShardedCheckpoint:
         for table in self.rows:
             for shard, start in zip(table.shards, _starts(table.shards), strict=True):
                 pieces[ps_device(shard)].append(functools.partial(_row_pieces, table, shard, start))
+        pieces[None].append(functools.partial(self._chief_pieces, slices))
         _parallel(
             {
                 task_of(device): functools.partial(_save_in_blocks, device, found, save)
                 for device, found in pieces.items()
             }
         )
-        # The chief's part: the step, the dynamic counters, where the slices are, the graph.
-        names = [self.step_key, SLICES_KEY, OBJECT_GRAPH_KEY]
-        tensors = [
-            tf.constant(int(self.saved_step.numpy()), tf.int64),
-            tf.constant(json.dumps(slices)),
-            tf.constant(self.object_graph),
-        ]
-        for summed in self.summed:
-            names.append(summed.key)
-            tensors.append(tf.add_n([tf.convert_to_tensor(v) for v in summed.variables]))
-        save(None, names, [""] * len(names), tensors)
         return written
+
+    def _chief_pieces(self, slices: dict[str, list[list[int]]]) -> Iterator[Piece]:
+        """The coordinator's part: the step, the dynamic counters, where the dynamic tables'
+        slices are, the object graph."""
+        yield self.step_key, "", tf.constant(int(self.saved_step.numpy()), tf.int64)
+        yield SLICES_KEY, "", tf.constant(json.dumps(slices))
+        yield OBJECT_GRAPH_KEY, "", tf.constant(self.object_graph)
+        for summed in self.summed:
+            yield summed.key, "", tf.add_n([tf.convert_to_tensor(v) for v in summed.variables])
 
     def _save_hashed(self, item: Hashed, save: Callable[..., None]) -> dict[str, list[list[int]]]:
         def export(device: str | None, table: Any) -> tuple[Any, Any, int]:
@@ -622,11 +621,16 @@ def _check_data_files(prefix: str) -> None:
 
 
 def _report(order: Sequence[str], written: dict[str, Written]) -> str:
-    """``ps:0 3 files 412 MB, ps:1 ...``: what each task wrote."""
+    """``ps:0 3 file(s) 412 MB (data-00001..00003), ...``: what each task wrote, and which of
+    the merged data files are its (they are numbered in ``order``)."""
     parts = []
+    first = 0
     for task in order:
         w = written[task]
-        parts.append(f"{task} {len(w.prefixes)} file(s) {w.nbytes / 1e6:.0f} MB")
+        n = len(w.prefixes)
+        files = f"data-{first:05d}" + (f"..{first + n - 1:05d}" if n > 1 else "")
+        parts.append(f"{task} {n} file(s) {w.nbytes / 1e6:.0f} MB ({files})")
+        first += n
     return ", ".join(parts)
 
 
