@@ -7,7 +7,9 @@ each failure decision ends with, are in psctl.coordinator.failures.
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import difflib
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2  # argparse's status for a bad command line
 EXIT_CONFIG = 78  # EX_CONFIG: systemd units set RestartPreventExitStatus=78.
@@ -51,7 +53,51 @@ class ConfigError(Exception):
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one line (not the whole usage) and exit 2:
-    ``PROGRAM: error: WHAT; see 'PROG --help'``. Subcommands' parsers inherit it."""
+    ``PROGRAM: error: WHAT; see 'PROG --help'``. Subcommands' parsers inherit it.
+
+    Flags are taken as written, never by a prefix (argparse's ``allow_abbrev``): a prefix
+    that is the start of one flag is a mistake as often as a shorthand (``--checkpoint`` was
+    read as ``--checkpoint-dir``, and the run waited for a checkpoint that could not
+    appear). A flag the command does not have is named with the closest one it has, and the
+    hint names the subcommand's help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = self._chosen(parsed)
+            chosen.error(chosen.unrecognized(extras))
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> OneLineParser:
+        """The (sub)command the command line chose: where its flags are."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(parsed, action.dest, None)
+                sub = action.choices.get(name) if name else None
+                if isinstance(sub, OneLineParser):
+                    return sub._chosen(parsed)
+        return self
+
+    def unrecognized(self, extras: Sequence[str]) -> str:
+        """``unrecognized arguments: --checkpoint-evry (did you mean --checkpoint-every?)``."""
+        flags = [f for a in self._actions for f in a.option_strings if f.startswith("--")]
+        hints = []
+        for extra in extras:
+            flag = extra.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+            if flag.startswith("-") and not close:
+                close = [f for f in flags if f.startswith(flag)][:1]
+            if flag.startswith("-") and close:
+                hints.append(f"{flag} (did you mean {close[0]}?)")
+            else:
+                hints.append(extra)
+        return f"unrecognized arguments: {' '.join(hints)}"
 
     def error(self, message: str) -> NoReturn:
         text = " ".join(message.split())

@@ -179,3 +179,29 @@ def test_a_job_that_is_not_there_is_refused_before_waiting_for_servers(tmp_path:
     assert time.monotonic() - started < 30
     proc = run("local", "--job", job, "--steps", "10", "--workdir", str(tmp_path / "w"))
     assert proc.returncode == 78 and "--job: no job " in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        # A prefix of one flag was read as that flag: the evaluation watched a checkpoint
+        # path as a directory, for --timeout (3600 s).
+        (("evaluate", "--checkpoint-d", "ckpt"), "--checkpoint-d (did you mean --checkpoint-dir?)"),
+        (
+            ("local", "--checkpoint-evry", "10"),
+            "--checkpoint-evry (did you mean --checkpoint-every?)",
+        ),
+        (("local", "--step=10"), "--step (did you mean --steps?)"),
+        (("deploy", "check", "--cluser", "c.json"), "--cluser (did you mean --cluster?)"),
+    ],
+)
+def test_flags_are_exact_and_a_wrong_one_names_the_closest_and_the_subcommands_help(args, named):
+    proc = run(*args)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    command = (
+        " ".join(a for a in args[:2] if not a.startswith("-")) if args[0] == "deploy" else args[0]
+    )
+    assert line.startswith(f"psctl: error: unrecognized arguments: {named}"), line
+    assert line.endswith(f"; see 'psctl {command} --help'"), line
