@@ -20,7 +20,7 @@ SHARED_FLAGS: list[tuple[str, str]] = [
     ("--job", f"the job that trained the checkpoints {default_help('job')}"),
     (
         "--checkpoint-dir",
-        "the training run's checkpoint directory (required: this flag, "
+        "the training run's checkpoint directory (required without --checkpoint: this flag, "
         "PSCTL_CHECKPOINT_DIR or the --config file's [train] checkpoint_dir)",
     ),
     ("--eval-data", "evaluation files (glob) for the job; default: the job's own"),
@@ -37,7 +37,8 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
         help="sidecar evaluator: evaluate each new checkpoint of a run as it appears",
         description=(
             "Evaluate every new checkpoint in --checkpoint-dir once, in this process (no "
-            "cluster), and exit after the final one."
+            "cluster), and exit after the final one; or one chosen checkpoint (--checkpoint), "
+            "or every checkpoint of the directory (--all), and exit."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
@@ -52,6 +53,17 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
     )
     parser.add_argument(
         "--max-evaluations", type=whole_number, default=None, help="exit after N evaluations"
+    )
+    once = parser.add_mutually_exclusive_group()
+    once.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="evaluate this checkpoint (a DIR/ckpt-N prefix) once and exit, instead of watching",
+    )
+    once.add_argument(
+        "--all",
+        action="store_true",
+        help="evaluate every checkpoint in --checkpoint-dir once, oldest first, and exit",
     )
     parser.add_argument(
         "--poll-interval",

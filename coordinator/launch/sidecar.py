@@ -74,6 +74,11 @@ def _final_step(args: argparse.Namespace, environ: Any = None) -> int | None:
 def resolve(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[TrainSettings, int | None]:
     """The run settings (``flags``: the shared flags' values, by setting name) and the final
     step, checked."""
+    chosen = getattr(args, "checkpoint", None)
+    if chosen:
+        # One checkpoint: its directory is the one to read, whatever else is set.
+        flags = {**flags, "checkpoint_dir": os.path.dirname(os.path.abspath(chosen))
+                 if "://" not in chosen else chosen.rsplit("/", 1)[0]}  # fmt: skip
     settings = resolve_settings(flags=flags, config_file=args.config)
     if not settings.checkpoint_dir:
         raise ConfigError(
@@ -93,6 +98,7 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     from psctl.coordinator.job import load_job
 
     job = load_job(settings.job)
+    paths = _chosen_checkpoints(args, settings.checkpoint_dir)
     if job.eval_dataset_fn is None:
         raise ConfigError(
             f"--job {settings.job}",
@@ -106,6 +112,8 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     summary = EvaluateSummary(
         job=settings.job, checkpoint_dir=settings.checkpoint_dir, final_step=final_step
     )
+    if paths is not None:
+        return _evaluate_each(sidecar, summary, paths, args)
     log.info(
         "watching %s for checkpoints (job %s%s)",
         settings.checkpoint_dir,
@@ -144,6 +152,59 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         )
         return EXIT_UNAVAILABLE
     log.info("done after %d evaluation(s) (%s)", len(summary.evaluations), reason)
+    return 0
+
+
+def _chosen_checkpoints(args: argparse.Namespace, directory: str) -> list[str] | None:
+    """``--checkpoint PATH``: that one; ``--all``: every checkpoint in ``directory``, oldest
+    first; else None (watch the directory). A path or directory with no checkpoint is one
+    line, exit 78, at once."""
+    from psctl.coordinator.training.checkpoint_files import checkpoints_in
+
+    chosen = getattr(args, "checkpoint", None)
+    if chosen:
+        import tensorflow as tf
+
+        name = os.path.basename(chosen.rstrip("/"))
+        if not tf.io.gfile.exists(chosen + ".index"):
+            present = [f.name for f in checkpoints_in(os.path.dirname(chosen) or ".")]
+            raise ConfigError(
+                "--checkpoint",
+                f"{chosen} is not a checkpoint (no {name}.index)",
+                f"give a DIR/ckpt-N prefix ({', '.join(present[:5])} are there)"
+                if present
+                else "give a DIR/ckpt-N prefix of a training run's checkpoint directory",
+            )
+        return [chosen]
+    if getattr(args, "all", False):
+        found = sorted(checkpoints_in(directory), key=lambda f: f.step)
+        if not found:
+            raise ConfigError(
+                "--checkpoint-dir",
+                f"no checkpoint (ckpt-N.index) in {directory}",
+                "give the checkpoint directory of a training run",
+            )
+        return [f.prefix for f in found]
+    return None
+
+
+def _evaluate_each(
+    sidecar: Any, summary: EvaluateSummary, paths: list[str], args: argparse.Namespace
+) -> int:
+    """Evaluate ``paths`` in order, a line and a JSON entry each, then exit 0."""
+    for path in paths:
+        result = sidecar.evaluate_checkpoint(path)
+        if result is None:  # rotated away meanwhile
+            log.warning("checkpoint %s is gone (rotated away?): skipped", path)
+            continue
+        _record(summary, result)
+        print(_line(result), flush=True)
+        if args.summary_json:
+            write_json(summary, args.summary_json)
+    summary.done, summary.reason = True, "checkpoint" if args.checkpoint else "all"
+    if args.summary_json:
+        write_json(summary, args.summary_json)
+    log.info("done after %d evaluation(s)", len(summary.evaluations))
     return 0
 
 

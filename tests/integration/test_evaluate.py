@@ -69,6 +69,26 @@ def test_sidecar_evaluates_checkpoints_as_they_appear(workdir, run_cli, tmp_path
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("eval | step:   1500 |") == 1, again.stdout
 
+    # One chosen checkpoint (not the newest), then every one of the directory, each once.
+    kept = sorted(int(p.name[5:-6]) for p in ckpt.glob("ckpt-*.index"))
+    chosen = run_cli(
+        psctl_argv("evaluate", "--checkpoint", str(ckpt / f"ckpt-{kept[0]}"),
+                   "--summary-json", str(tmp_path / "one.json")),
+        timeout=120,
+    )  # fmt: skip
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    (one,) = [ln for ln in chosen.stdout.splitlines() if ln.startswith("eval |")]
+    assert one.startswith(f"eval | step: {kept[0]:6d} |"), chosen.stdout
+    assert read_json(tmp_path / "one.json")["evaluations"][0]["step"] == kept[0]
+    every = run_cli(psctl_argv("evaluate", "--checkpoint-dir", str(ckpt), "--all"), timeout=180)
+    assert every.returncode == 0, every.stderr[-3000:]
+    evaluated = [ln for ln in every.stdout.splitlines() if ln.startswith("eval |")]
+    assert [int(ln.split("|")[1].split(":")[1]) for ln in evaluated] == kept, every.stdout
+    missing = run_cli(psctl_argv("evaluate", "--checkpoint", str(ckpt / "ckpt-7")), timeout=120)
+    assert missing.returncode == 78, missing.stderr[-3000:]
+    (line,) = [ln for ln in missing.stderr.splitlines() if ln.startswith("psctl: error:")]
+    assert line.startswith(f"psctl: error: --checkpoint: {ckpt / 'ckpt-7'} is not a checkpoint")
+
     # A job whose model does not match the checkpoints: one line, exit 78.
     job = tmp_path / "other_job.py"
     job.write_text(OTHER_JOB)
