@@ -48,6 +48,7 @@ class ScheduledRunner(RunnerBase):
         self.abandoned = 0  # calls given up by the stall watchdog
         self._done = threading.Event()  # the loop and its drain are over: stop watching
         self.control.steps_per_execution = self.packer.k
+        self._k_logged: int | None = None  # the last K logged at INFO
 
     @property
     def stalls(self) -> int:
@@ -160,7 +161,14 @@ class ScheduledRunner(RunnerBase):
         if k is None:
             return
         m = self.packer.last
-        log.info(
+        # INFO only when K moves by more than 2x from the last K logged so: the tuner adjusts
+        # K every window, and the progress lines drowned in them (16-19 in a short run).
+        shown = self._k_logged
+        big = shown is None or k > 2 * shown or 2 * k < shown
+        if big:
+            self._k_logged = k
+        log.log(
+            logging.INFO if big else logging.DEBUG,
             "steps per call: %d (per call %.1f ms overhead vs %.2f ms/step)",
             k,
             1e3 * m.overhead_seconds if m else 0.0,
