@@ -223,7 +223,7 @@ class LocalCluster:
             log.error("resize refused: %s", err)
             raise Refused(
                 f"{first}; the job goes on on the old cluster (see the server logs in "
-                f"{self.workdir / 'logs'}; a larger --start-timeout gives them longer)"
+                f"{self.workdir / 'logs'})"
             ) from None
         self.servers = sorted(kept + started, key=lambda s: (s.task_type, s.index))
         self.retiring += leaving
@@ -389,7 +389,8 @@ class LocalCluster:
                     raise ServerFailed(
                         f"{len(pending)} of {len(servers)} servers not SERVING after "
                         f"{timeout:.0f}s ({', '.join(s.name for s in pending[:8])}"
-                        f"{', ...' if len(pending) > 8 else ''}); "
+                        f"{', ...' if len(pending) > 8 else ''}); a larger --start-timeout "
+                        f"gives them longer; "
                         f"last lines of {server.log_path}:\n{server.last_log_lines()}"
                     )
                 time.sleep(0.5)
