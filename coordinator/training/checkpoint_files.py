@@ -241,6 +241,31 @@ def set_aside_unreadable_state(directory: str) -> None:
         log.warning("%s %s: moved to %s.unreadable", path, problem, STATE_FILE)
 
 
+_PARTS = re.compile(r"^ckpt-\d+_temp_[0-9a-f]{8}$")  # sharded_save.py's parts of a save
+
+
+def remove_unfinished_saves(directory: str) -> list[str]:
+    """Remove the parts of saves that never finished (``ckpt-N_temp_XXXXXXXX/``: every ps's
+    shards of a save whose coordinator was killed before it joined them), which would
+    otherwise stay, as big as the model each. Only the training process that saves in the
+    directory calls it, before its first save. The names removed."""
+    import tensorflow as tf
+
+    try:
+        names = tf.io.gfile.listdir(directory)
+    except tf.errors.OpError:
+        return []
+    removed = []
+    for name in names:
+        if _PARTS.match(name.rstrip("/")):
+            tf.io.gfile.rmtree(os.path.join(directory, name.rstrip("/")))
+            removed.append(name.rstrip("/"))
+    if removed:
+        log.warning("removed the parts of %d unfinished save(s) in %s: %s", len(removed),
+                    directory, ", ".join(sorted(removed)))  # fmt: skip
+    return removed
+
+
 def rebuild_state(directory: str, kept: list[Found], latest: Found) -> bool:
     """Rewrite the state file unless it already names ``latest`` as the newest checkpoint:
     it lists ``kept`` (oldest first, their index files' times as their save times, so

@@ -24,6 +24,7 @@ from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoint_files import (
+    remove_unfinished_saves,
     restore_newest,
     set_aside_unreadable_state,
 )
@@ -69,6 +70,7 @@ class Checkpointer:
         self._keep = settings.keep_checkpoints
         check_shared(settings.checkpoint_dir, ps_devices(state.num_ps))
         set_aside_unreadable_state(settings.checkpoint_dir)  # restore() writes a new one
+        remove_unfinished_saves(settings.checkpoint_dir)
         self.manager = self._manager(settings.checkpoint_dir)
 
     def _manager(self, directory: str) -> Any:

@@ -133,3 +133,20 @@ def test_a_table_that_is_not_finite_is_refused_and_nothing_is_written(tmp_path, 
         source._write(str(tmp_path / "ckpt-3"))
     assert err.value.name == "table"
     assert os.listdir(tmp_path) == []
+
+
+def test_the_parts_of_an_unfinished_save_are_removed_before_the_next_save(tmp_path):
+    """A coordinator killed between the ps tasks' writes and its join leaves their parts:
+    as big as the model, every time. The next training process removes them; nothing
+    else."""
+    from psctl.coordinator.training.checkpoint_files import remove_unfinished_saves
+
+    prefix = saved(tmp_path)
+    parts = tmp_path / "ckpt-9_temp_0123abcd"
+    parts.mkdir()
+    (parts / "ps-0-00001.data-00000-of-00001").write_bytes(b"x" * 100)
+    other = tmp_path / "ckpt-9_temp_notmine"
+    other.mkdir()
+    assert remove_unfinished_saves(str(tmp_path)) == ["ckpt-9_temp_0123abcd"]
+    assert not parts.exists() and other.is_dir()
+    checkpoint_of(split([500, 500]), tf.Variable([0.0, 0.0])).load(prefix)  # untouched
