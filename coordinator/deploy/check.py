@@ -65,8 +65,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def check_checkpoint_dir(cluster: Any, directory: str) -> None:
-    """Every ps reads a file written here in ``directory`` (ConfigError, exit 78, if one
-    does not): the same check the training process makes at start. This process joins the
+    """Every ps reads a file written here in ``directory`` and writes one read back here
+    (ConfigError, exit 78, if one cannot): the same check the training process makes at
+    start. This process joins the
     ps tasks' eager runtime as a job of its own, as TensorFlow's ``connect_to_host`` does;
     the running job is not touched."""
     import tensorflow as tf

@@ -208,6 +208,16 @@ def finite(value: Any) -> bool:
     return all(a.dtype.kind != "f" or np.isfinite(a).all() for a in arrays)
 
 
+def finite_there(tensor: Any) -> bool:
+    """Whether a tensor holds only finite numbers where it holds floats, checked on the
+    task that holds it: only the answer crosses the network."""
+    import tensorflow as tf
+
+    if not tf.as_dtype(tensor.dtype).is_floating:
+        return True
+    return bool(tf.reduce_all(tf.math.is_finite(tensor)))
+
+
 def _name(variable: Any) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", "a variable"))
 

@@ -187,15 +187,4 @@ def sharded_checkpoint(
     model built here, each psctl table one row long) gives the keys and the object graph."""
     with skeleton(settings):
         plain = JobModel(job, x_spec, y_spec)
-    checkpoint = plain.checkpoint(saved_step)
-    return plan(
-        ps_model=state.model,
-        ps_optimizer=state.optimizer,
-        tables=state.tables,
-        dynamic_layers=state.dynamic_layers,
-        skeleton_checkpoint=checkpoint,
-        skeleton_model=plain.model,
-        skeleton_optimizer=plain.optimizer,
-        skeleton_dynamic=plain.dynamic_layers,
-        saved_step=saved_step,
-    )
+    return plan(state, plain, saved_step)

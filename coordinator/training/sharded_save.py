@@ -26,13 +26,14 @@ from them, whatever the ps count that wrote it.
 The checkpoint directory must be one that every ps host and the coordinator see at the same
 path (on one host: any directory; across hosts: NFS, ``gs://``, ``hdfs://``, ...):
 ``check_shared`` says so in one line at start when a ps cannot read what the coordinator
-wrote there.
+wrote there, or the coordinator what a ps wrote.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import json
 import logging
 import os
@@ -52,10 +53,10 @@ from tensorflow.python.ops import gen_io_ops, gen_lookup_ops
 from tensorflow.python.training.saving import saveable_object_util
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.dynamic import DynamicEmbedding, shard_of
+from psctl.coordinator.dynamic import shard_of
 from psctl.coordinator.failures import Failure, classify, describe
-from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable
-from psctl.coordinator.training.tables import Table
+from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable, finite_there
+from psctl.coordinator.training.model import JobModel, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,6 @@ def task_of(device: str | None) -> str:
     return f"{match.group(1)}:{match.group(2)}" if match else device
 
 
-def _on(device: str | None) -> Any:
-    return tf.device(device) if device else tf.device(None)
-
-
 def _sync(device: str | None) -> None:
     """Wait for the ops sent to ``device`` so far, and raise the error of any that failed.
     Ops without outputs (SaveV2, writes, assigns, inserts) are only queued on a remote task:
@@ -103,17 +100,6 @@ def _sync(device: str | None) -> None:
 
 def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _is_float(dtype: Any) -> bool:
-    return bool(tf.as_dtype(dtype).is_floating)
-
-
-def _finite(tensor: Any) -> bool:
-    """Checked where the tensor is: only the answer crosses the network."""
-    if not _is_float(tensor.dtype):
-        return True
-    return bool(tf.reduce_all(tf.math.is_finite(tensor)))
 
 
 def _spec(shape: Sequence[int], start: int, rows: int) -> str:
@@ -243,7 +229,7 @@ class ShardedCheckpoint:
     def _save_all(self, temp: str) -> dict[str, Written]:
         written: dict[str, Written] = defaultdict(Written)
         lock = threading.Lock()
-        counter = iter(range(1 << 30))
+        counter = itertools.count()
 
         def save(
             device: str | None, names: list[str], specs: list[str], tensors: list[Any]
@@ -251,7 +237,7 @@ class ShardedCheckpoint:
             task = task_of(device)
             with lock:
                 part = f"{temp}/{task.replace(':', '-')}-{next(counter):05d}"
-            with _on(device):
+            with tf.device(device):
                 gen_io_ops.save_v2(part, names, specs, tensors)
             _sync(device)
             nbytes = sum(_nbytes(t) for t in tensors)
@@ -289,10 +275,10 @@ class ShardedCheckpoint:
 
     def _save_hashed(self, item: Hashed, save: Callable[..., None]) -> dict[str, list[list[int]]]:
         def export(device: str | None, table: Any) -> tuple[Any, Any, int]:
-            with _on(device):
+            with tf.device(device):
                 keys, values = table.export()
                 rows = int(tf.shape(keys)[0])
-                if rows and not _finite(values):
+                if rows and not finite_there(values):
                     raise NotFinite(item.name)
             return keys, values, rows
 
@@ -332,7 +318,7 @@ class ShardedCheckpoint:
                 device: Any = device, keys: Any = keys, values: Any = values, ranges: Any = ranges
             ) -> None:
                 for start, n, local in ranges:
-                    with _on(device):
+                    with tf.device(device):
                         k = keys[local : local + n]
                         v = values[local : local + n]
                     save(
@@ -474,31 +460,38 @@ def _nbytes(tensor: Any) -> int:
 
 
 def _dense_pieces(dense: Dense) -> Iterator[Piece]:
-    with _on(dense.device):
+    with tf.device(dense.device):
         value = tf.convert_to_tensor(_tf_variable(dense.variable))
-        if not _finite(value):
+        if not finite_there(value):
             raise NotFinite(dense.name)
     yield dense.key, "", value
 
 
-def _row_pieces(table: Rows, shard: Any, start: int) -> Iterator[Piece]:
-    device = ps_device(shard)
+def _shard_blocks(table: Rows, shard: Any, start: int) -> Iterator[tuple[int, int, str]]:
+    """(first row in the shard, rows, the whole table's shape_and_slice) of each block of
+    ``BLOCK_BYTES`` of a shard that starts at row ``start`` of ``table``."""
     row_bytes = int(np.prod(shard.shape[1:])) * shard.dtype.size
     for first, n in _row_ranges(int(shard.shape[0]), row_bytes):
-        with _on(device):
+        yield first, n, _spec(table.shape, start + first, n)
+
+
+def _row_pieces(table: Rows, shard: Any, start: int) -> Iterator[Piece]:
+    device = ps_device(shard)
+    for first, n, spec in _shard_blocks(table, shard, start):
+        with tf.device(device):
             # A gather, not a read of the whole shard: a variable that sparse updates
             # touched copies itself whole on a plain read (+340 MB per ps at 10M x 16).
             block = tf.gather(shard, tf.range(first, first + n))
-            if not _finite(block):
+            if not finite_there(block):
                 raise NotFinite(table.name)
-        yield table.key, _spec(table.shape, start + first, n), block
+        yield table.key, spec, block
 
 
 def _dense_loader(dense: Dense, prefix: str, dtype: Any) -> Callable[[], None]:
     def run() -> None:
-        with _on(dense.device):
+        with tf.device(dense.device):
             (value,) = gen_io_ops.restore_v2(prefix, [dense.key], [""], [dtype])
-            if not _finite(value):
+            if not finite_there(value):
                 raise Unusable(f"{dense.name} holds values that are not finite")
             _tf_variable(dense.variable).assign(value)
 
@@ -510,12 +503,10 @@ def _rows_loader(
 ) -> Callable[[], None]:
     def run() -> None:
         device = ps_device(shard)
-        row_bytes = int(np.prod(shard.shape[1:])) * shard.dtype.size
-        for first, n in _row_ranges(int(shard.shape[0]), row_bytes):
-            spec = _spec(table.shape, start + first, n)
-            with _on(device):
+        for first, n, spec in _shard_blocks(table, shard, start):
+            with tf.device(device):
                 (block,) = gen_io_ops.restore_v2(prefix, [table.key], [spec], [dtype])
-                if not _finite(block):
+                if not finite_there(block):
                     raise Unusable(f"{table.name} holds values that are not finite")
                 shard.scatter_update(tf.IndexedSlices(block, tf.range(first, first + n)))
 
@@ -536,7 +527,7 @@ def _hashed_loader(
     total = int(shape[0])
 
     def run() -> None:
-        with _on(device):
+        with tf.device(device):
             # Empty it first: a fallback after a damaged checkpoint starts clean.
             gen_lookup_ops.lookup_table_import_v2(
                 table.resource_handle,
@@ -550,7 +541,7 @@ def _hashed_loader(
                     [_spec([total], start, n), _spec(shape, start, n)],
                     [tf.int64, dtype],
                 )
-                if not _finite(values):
+                if not finite_there(values):
                     raise Unusable(f"{item.name} holds values that are not finite")
                 mine = tf.equal(shard_of(keys, count), index)
                 table.insert(tf.boolean_mask(keys, mine), tf.boolean_mask(values, mine))
@@ -637,21 +628,12 @@ def _report(order: Sequence[str], written: dict[str, Written]) -> str:
 # -- the plan: which key each variable is saved under ----------------------------------------
 
 
-def plan(
-    *,
-    ps_model: Any,
-    ps_optimizer: Any,
-    tables: Sequence[Table],
-    dynamic_layers: Sequence[DynamicEmbedding],
-    skeleton_checkpoint: Any,
-    skeleton_model: Any,
-    skeleton_optimizer: Any,
-    skeleton_dynamic: Sequence[DynamicEmbedding],
-    saved_step: Any,
-) -> ShardedCheckpoint:
-    """Pair every variable and table of the training state with its key in the checkpoint
-    of the plain model (the skeleton: the same ``create_model`` built in this process with
-    every psctl table one row long, so that it costs nothing, and dynamic tables empty)."""
+def plan(state: TrainState, skeleton: JobModel, saved_step: Any) -> ShardedCheckpoint:
+    """Pair every variable and table of the training ``state`` with its key in the
+    checkpoint of the plain model: the ``skeleton``, the same ``create_model`` built in this
+    process with every psctl table one row long, so that it costs nothing, and dynamic
+    tables empty."""
+    skeleton_checkpoint = skeleton.checkpoint(saved_step)
     # tf.train.CheckpointManager counts saves in the checkpoint's save_counter, which
     # every checkpoint it wrote holds (and every reader's tf.train.Checkpoint expects).
     save_counter = skeleton_checkpoint.save_counter
@@ -676,12 +658,12 @@ def plan(
         values_key = next(k for k in found if k.endswith("-values"))
         return keys_key, values_key
 
-    ps_layers = _embeddings(ps_model)
-    skeleton_layers = _embeddings(skeleton_model)
+    ps_layers = _embeddings(state.model)
+    skeleton_layers = _embeddings(skeleton.model)
     rows: list[Rows] = []
     skip: set[int] = set()
-    slots = {v.name: v for v in skeleton_optimizer.variables}
-    for table in tables:
+    slots = {v.name: v for v in skeleton.optimizer.variables}
+    for table in state.tables:
         copy = skeleton_layers[next(i for i, lay in enumerate(ps_layers) if lay is table.layer)]
         var = copy.embeddings
         skip.add(id(var))
@@ -690,10 +672,10 @@ def plan(
             slot = slots[f"{var.path.replace('/', '_')}_{kind}"]
             skip.add(id(slot))
             rows.append(Rows(key_of(slot), slot.path, table.slots[kind]))
-    sources = list(ps_model.variables) + list(ps_optimizer.variables)
+    sources = list(state.model.variables) + list(state.optimizer.variables)
     copies = [
         v
-        for v in list(skeleton_model.variables) + list(skeleton_optimizer.variables)
+        for v in list(skeleton.model.variables) + list(skeleton.optimizer.variables)
         if id(v) not in skip
     ]
     dense = [
@@ -702,7 +684,7 @@ def plan(
     ]
     hashed: list[Hashed] = []
     summed: list[Summed] = []
-    for layer, copy in zip(dynamic_layers, skeleton_dynamic, strict=True):
+    for layer, copy in zip(state.dynamic_layers, skeleton.dynamic_layers, strict=True):
         local = copy.shards[0]
         for what, table in local.tables().items():
             keys_key, values_key = pair_of(table)

@@ -40,6 +40,7 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
+from psctl.coordinator.training.checkpoint_files import finite_there
 from psctl.coordinator.training.final_eval import evaluate_final
 from psctl.coordinator.training.loop import RunnerBase, TrainerBase, Turn, run_training
 from psctl.coordinator.training.model import TrainState, scalar
@@ -422,12 +423,10 @@ class SyncTrainer(TrainerBase):
         """Whether this worker's model and optimizer hold only finite floats (what the
         chief's checkpoint would refuse otherwise); read on the device, no collective."""
         state = self.state
-        for variable in [*state.model.variables, *state.optimizer.variables]:
-            if tf.as_dtype(variable.dtype).is_floating and not bool(
-                tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(variable)))
-            ):
-                return False
-        return True
+        return all(
+            finite_there(tf.convert_to_tensor(variable))
+            for variable in [*state.model.variables, *state.optimizer.variables]
+        )
 
     def run(self) -> Summary:
         try:

@@ -90,6 +90,10 @@ class TablePlan:
     max_shards: int
     tables: list[Table] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, settings: TrainSettings) -> TablePlan:
+        return cls(min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards)
+
     def wants(self, layer: Any) -> bool:
         itemsize = np.dtype(keras.backend.standardize_dtype(layer.variable_dtype)).itemsize
         table_bytes = int(layer.input_dim) * int(layer.output_dim) * itemsize
@@ -117,7 +121,7 @@ def partitioner(settings: TrainSettings) -> Callable[..., list[int]] | None:
 def building(settings: TrainSettings) -> Iterator[TablePlan]:
     """While the job's model is built under the strategy's scope: Embedding layers the plan
     wants are built as psctl tables (collected in the plan, in build order)."""
-    plan = TablePlan(min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards)
+    plan = TablePlan.of(settings)
     _install()
     _BUILDING.plan = plan
     try:
@@ -132,9 +136,7 @@ def skeleton(settings: TrainSettings) -> Iterator[None]:
     Embedding layers that are psctl tables on the cluster get a one-row table, so that the
     skeleton has the plain model's variables, keys and slots at no cost in memory."""
     _install()
-    _BUILDING.skeleton = TablePlan(
-        min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards
-    )
+    _BUILDING.skeleton = TablePlan.of(settings)
     try:
         yield
     finally:
