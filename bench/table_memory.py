@@ -1,10 +1,13 @@
 """Memory of dynamic tables (``DynamicEmbedding``): bytes per live key, and a table of
 ``--keys`` (default 10M) live keys trained on 2 ps.
 
-1. **In one process** (no cluster): the three hash tables of one shard (vectors, counts and
-   last-seen steps, the optimizer's slots) filled with ``--probe-keys`` (1M) keys of
-   ``--dim`` (16) floats, for SGD (no slot), Adagrad (1) and Adam (2): the RSS growth per
-   key against the floor ``dim x 4 x (1 + slots)`` bytes (+ 24 for the count and step).
+1. **In one process** (no cluster): one shard filled with ``--probe-keys`` (1M) keys of
+   ``--dim`` (16) floats, for SGD (no slot), Adagrad (1) and Adam (2), in three layouts side
+   by side: ``packed`` (psctl's: one ``MutableHashTable``, the key's row with its slots and
+   two int32 counters in one allocation), ``three`` (before: vectors, counts and slots
+   each a table of their own) and ``dense`` (TensorFlow's ``DenseHashTable``, open
+   addressing over contiguous buckets, the packed row as value): the RSS growth per key
+   against the payload ``8 + dim x 4 x (1 + slots) + 8`` bytes (key, row, counters).
 2. **On a cluster** (``psctl local``, 2 ps + 2 workers, Adam): a job whose every example
    brings 13 ids never seen before and 13 seen 2 steps earlier (so each key is admitted,
    then updated and given its slots; ``admit_after=1``, no eviction) trains until the
@@ -16,7 +19,8 @@
     .venv/bin/python bench/table_memory.py --keys 1M        # a smaller cluster run
     .venv/bin/python bench/table_memory.py --no-cluster     # the one-process probe only
 
-Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (floor F)``.
+Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (payload P; psctl
+reports R)``.
 """
 
 from __future__ import annotations
@@ -78,37 +82,50 @@ PROBE = """
 import os, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import tensorflow as tf
-n, d, slots = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+layout, n, d, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
-table = lambda dt, width: tf.lookup.experimental.MutableHashTable(
-    tf.int64, dt, default_value=tf.zeros([width], dt))
-tables = [(table(tf.float32, d), d, tf.float32), (table(tf.int64, 3), 3, tf.int64)]
-if slots:
-    tables.append((table(tf.float32, d * slots), d * slots, tf.float32))
-base, chunk = rss(), 100_000
+def table(dt, width):
+    zeros = tf.zeros([width], dt)
+    return tf.lookup.experimental.MutableHashTable(tf.int64, dt, default_value=zeros)
+row = d * (1 + slots) + 2  # + count and last_seen, int32 bits
+if layout == "three":
+    tables = [(table(tf.float32, d), d, tf.float32), (table(tf.int64, 3), 3, tf.int64)]
+    if slots:
+        tables.append((table(tf.float32, d * slots), d * slots, tf.float32))
+elif layout == "packed":
+    tables = [(table(tf.float32, row), row, tf.float32)]
+else:
+    tables = [(tf.lookup.experimental.DenseHashTable(
+        tf.int64, tf.float32, default_value=tf.zeros([row]), empty_key=-1, deleted_key=-2,
+        initial_num_buckets=1024), row, tf.float32)]
+base, chunk, peak = rss(), 100_000, 0
 for start in range(0, n, chunk):
     keys = tf.range(start, start + chunk, dtype=tf.int64) * 7919
     for t, width, dt in tables:
         t.insert(keys, tf.zeros([chunk, width], dt))
-print((rss() - base) / n)
+    peak = max(peak, rss())
+print((rss() - base) / n, (peak - base) / n)
 """
 
 
 def probe(keys: int, dim: int) -> list[dict[str, float]]:
     rows = []
     for name, slots in (("sgd", 0), ("adagrad", 1), ("adam", 2)):
-        out = subprocess.run(
-            [sys.executable, "-c", PROBE, str(keys), str(dim), str(slots)],
-            capture_output=True, text=True, check=True, timeout=600,
-        )  # fmt: skip
-        per_key = float(out.stdout.split()[-1])
-        floor = dim * 4 * (1 + slots)
-        rows.append({"optimizer": name, "bytes_per_key": per_key, "floor": floor})
-        print(f"one process, {keys:,} keys, dim {dim}, {name}: {per_key:.0f} bytes/key "
-              f"(floor {floor} + 24 for count and step)", flush=True)  # fmt: skip
+        payload = 8 + dim * 4 * (1 + slots) + 8
+        for layout in ("packed", "three", "dense"):
+            out = subprocess.run(
+                [sys.executable, "-c", PROBE, layout, str(keys), str(dim), str(slots)],
+                capture_output=True, text=True, check=True, timeout=600,
+            )  # fmt: skip
+            per_key, peak = (float(x) for x in out.stdout.split()[-2:])
+            rows.append({"optimizer": name, "layout": layout, "bytes_per_key": per_key,
+                         "peak_bytes_per_key": peak, "payload": payload})  # fmt: skip
+            print(f"one process, {keys:,} keys, dim {dim}, {name:8} {layout:6}: "
+                  f"{per_key:4.0f} bytes/key ({per_key / payload:.2f}x the payload {payload}; "
+                  f"peak while growing {peak:.0f})", flush=True)  # fmt: skip
     return rows
 
 
@@ -151,7 +168,8 @@ def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]
         "ps_rss_first_bytes": first,
         "ps_rss_peak_bytes": peak,
         "bytes_per_key": per_key,
-        "floor": dim * 4 * 3,
+        "reported_bytes_per_key": result["tables"]["ids"].get("bytes", 0) / max(1, rows),
+        "payload": 8 + dim * 4 * 3 + 8,
         "wall_seconds": time.monotonic() - started,
     }
 
@@ -174,7 +192,8 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if not args.no_cluster:
         print(f"dynamic table: {run['rows']:,} live keys on 2 ps, {run['bytes_per_key']:.0f} "
-              f"bytes/key on the ps (floor {run['floor']})")  # fmt: skip
+              f"bytes/key on the ps (payload {run['payload']}; psctl reports "
+              f"{run['reported_bytes_per_key']:.0f})")  # fmt: skip
     return 0
 
 

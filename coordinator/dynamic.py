@@ -1,20 +1,20 @@
 """Dynamic embedding tables (``from psctl.job import DynamicEmbedding``): rows keyed by raw
 ids, with no vocabulary size, that grow as ids are admitted and shrink as they are evicted.
 
-A table is one ``tf.lookup.experimental.MutableHashTable`` per shard, keyed by int64:
+On a cluster a table has one shard per ps task (``PackedShard``), and a key lives on shard
+``shard_of(key)`` (a multiplicative hash of the key, so that ids in sequence or of one stride
+spread evenly). A shard is one ``tf.lookup.experimental.MutableHashTable``, int64 key -> the
+key's whole row ``[vector | optimizer slots | count, last_seen]``: one allocation per key,
+about 1.35x the payload (measured: docs/embeddings.md); the three tables per shard before
+it (vectors, counts, slots, each an allocation per key) took 2.9x. Ids not yet admitted are
+counted in a count-min sketch of fixed size (``Sketch``), not in the table.
 
-- ``embeddings``: key -> its vector (``output_dim`` floats), admitted keys only;
-- ``meta``: key -> ``[count, last_seen, admitted]`` (int64): how often the id was seen, the
-  global step it was last seen at, and whether it has its own vector yet;
-- ``slots``: key -> the optimizer's slots for the key's vector, side by side (Adam's
-  momentum and velocity, Adagrad's accumulator, ...), admitted keys only.
-
-On a cluster there is one shard per ps task, and a key lives on shard ``shard_of(key)``
-(a multiplicative hash of the key, so that ids in sequence or of one stride spread evenly).
 Anywhere else (the checkpoint's skeleton, ``psctl evaluate``, ``psctl export``) a table is
-one local shard; checkpoints hold each table as the one-shard table's (keys, values), saved
-in slices by the ps tasks and re-split over however many there are when they are restored
-(training/sharded_save.py).
+``ServingTables``: the layout checkpoints and SavedModels hold, three tables keyed by the
+ids (``embeddings``: the vectors; ``meta``: ``[count, last_seen, admitted]``; ``slots``: the
+optimizer's, side by side). Checkpoints hold each as the one-shard table's (keys, values),
+saved in slices by the ps tasks and re-split over however many there are when they are
+restored (training/sharded_save.py).
 
 Strings are keyed by their 63-bit fingerprint (``tf.strings.to_hash_bucket_fast`` over
 2**63 - 1 buckets: stable across processes, and with 10^9 distinct strings two of them
@@ -32,6 +32,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from psctl.coordinator.layers import (
     LayerSettingError,
@@ -63,20 +64,171 @@ def split_by_shard(keys: Any, num_shards: int) -> tuple[list[Any], list[Any]]:
     return positions, tf.dynamic_partition(keys, part, num_shards)
 
 
-META_WIDTH = 3  # count, last_seen, admitted
+META_WIDTH = 3  # a checkpoint's meta rows: count, last_seen, admitted
 COUNT, LAST_SEEN, ADMITTED = 0, 1, 2
+ABSENT = -1  # the last_seen a key without a row reads on a ps
+COUNTER_CAP = 2**30  # counts and steps stop here: as int32 bits, a finite float
+SKETCH_DEPTH = 4
+DEFAULT_SKETCH_WIDTH = 2**21  # counters per row: 32 MB per shard at depth 4
+_SKETCH_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+
+
+class Sketch:
+    """How often each id not yet admitted was seen, in a fixed-size count-min sketch (one
+    int32 variable on the shard's ps): ids that never reach ``admit_after`` cost no memory
+    of their own. It never counts an id short; an id counts more than it was seen when each
+    of its ``SKETCH_DEPTH`` counters is shared with others (the false admissions
+    docs/embeddings.md measures)."""
+
+    def __init__(self, width: int, device: str | None) -> None:
+        self.bits = max(4, int(width - 1).bit_length())
+        self.width = 1 << self.bits
+        self.counts = variable_on(device, tf.zeros([SKETCH_DEPTH * self.width], tf.int32))
+
+    @property
+    def nbytes(self) -> int:
+        return SKETCH_DEPTH * self.width * 4
+
+    def _cells(self, keys: Any) -> Any:
+        u = tf.bitcast(tf.cast(keys, tf.int64), tf.uint64)
+        u = tf.bitwise.bitwise_xor(u, tf.bitwise.right_shift(u, tf.constant(29, tf.uint64)))
+        shift = tf.constant(64 - self.bits, tf.uint64)
+        rows = [
+            tf.cast(tf.bitwise.right_shift(u * tf.constant(mix, tf.uint64), shift), tf.int64)
+            + row * self.width
+            for row, mix in enumerate(_SKETCH_MIX[:SKETCH_DEPTH])
+        ]
+        return tf.stack(rows, axis=1)  # [n, depth]
+
+    def add(self, keys: Any, counts: Any) -> Any:
+        """Count ``keys`` (distinct) ``counts`` times more; each key's estimate after."""
+        cells = self._cells(keys)
+        adds = tf.tile(tf.cast(counts, tf.int32)[:, None], [1, SKETCH_DEPTH])
+        self.counts.scatter_add(tf.IndexedSlices(tf.reshape(adds, [-1]), tf.reshape(cells, [-1])))
+        return tf.cast(tf.reduce_min(tf.gather(self.counts, cells), axis=1), tf.int64)
+
+    def halve(self) -> None:
+        """Age every count (ids seen long ago stop counting toward admission)."""
+        with tf.device(self.counts.device):
+            self.counts.assign(tf.bitwise.right_shift(self.counts, 1))
+
+
+def variable_on(device: str | None, initial: Any) -> Any:
+    """A variable on ``device`` itself. ``tf.Variable`` under the parameter-server strategy
+    goes where the strategy's round robin says, whatever the device scope, and one ps cannot
+    reach another: a shard's eviction function on its ps failed on a counter placed on the
+    other one ("unknown device"). A ``ResourceVariable`` made directly skips the strategy's
+    creator, as the hash tables do."""
+    with tf.init_scope(), tf.device(device) if device else contextlib.nullcontext():
+        return resource_variable_ops.ResourceVariable(initial, trainable=False)
+
+
+def _meta_columns(dtype: Any) -> int:
+    return 2 * 4 // dtype.size  # count and last_seen, int32 each, as ``dtype`` bits
+
+
+class PackedShard:
+    """A dynamic table's shard on a ps: one ``MutableHashTable`` whose value is the key's
+    whole row, ``[vector | optimizer slots | count, last_seen]`` (the two counters as int32
+    bits), one allocation per key; ids not yet admitted only counted in ``sketch``."""
+
+    def __init__(
+        self,
+        device: str | None,
+        dim: int,
+        dtype: Any,
+        *,
+        sketch_width: int | None,
+        kinds: tuple[str, ...] = (),
+        initial: dict[str, float] | None = None,
+    ) -> None:
+        self.device = device
+        self.dim = dim
+        self.dtype = dtype
+        self.slot_kinds = tuple(kinds)
+        self.slot_width = dim * len(kinds)
+        self.meta_width = _meta_columns(dtype)
+        self.width = dim + self.slot_width + self.meta_width
+        self.counters = variable_on(device, tf.zeros([2], tf.int64))
+        with tf.init_scope(), self.placed():
+            initial = initial or {}
+            default = [tf.zeros([dim], dtype)]
+            default += [tf.fill([dim], tf.constant(initial[k], dtype)) for k in kinds]
+            default.append(self._meta_bits(tf.constant([[0, ABSENT]], tf.int32))[0])
+            self.table = tf.lookup.experimental.MutableHashTable(
+                tf.int64, dtype, default_value=tf.concat(default, 0)
+            )
+        self.sketch = Sketch(sketch_width, device) if sketch_width else None
+
+    def placed(self) -> Any:
+        return tf.device(self.device) if self.device else contextlib.nullcontext()
+
+    def _meta_bits(self, meta: Any) -> Any:
+        """int32 ``[n, 2]`` -> ``[n, meta_width]`` of the table's dtype, the same bits."""
+        size = self.dtype.size
+        if size == 8:
+            meta = tf.reshape(meta, [-1, 1, 2])
+        return tf.reshape(tf.bitcast(meta, self.dtype), [-1, self.meta_width])
+
+    def _meta_of(self, columns: Any) -> Any:
+        size = self.dtype.size
+        if size == 2:
+            columns = tf.reshape(columns, [-1, 2, 2])
+        return tf.reshape(tf.bitcast(columns, tf.int32), [-1, 2])
+
+    def unpack(self, values: Any) -> tuple[Any, Any, Any]:
+        """(vectors, meta int64 ``[n, META_WIDTH]``, slots or None) of packed rows."""
+        d, s = self.dim, self.slot_width
+        values = tf.reshape(values, [-1, self.width])
+        bits = tf.cast(self._meta_of(values[:, d + s :]), tf.int64)
+        admitted = tf.cast(bits[:, 1] != ABSENT, tf.int64)
+        meta = tf.stack([bits[:, 0], bits[:, 1], admitted], axis=1)
+        return values[:, :d], meta, (values[:, d : d + s] if s else None)
+
+    def pack(self, vectors: Any, slots: Any, count: Any, last_seen: Any) -> Any:
+        cap = tf.constant(COUNTER_CAP, tf.int64)
+        meta = tf.stack([tf.minimum(count, cap), tf.minimum(last_seen, cap)], axis=1)
+        parts = [tf.cast(vectors, self.dtype)]
+        if self.slot_width:
+            parts.append(tf.cast(slots, self.dtype))
+        parts.append(self._meta_bits(tf.cast(meta, tf.int32)))
+        return tf.concat(parts, axis=1)
+
+    def read(self, keys: Any) -> tuple[Any, Any, Any]:
+        return self.unpack(self.table.lookup(keys))
+
+    def write(self, keys: Any, vectors: Any, slots: Any, count: Any, last_seen: Any) -> None:
+        self.table.insert(keys, self.pack(vectors, slots, count, last_seen))
+
+    def size(self) -> Any:
+        return self.table.size()
+
+    def nbytes(self, rows: int) -> int:
+        """This shard's memory with ``rows`` rows: each key's row and map node as glibc
+        allocates them, the map's buckets (16 bytes a key on average), and the sketch
+        (docs/embeddings.md compares it with the capacity bench's measured bytes)."""
+        row = self.width * self.dtype.size
+        per_key = _malloc_chunk(row) + _malloc_chunk(8 + 8 + 24) + 16
+        return rows * per_key + (self.sketch.nbytes if self.sketch else 0)
+
+
+def _malloc_chunk(request: int) -> int:
+    """glibc's chunk for a request of ``request`` bytes (8 of header, 16-byte steps)."""
+    return max(32, (request + 8 + 15) // 16 * 16)
 
 
 @dataclass
-class Shard:
-    """One shard of a dynamic table, on ``device`` (a ps task; None: this process)."""
+class ServingTables:
+    """A dynamic table in one process (the checkpoint's skeleton, ``psctl evaluate``,
+    ``psctl export``): the layout checkpoints and SavedModels hold, three tables keyed by
+    the ids: ``embeddings`` (the vectors), ``meta`` (``[count, last_seen, admitted]``) and
+    ``slots`` (the optimizer's, side by side; once ``ensure_slots`` knows them)."""
 
-    device: str | None
     embeddings: Any
     meta: Any
-    counters: Any  # int64 [admitted, evicted]: this shard's totals
-    slots: Any = None  # a table once the optimizer's slots are known (``ensure_slots``)
-    slot_kinds: tuple[str, ...] = field(default_factory=tuple)
+    counters: Any  # int64 [admitted, evicted]: the totals
+    slots: Any = None
+    device: str | None = None
 
     def tables(self) -> dict[str, Any]:
         found = {"embeddings": self.embeddings, "meta": self.meta}
@@ -177,9 +329,14 @@ class DynamicEmbedding(keras.layers.Layer):
 
     - Admission: an id gets its own vector (drawn from ``embeddings_initializer``) once it
       has been seen ``admit_after`` times; until then it reads zeros and is not updated,
-      and its count is kept. The step that admits an id still reads zeros.
-    - Eviction: an id not seen for ``ttl_steps`` global steps is removed (its vector, its
-      slots and its count), and each shard keeps at most ``max_rows_per_shard`` rows, the
+      and it is counted in a fixed-size sketch on its ps (``admission_sketch_width``
+      counters in each of 4 rows, 16 bytes per column: ids that are never admitted cost
+      no memory of their own; with ``ttl_steps`` the counts halve every ``ttl_steps``
+      steps). The sketch may count an id more often than it was seen (a false
+      admission, docs/embeddings.md), never less. The step that admits an id still reads
+      zeros.
+    - Eviction: an id not seen for ``ttl_steps`` global steps is removed (its row: vector,
+      slots and counts), and each shard keeps at most ``max_rows_per_shard`` rows, the
       least recently seen removed first. psctl evicts every few seconds while training.
     """
 
@@ -192,6 +349,7 @@ class DynamicEmbedding(keras.layers.Layer):
         ttl_steps: int | None = None,
         max_rows_per_shard: int | None = None,
         embeddings_initializer: Any = "uniform",
+        admission_sketch_width: int = DEFAULT_SKETCH_WIDTH,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -203,6 +361,9 @@ class DynamicEmbedding(keras.layers.Layer):
         self.max_rows_per_shard = count_setting(
             kind, self.name, "max_rows_per_shard", max_rows_per_shard, optional=True
         )
+        self.admission_sketch_width = count_setting(
+            kind, self.name, "admission_sketch_width", admission_sketch_width
+        )
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.initial_rows = _initializer(self.embeddings_initializer)
 
@@ -213,26 +374,41 @@ class DynamicEmbedding(keras.layers.Layer):
             return
         devices = _CONTEXT.devices
         if devices:
-            # Not tracked by the layer: checkpoints save the shards in the one-shard
-            # layout below (training/sharded_save.py).
-            shards = [self._make_shard(device) for device in devices]
-            object.__setattr__(self, "_psctl_shards", shards)
+            # Not tracked by the layer: checkpoints save the shards in the serving layout
+            # (training/sharded_save.py).
+            shards: list[Any] = [self._packed(device) for device in devices]
         else:
-            shard = self._make_shard(None)
+            tables = self._serving_tables()
             # Tracked, under these names: what checkpoints and SavedModels hold.
-            self.embeddings_table = shard.embeddings
-            self.meta_table = shard.meta
-            self.counters = shard.counters
-            object.__setattr__(self, "_psctl_shards", [shard])
+            self.embeddings_table = tables.embeddings
+            self.meta_table = tables.meta
+            self.counters = tables.counters
+            shards = [tables]
+        object.__setattr__(self, "_psctl_shards", shards)
         self.built = True
 
-    def _make_shard(self, device: str | None) -> Shard:
-        dtype = tf.as_dtype(keras.backend.standardize_dtype(self.variable_dtype))
+    @property
+    def dtype_of_rows(self) -> Any:
+        return tf.as_dtype(keras.backend.standardize_dtype(self.variable_dtype))
+
+    def _packed(
+        self, device: str, kinds: tuple[str, ...] = (), initial: dict[str, float] | None = None
+    ) -> PackedShard:
         # Out of any graph being traced: a subclassed model is first built by a symbolic
-        # call, which Keras traces in a scratch graph.
-        with tf.init_scope(), tf.device(device) if device else contextlib.nullcontext():
-            return Shard(
-                device=device,
+        # call, which Keras traces in a scratch graph (PackedShard makes its own scope).
+        return PackedShard(
+            device,
+            self.output_dim,
+            self.dtype_of_rows,
+            sketch_width=self.admission_sketch_width if self.admit_after > 1 else None,
+            kinds=kinds,
+            initial=initial,
+        )
+
+    def _serving_tables(self) -> ServingTables:
+        dtype = self.dtype_of_rows
+        with tf.init_scope():
+            return ServingTables(
                 embeddings=tf.lookup.experimental.MutableHashTable(
                     tf.int64, dtype, default_value=tf.zeros([self.output_dim], dtype)
                 ),
@@ -243,27 +419,37 @@ class DynamicEmbedding(keras.layers.Layer):
             )
 
     @property
-    def shards(self) -> list[Shard]:
-        shards: list[Shard] = self.__dict__.get("_psctl_shards", [])
+    def shards(self) -> list[Any]:
+        """The ps shards (``PackedShard``) on a cluster; else one ``ServingTables``."""
+        shards: list[Any] = self.__dict__.get("_psctl_shards", [])
         return shards
 
+    @property
+    def packed(self) -> list[PackedShard]:
+        """The shards that train; a layer built outside psctl's cluster has none."""
+        return [s for s in self.shards if isinstance(s, PackedShard)]
+
     def ensure_slots(self, kinds: tuple[str, ...], initial: dict[str, float]) -> None:
-        """Create every shard's slot table for an optimizer keeping ``kinds`` per row
-        (``initial``: each kind's value for a new row)."""
-        if not kinds or not self.shards or self.shards[0].slots is not None:
+        """Give every shard room for an optimizer keeping ``kinds`` per row (``initial``:
+        each kind's value for a new row). A ps shard's row widens: its table is made anew
+        (it is empty: this runs before training)."""
+        shards = self.shards
+        if not kinds or not shards or tuple(kinds) == getattr(shards[0], "slot_kinds", None):
             return
-        dtype = self.shards[0].embeddings.value_dtype
-        d = self.output_dim
-        default = tf.concat([tf.fill([d], tf.constant(initial[k], dtype)) for k in kinds], 0)
-        for shard in self.shards:
-            place = tf.device(shard.device) if shard.device else contextlib.nullcontext()
-            with tf.init_scope(), place:
-                shard.slots = tf.lookup.experimental.MutableHashTable(
+        if isinstance(shards[0], ServingTables):
+            if shards[0].slots is not None:
+                return
+            dtype = self.dtype_of_rows
+            d = self.output_dim
+            default = tf.concat([tf.fill([d], tf.constant(initial[k], dtype)) for k in kinds], 0)
+            with tf.init_scope():
+                shards[0].slots = tf.lookup.experimental.MutableHashTable(
                     tf.int64, dtype, default_value=default
                 )
-            shard.slot_kinds = tuple(kinds)
-        if self.shards[0].device is None:
-            self.slot_table = self.shards[0].slots
+            self.slot_table = shards[0].slots
+            return
+        widened = [self._packed(s.device, tuple(kinds), initial) for s in shards]
+        object.__setattr__(self, "_psctl_shards", widened)
 
     # -- the lookup ----------------------------------------------------------------------
 
@@ -289,18 +475,17 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def _lookup(self, keys: Any, *, with_state: bool) -> tuple[Any, Any, Any]:
         """(vectors, meta, slots) of distinct ``keys``; ``with_state``: also their counts
-        and slots (else None), read in the same round trip to each ps as the vectors, so
-        that the update after the step needs none of its own before it writes."""
-        shards, d = self.shards, self.output_dim
-        width = d * len(shards[0].slot_kinds)
+        and slots (else None), read in the same round trip to each ps as the vectors (one
+        row each), so that the update after the step needs none of its own."""
+        shards = self.shards
 
-        def read(shard: Shard, part: Any) -> list[Any]:
-            found = [tf.reshape(shard.embeddings.lookup(part), [-1, d])]
-            if with_state:
-                found.append(tf.reshape(shard.meta.lookup(part), [-1, META_WIDTH]))
-                if width:
-                    found.append(tf.reshape(shard.slots.lookup(part), [-1, width]))
-            return found
+        def read(shard: Any, part: Any) -> list[Any]:
+            if isinstance(shard, ServingTables):
+                return [tf.reshape(shard.embeddings.lookup(part), [-1, self.output_dim])]
+            vectors, meta, slots = shard.read(part)
+            if not with_state:
+                return [vectors]
+            return [vectors, meta] + ([slots] if slots is not None else [])
 
         if len(shards) == 1:
             found = read(shards[0], keys)
@@ -345,6 +530,7 @@ class DynamicEmbedding(keras.layers.Layer):
             admit_after=self.admit_after,
             ttl_steps=self.ttl_steps,
             max_rows_per_shard=self.max_rows_per_shard,
+            admission_sketch_width=self.admission_sketch_width,
             embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer),
         )
         return config

@@ -40,10 +40,10 @@ HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
 JOINING, DRAINING, LEFT = "JOINING", "DRAINING", "LEFT"
 TASK_STATES = (JOINING, SERVING, DRAINING, LEFT)
 
-# What the training side counts of each dynamic embedding table: its live rows, and the ids
+# What the training side counts of each dynamic embedding table: its live rows, the ids
 # admitted and rows evicted in total (restored with each checkpoint, so a restarted process
-# goes on from the checkpoint's totals).
-TABLE_COUNTS = ("rows", "admitted", "evicted")
+# goes on from the checkpoint's totals), and its bytes on the ps tasks.
+TABLE_COUNTS = ("rows", "admitted", "evicted", "bytes")
 
 
 def table_counts(stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

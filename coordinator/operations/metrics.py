@@ -411,6 +411,14 @@ class CoordinatorMetrics:
             ["table"],
             registry=r,
         )
+        self._table_bytes = Gauge(
+            "psctl_table_bytes",
+            "Memory of a dynamic embedding table's shard (label table) on a ps task (label "
+            "ps): its rows with their optimizer slots and counts, and its admission sketch, "
+            "as last reported.",
+            ["table", "ps"],
+            registry=r,
+        )
         self._table_lock = threading.Lock()
         self._table_last: dict[str, tuple[int, int]] = {}  # table -> (admitted, evicted)
         self._first_step: int | None = None  # the first global step this process reported
@@ -485,6 +493,11 @@ class CoordinatorMetrics:
                 self._table_admitted.labels(table=table).inc(max(0, admitted - last[0]))
                 self._table_evicted.labels(table=table).inc(max(0, evicted - last[1]))
                 self._table_last[table] = (admitted, evicted)
+
+    def set_table_bytes(self, found: dict[tuple[str, str], int]) -> None:
+        """Each dynamic table shard's bytes, by (table, ps task)."""
+        for (table, ps), nbytes in sorted(found.items()):
+            self._table_bytes.labels(table=table, ps=ps).set(nbytes)
 
     def set_target_steps(self, steps: int) -> None:
         self._target_steps.set(steps)

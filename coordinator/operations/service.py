@@ -86,6 +86,7 @@ def status_proto(job: JobControl) -> control_pb2.Status:
                 rows=counts["rows"],
                 admitted=counts["admitted"],
                 evicted=counts["evicted"],
+                bytes=counts["bytes"],
             )
         )
     for task in view.tasks:

@@ -7,8 +7,8 @@ while training, the counts an operator sees, and the checkpoint transfers.
   global step; admitted ids get the job optimizer's sparse rule (sparse.py: lazy Adam,
   Adagrad, SGD with momentum/Nesterov, Ftrl; slots per key next to it) and ids that reach
   ``admit_after`` get their first vector.
-- **Concurrency**: a worker reads a key's vector and slots, and writes back the result of
-  its update (``insert``). Two workers updating one key at once: the last write wins (one
+- **Concurrency**: a worker reads a key's row, and writes back the result of its update
+  (``insert``). Two workers updating one key at once: the last write wins (one
   update of that key is lost), where the fixed tables add both changes (``scatter_add``).
   Either is the asynchronous parameter server's usual staleness, and a key hot enough for
   this to matter is updated again at once.
@@ -22,7 +22,6 @@ while training, the counts an operator sees, and the checkpoint transfers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -38,11 +37,10 @@ from psctl.coordinator.dynamic import (
     ADMITTED,
     COUNT,
     LAST_SEEN,
-    META_WIDTH,
     DynamicEmbedding,
     Lookup,
+    PackedShard,
     Records,
-    Shard,
     split_by_shard,
 )
 from psctl.coordinator.training.sparse import SparseRule
@@ -51,10 +49,6 @@ log = logging.getLogger(__name__)
 
 EVICT_EVERY = 5.0  # seconds between eviction passes while training
 PUBLISH_EVERY = 2.0  # seconds between reads of the tables' counts (status, metrics)
-
-
-def _on(device: str | None) -> Any:
-    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def attach_slots(layers: Sequence[DynamicEmbedding], rule: SparseRule) -> None:
@@ -86,8 +80,8 @@ class DynamicUpdater:
         for pairs in by_layer.values():
             layer = pairs[0][0].layer
             merged = _merge(pairs)
-            positions, parts = split_by_shard(merged.keys, len(layer.shards))
-            for shard, where, part in zip(layer.shards, positions, parts, strict=True):
+            positions, parts = split_by_shard(merged.keys, len(layer.packed))
+            for shard, where, part in zip(layer.packed, positions, parts, strict=True):
                 self._update_shard(
                     layer,
                     shard,
@@ -101,7 +95,7 @@ class DynamicUpdater:
     def _update_shard(
         self,
         layer: DynamicEmbedding,
-        shard: Shard,
+        shard: PackedShard,
         keys: Any,
         rows: Merged,
         *,
@@ -109,9 +103,17 @@ class DynamicUpdater:
         lr: Any,
         opt_step: Any,
     ) -> None:
-        count = rows.meta[:, COUNT] + rows.counts
         admitted = rows.meta[:, ADMITTED] > 0
-        new = tf.logical_and(tf.logical_not(admitted), count >= layer.admit_after)
+        absent = tf.logical_not(admitted)
+        # The ids without a row: counted (in the sketch when admission takes more than one
+        # sighting), and given their first vector when the count reaches admit_after.
+        keys_n = tf.boolean_mask(keys, absent)
+        seen = tf.boolean_mask(rows.counts, absent)
+        if shard.sketch is not None:
+            seen = shard.sketch.add(keys_n, seen)
+        new = seen >= layer.admit_after
+        keys_n, seen = tf.boolean_mask(keys_n, new), tf.boolean_mask(seen, new)
+        n = tf.size(keys_n)
         # The admitted ids: the optimizer's rule, on their vectors and slots.
         keys_a = tf.boolean_mask(keys, admitted)
         w = tf.boolean_mask(rows.vectors, admitted)
@@ -122,17 +124,21 @@ class DynamicUpdater:
             stacked = tf.split(tf.boolean_mask(rows.slots, admitted), len(kinds), axis=1)
             before = dict(zip(kinds, stacked, strict=True))
         delta, after = self.rule(lambda: w, before, g, lr, opt_step)
-        shard.embeddings.insert(keys_a, w + delta)
+        vectors = [w + delta, layer.initial_rows(n, layer.output_dim, w.dtype)]
+        slots = None
         if kinds:
-            shard.slots.insert(keys_a, tf.concat([after[kind] for kind in kinds], axis=1))
-        # The ids admitted now: their first vector.
-        keys_n = tf.boolean_mask(keys, new)
-        n = tf.size(keys_n)
-        shard.embeddings.insert(
-            keys_n, layer.initial_rows(n, layer.output_dim, shard.embeddings.value_dtype)
+            fresh = tf.boolean_mask(tf.boolean_mask(rows.slots, absent), new)  # the defaults
+            slots = tf.concat([tf.concat([after[kind] for kind in kinds], axis=1), fresh], 0)
+        count_a = tf.boolean_mask(rows.meta[:, COUNT] + rows.counts, admitted)
+        count = tf.concat([count_a, seen], 0)
+        # One insert: each key's row, vector, slots and counts together.
+        shard.write(
+            tf.concat([keys_a, keys_n], 0),
+            tf.concat(vectors, 0),
+            slots,
+            count,
+            tf.fill(tf.shape(count), stamp),
         )
-        flag = tf.cast(tf.logical_or(admitted, new), tf.int64)
-        shard.meta.insert(keys, tf.stack([count, tf.fill(tf.shape(count), stamp), flag], 1))
         shard.counters.assign_add(tf.stack([tf.cast(n, tf.int64), tf.constant(0, tf.int64)]))
 
 
@@ -201,71 +207,81 @@ def _dense(grad: Any, like: Any) -> Any:
 # -- eviction and counts -------------------------------------------------------------------
 
 
-def _evict_shard(layer: DynamicEmbedding, shard: Shard, step: Any) -> Any:
-    """Remove the shard's ids past ``ttl_steps`` and beyond ``max_rows_per_shard`` (the
-    least recently seen first); the rows removed (admitted ids only)."""
-    keys, meta = shard.meta.export()
-    meta = tf.reshape(meta, [-1, META_WIDTH])
-    last = meta[:, LAST_SEEN]
-    admitted = meta[:, ADMITTED] > 0
-    remove = tf.zeros_like(admitted)
+def _evict_shard(layer: DynamicEmbedding, shard: PackedShard, step: Any) -> Any:
+    """Remove the shard's rows past ``ttl_steps`` and beyond ``max_rows_per_shard`` (the
+    least recently seen first); how many were removed."""
+    keys, values = shard.table.export()
+    keys = tf.reshape(keys, [-1])
+    last = shard.unpack(values)[1][:, LAST_SEEN]
+    remove = tf.zeros_like(keys, tf.bool)
     if layer.ttl_steps is not None:
         remove = tf.logical_or(remove, last < step - layer.ttl_steps)
     if layer.max_rows_per_shard is not None:
-        cap = layer.max_rows_per_shard
-        # Rows (admitted ids) beyond the cap, and as many counted-only ids: oldest first.
-        for group in (admitted, tf.logical_not(admitted)):
-            kept = tf.logical_and(group, tf.logical_not(remove))
-            # int64: a cap beyond int32 (up to layers.MAX_SETTING) keeps every row.
-            kept_count = tf.reduce_sum(tf.cast(kept, tf.int64))
-            excess = tf.cast(tf.maximum(kept_count - cap, 0), tf.int32)
-            age = tf.where(kept, -last, tf.fill(tf.shape(last), tf.int64.min))
-            _, oldest = tf.math.top_k(age, k=excess)
-            hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))
-            remove = tf.logical_or(remove, hits)
-    gone = tf.boolean_mask(keys, remove)
-    for table in shard.tables().values():
-        table.remove(gone)
-    evicted = tf.reduce_sum(tf.cast(tf.logical_and(remove, admitted), tf.int64))
+        kept = tf.logical_not(remove)
+        # int64: a cap beyond int32 (up to layers.MAX_SETTING) keeps every row.
+        kept_count = tf.reduce_sum(tf.cast(kept, tf.int64))
+        excess = tf.cast(tf.maximum(kept_count - layer.max_rows_per_shard, 0), tf.int32)
+        age = tf.where(kept, -last, tf.fill(tf.shape(last), tf.int64.min))
+        _, oldest = tf.math.top_k(age, k=excess)
+        hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))
+        remove = tf.logical_or(remove, hits)
+    shard.table.remove(tf.boolean_mask(keys, remove))
+    evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
     shard.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
     return evicted
 
 
 class Evictor:
     """Eviction passes over every table with a ttl or a cap, one function per shard, run
-    on its ps (the keys and counts never leave it)."""
+    on its ps (the keys and counts never leave it); with a ttl, the admission sketch's
+    counts halve every ``ttl_steps`` steps."""
 
     def __init__(self, layers: Sequence[DynamicEmbedding]) -> None:
-        self.passes: list[tuple[str | None, Any]] = []
+        self.passes: list[tuple[PackedShard, Any]] = []
+        self.aging: list[tuple[int, PackedShard]] = []
+        self.aged_at: dict[int, int] = {}
         for layer in layers:
             if layer.ttl_steps is None and layer.max_rows_per_shard is None:
                 continue
-            for shard in layer.shards:
+            for shard in layer.packed:
                 fn = tf.function(
                     functools.partial(_evict_shard, layer, shard),
                     input_signature=[tf.TensorSpec([], tf.int64)],
                 )
-                self.passes.append((shard.device, fn))
+                self.passes.append((shard, fn))
+                if layer.ttl_steps is not None and shard.sketch is not None:
+                    self.aging.append((layer.ttl_steps, shard))
 
     def __call__(self, step: int) -> int:
         evicted = 0
-        for device, fn in self.passes:
-            with _on(device):
+        for shard, fn in self.passes:
+            with shard.placed():
                 evicted += int(fn(tf.constant(step, tf.int64)))
+        for ttl, shard in self.aging:
+            since = self.aged_at.setdefault(id(shard), step)
+            if step - since >= ttl:
+                shard.sketch.halve()  # type: ignore[union-attr]
+                self.aged_at[id(shard)] = step
         return evicted
 
 
 def table_stats(layers: Sequence[DynamicEmbedding]) -> dict[str, dict[str, int]]:
-    """Per table: live rows, and the admitted and evicted totals (read from every ps)."""
+    """Per table: live ``rows``, the ``admitted`` and ``evicted`` totals, its ``bytes`` on
+    the ps tasks, and ``bytes/ps:N`` for each (shard N is on ps N), read from every ps."""
     stats: dict[str, dict[str, int]] = {}
     for layer in layers:
-        rows = admitted = evicted = 0
-        for shard in layer.shards:
-            with _on(shard.device):
-                rows += int(shard.embeddings.size())
-            a, e = (int(v) for v in shard.counters.numpy())
-            admitted, evicted = admitted + a, evicted + e
-        stats[layer.name] = {"rows": rows, "admitted": admitted, "evicted": evicted}
+        found = {"rows": 0, "admitted": 0, "evicted": 0, "bytes": 0}
+        for index, shard in enumerate(layer.packed):
+            with shard.placed():
+                rows = int(shard.size())
+            admitted, evicted = (int(v) for v in shard.counters.numpy())
+            nbytes = shard.nbytes(rows)
+            found["rows"] += rows
+            found["admitted"] += admitted
+            found["evicted"] += evicted
+            found["bytes"] += nbytes
+            found[f"bytes/ps:{index}"] = nbytes
+        stats[layer.name] = found
     return stats
 
 

@@ -53,17 +53,25 @@ class Publisher:
 
     def tables(self, step: int, stats: dict[str, dict[str, int]]) -> None:
         """The dynamic embedding tables' counts at global step ``step``
-        (``TrainState.table_stats()``: per table, by layer name, its live ``rows`` and the
-        ``admitted`` and ``evicted`` totals) to the status, Prometheus (psctl_table_rows,
-        psctl_table_admitted_total, psctl_table_evicted_total, by ``table``) and TensorBoard
-        (``tables/<name>/rows``, ``.../admitted``, ``.../evicted``). Nothing without
-        tables."""
+        (``TrainState.table_stats()``: per table, by layer name, its live ``rows``, the
+        ``admitted`` and ``evicted`` totals and its ``bytes``) to the status, Prometheus
+        (psctl_table_rows, psctl_table_admitted_total, psctl_table_evicted_total by
+        ``table``, psctl_table_bytes by ``table`` and ``ps``) and TensorBoard
+        (``tables/<name>/rows``, ``.../admitted``, ...). Nothing without tables."""
         counts = table_counts(stats)
         if not counts:
             return
         self.control.set_tables(counts)
         if self.metrics is not None:
             self.metrics.set_table_stats(counts, step=step)
+            self.metrics.set_table_bytes(
+                {
+                    (name, key.split("/", 1)[1]): n
+                    for name, found in stats.items()
+                    for key, n in found.items()
+                    if key.startswith("bytes/")
+                }
+            )
         if self.scalars is not None:
             self.scalars.write(
                 "tables",

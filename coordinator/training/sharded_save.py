@@ -53,7 +53,7 @@ from tensorflow.python.ops import gen_io_ops, gen_lookup_ops
 from tensorflow.python.training.saving import saveable_object_util
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.dynamic import shard_of
+from psctl.coordinator.dynamic import ADMITTED, COUNT, LAST_SEEN, PackedShard, shard_of
 from psctl.coordinator.failures import Failure, classify, describe
 from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable, finite_there
 from psctl.coordinator.training.model import JobModel, TrainState
@@ -145,14 +145,24 @@ class Rows:
 
 
 @dataclass(frozen=True)
-class Hashed:
-    """One of a dynamic layer's hash tables (vectors, meta, slots) over its shards, saved
-    as the (keys, values) pair of a one-shard table: each shard's export one row slice."""
+class Column:
+    """One table of a dynamic layer's serving layout (``ServingTables``: ``embeddings``,
+    ``meta`` or ``slots``): a (keys, values) pair in the checkpoint."""
 
+    what: str
     keys_key: str
     values_key: str
+    width: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Hashed:
+    """A dynamic layer over its ps shards (one row per key: ``PackedShard``), saved in the
+    serving layout: each shard's rows are a row slice of every column's (keys, values)."""
+
     name: str
-    tables: Sequence[tuple[str | None, Any]]  # (device, MutableHashTable), in shard order
+    columns: Sequence[Column]
+    shards: Sequence[PackedShard]  # in shard order
 
 
 @dataclass(frozen=True)
@@ -274,63 +284,60 @@ class ShardedCheckpoint:
             yield summed.key, "", tf.add_n([tf.convert_to_tensor(v) for v in summed.variables])
 
     def _save_hashed(self, item: Hashed, save: Callable[..., None]) -> dict[str, list[list[int]]]:
-        def export(device: str | None, table: Any) -> tuple[Any, Any, int]:
-            with tf.device(device):
-                keys, values = table.export()
-                rows = int(tf.shape(keys)[0])
-                if rows and not finite_there(values):
-                    raise NotFinite(item.name)
-            return keys, values, rows
+        def export(shard: PackedShard) -> tuple[Any, Any, int]:
+            with shard.placed():
+                keys, values = shard.table.export()
+                return keys, values, int(tf.shape(keys)[0])
 
-        names = [f"{task_of(d)}#{i}" for i, (d, _) in enumerate(item.tables)]
+        names = [f"{task_of(s.device)}#{i}" for i, s in enumerate(item.shards)]
         exports = _parallel(
-            {
-                name: functools.partial(export, device, table)
-                for name, (device, table) in zip(names, item.tables, strict=True)
-            }
+            {name: functools.partial(export, s) for name, s in zip(names, item.shards, strict=True)}
         )
         parts = [exports[name] for name in names]
         total = sum(rows for _, _, rows in parts)
-        width = [int(d) for d in parts[0][1].shape[1:]]
-        dtype = parts[0][1].dtype
+        columns = item.columns
         if total == 0:
             # An empty table still has its entries (a reader of the whole model wants them).
-            empty_values = tf.zeros([0, *width], dtype)
-            save(
-                None,
-                [item.keys_key, item.values_key],
-                ["", ""],
-                [tf.zeros([0], tf.int64), empty_values],
-            )
-            return {item.keys_key: []}
-        row_bytes = int(np.prod(width or [1])) * dtype.size + 8
+            empty: list[Any] = []
+            for column in columns:
+                dtype = tf.int64 if column.what == "meta" else item.shards[0].dtype
+                empty += [tf.zeros([0], tf.int64), tf.zeros([0, *column.width], dtype)]
+            save(None, [k for c in columns for k in (c.keys_key, c.values_key)],
+                 [""] * len(empty), empty)  # fmt: skip
+            return {c.keys_key: [] for c in columns}
+        row_bytes = item.shards[0].width * item.shards[0].dtype.size + 8
         jobs: dict[str, Callable[[], None]] = {}
         where: list[list[int]] = []
         offset = 0
-        for i, ((device, _), (keys, values, rows)) in enumerate(
-            zip(item.tables, parts, strict=True)
-        ):
+        for i, (shard, (keys, values, rows)) in enumerate(zip(item.shards, parts, strict=True)):
             ranges = [(offset + a, n, a) for a, n in _row_ranges(rows, row_bytes)]
             where += [[a, n] for a, n, _ in ranges]
             offset += rows
 
             def save_shard(
-                device: Any = device, keys: Any = keys, values: Any = values, ranges: Any = ranges
+                shard: Any = shard, keys: Any = keys, values: Any = values, ranges: Any = ranges
             ) -> None:
                 for start, n, local in ranges:
-                    with tf.device(device):
+                    with shard.placed():
                         k = keys[local : local + n]
-                        v = values[local : local + n]
-                    save(
-                        device,
-                        [item.keys_key, item.values_key],
-                        [_spec([total], start, n), _spec([total, *width], start, n)],
-                        [k, v],
-                    )
+                        vectors, meta, slots = shard.unpack(values[local : local + n])
+                        for found in (vectors, slots):
+                            if found is not None and not finite_there(found):
+                                raise NotFinite(item.name)
+                    by_what = {"embeddings": vectors, "meta": meta, "slots": slots}
+                    names, specs, tensors = [], [], []
+                    for column in columns:
+                        names += [column.keys_key, column.values_key]
+                        specs += [
+                            _spec([total], start, n),
+                            _spec([total, *column.width], start, n),
+                        ]
+                        tensors += [k, by_what[column.what]]
+                    save(shard.device, names, specs, tensors)
 
-            jobs[f"{task_of(device)}#{i}"] = save_shard
+            jobs[f"{task_of(shard.device)}#{i}"] = save_shard
         _parallel(jobs)
-        return {item.keys_key: where}
+        return {column.keys_key: where for column in columns}
 
     # -- restore -----------------------------------------------------------------------
 
@@ -376,8 +383,9 @@ class ShardedCheckpoint:
         for table in self.rows:
             expected[table.key] = table.shape
         for item in self.hashed:
-            expected[item.keys_key] = None
-            expected[item.values_key] = None
+            for column in item.columns:
+                expected[column.keys_key] = None
+                expected[column.values_key] = None
         for summed in self.summed:
             expected[summed.key] = None
         for key, shape in expected.items():
@@ -389,13 +397,13 @@ class ShardedCheckpoint:
                     f"{shape} in the model"
                 )
         for item in self.hashed:
-            want = _width(item.tables[0][1])
-            got = tuple(shapes[item.values_key][1:])
-            if got != want:
-                raise ModelMismatch(
-                    f"the model does not match it: {item.name} rows are {got} there, "
-                    f"{want} in the model"
-                )
+            for column in item.columns:
+                got = tuple(shapes[column.values_key][1:])
+                if got != column.width:
+                    raise ModelMismatch(
+                        f"the model does not match it: {item.name}/{column.what} rows are "
+                        f"{got} there, {column.width} in the model"
+                    )
         _check_data_files(prefix)
 
     def _restore_tasks(
@@ -411,17 +419,19 @@ class ShardedCheckpoint:
                 by_device[ps_device(shard)].append(loader)
         _parallel({task_of(d): _in_order(jobs, d) for d, jobs in by_device.items()})
         for item in self.hashed:
-            shape = shapes[item.values_key]
-            pieces = slices.get(item.keys_key)
-            if pieces is None:  # written whole (before psctl saved by shard): one piece
-                pieces = [[0, int(shape[0])]] if shape[0] else []
-            jobs = {
-                f"{task_of(device)}#{i}": _hashed_loader(
-                    item, i, prefix, shape, dtypes[item.values_key], pieces
-                )
-                for i, (device, _) in enumerate(item.tables)
-            }
-            _parallel(jobs)
+            columns = []
+            for column in item.columns:
+                total = int(shapes[column.values_key][0])
+                pieces = slices.get(column.keys_key)
+                if pieces is None:  # written whole (before psctl saved by shard): one piece
+                    pieces = [[0, total]] if total else []
+                columns.append((column, total, dtypes[column.values_key], pieces))
+            _parallel(
+                {
+                    f"{task_of(shard.device)}#{i}": _hashed_loader(item, i, prefix, columns)
+                    for i, shard in enumerate(item.shards)
+                }
+            )
 
 
 # -- per task jobs ---------------------------------------------------------------------------
@@ -517,37 +527,60 @@ def _hashed_loader(
     item: Hashed,
     index: int,
     prefix: str,
-    shape: Sequence[int],
-    dtype: Any,
-    pieces: Sequence[Sequence[int]],
+    columns: Sequence[tuple[Column, int, Any, Sequence[Sequence[int]]]],
 ) -> Callable[[], None]:
-    """Shard ``index`` takes, from every saved slice, the keys that hash to it."""
-    device, table = item.tables[index]
-    count = len(item.tables)
-    total = int(shape[0])
+    """Shard ``index`` takes, from every saved slice of each column, the keys that hash to
+    it, and joins them into its rows by key: the vectors make the rows, then the counts and
+    the slots of the keys that have one fill them in (a checkpoint written before the rows
+    were packed holds the three tables in orders of their own, and counts of ids that were
+    never admitted: those are left out)."""
+    shard = item.shards[index]
+    count = len(item.shards)
 
     def run() -> None:
-        with tf.device(device):
+        with shard.placed():
             # Empty it first: a fallback after a damaged checkpoint starts clean.
             gen_lookup_ops.lookup_table_import_v2(
-                table.resource_handle,
+                shard.table.resource_handle,
                 tf.zeros([0], tf.int64),
-                tf.zeros([0, *shape[1:]], table.value_dtype),
+                tf.zeros([0, shard.width], shard.dtype),
             )
-            for start, n in pieces:
-                keys, values = gen_io_ops.restore_v2(
-                    prefix,
-                    [item.keys_key, item.values_key],
-                    [_spec([total], start, n), _spec(shape, start, n)],
-                    [tf.int64, dtype],
-                )
-                if not finite_there(values):
-                    raise Unusable(f"{item.name} holds values that are not finite")
-                mine = tf.equal(shard_of(keys, count), index)
-                table.insert(tf.boolean_mask(keys, mine), tf.boolean_mask(values, mine))
-        _sync(device)
+            for column, total, dtype, pieces in columns:
+                for start, n in pieces:
+                    keys, values = gen_io_ops.restore_v2(
+                        prefix,
+                        [column.keys_key, column.values_key],
+                        [_spec([total], start, n), _spec([total, *column.width], start, n)],
+                        [tf.int64, dtype],
+                    )
+                    if column.what != "meta" and not finite_there(values):
+                        raise Unusable(f"{item.name} holds values that are not finite")
+                    mine = tf.equal(shard_of(keys, count), index)
+                    _join(shard, column.what, tf.boolean_mask(keys, mine),
+                          tf.boolean_mask(values, mine))  # fmt: skip
+        _sync(shard.device)
 
     return run
+
+
+def _join(shard: PackedShard, what: str, keys: Any, values: Any) -> None:
+    """Write one column's ``values`` into the rows of ``keys``."""
+    vectors, meta, slots = shard.read(keys)
+    count, last = meta[:, COUNT], meta[:, LAST_SEEN]
+    if what == "embeddings":
+        shard.write(keys, values, slots, count, tf.maximum(last, 0))
+        return
+    present = meta[:, ADMITTED] > 0
+    if what == "meta":
+        present = tf.logical_and(present, values[:, ADMITTED] > 0)
+        count, last = values[:, COUNT], values[:, LAST_SEEN]
+    else:
+        slots = values
+
+    def kept(t: Any) -> Any:
+        return None if t is None else tf.boolean_mask(t, present)
+
+    shard.write(kept(keys), kept(vectors), kept(slots), kept(count), kept(last))
 
 
 def _width(table: Any) -> tuple[int, ...]:
@@ -686,13 +719,14 @@ def plan(state: TrainState, skeleton: JobModel, saved_step: Any) -> ShardedCheck
     summed: list[Summed] = []
     for layer, copy in zip(state.dynamic_layers, skeleton.dynamic_layers, strict=True):
         local = copy.shards[0]
+        columns = []
         for what, table in local.tables().items():
             keys_key, values_key = pair_of(table)
-            tables_there = [(s.device, s.tables()[what]) for s in layer.shards]
-            hashed.append(Hashed(keys_key, values_key, f"{layer.name}/{what}", tables_there))
+            columns.append(Column(what, keys_key, values_key, _width(table)))
+        hashed.append(Hashed(layer.name, columns, layer.packed))
         summed.append(
             Summed(
-                key_of(local.counters), f"{layer.name}/counters", [s.counters for s in layer.shards]
+                key_of(local.counters), f"{layer.name}/counters", [s.counters for s in layer.packed]
             )
         )
     step_key = key_of(saved_step)

@@ -67,11 +67,12 @@ if mode == "save":
         for shard in shards_of(kind):
             shard.assign(value[start:start + shard.shape[0]])
             start += shard.shape[0]
-    part = shard_of(tf.constant(keys), len(layer.shards)).numpy()
-    for i, shard in enumerate(layer.shards):
+    part = shard_of(tf.constant(keys), len(layer.packed)).numpy()
+    for i, shard in enumerate(layer.packed):
         mine = part == i
-        shard.embeddings.insert(tf.constant(keys[mine]), tf.constant(vectors[mine]))
-        shard.slots.insert(tf.constant(keys[mine]), tf.constant(slots[mine]))
+        shard.write(tf.constant(keys[mine]), tf.constant(vectors[mine]),
+                    tf.constant(slots[mine]), tf.constant(keys[mine] % 97),
+                    tf.constant(keys[mine] % 89))
     step.assign(123)
     checkpoint._write(prefix)
     print("saved")
@@ -81,20 +82,23 @@ else:
     for kind, value in fixed.items():
         got = np.concatenate([s.numpy() for s in shards_of(kind)])
         np.testing.assert_array_equal(got, value)
-    found = {"embeddings": [], "slots": []}
-    for i, shard in enumerate(layer.shards):
-        for what in found:
-            k, v = shard.tables()[what].export()
-            assert np.all(shard_of(k, len(layer.shards)).numpy() == i)
-            found[what].append((k.numpy(), v.numpy()))
+    found = {"embeddings": [], "meta": [], "slots": []}
+    held = []
+    for i, shard in enumerate(layer.packed):
+        k, v = shard.table.export()
+        assert np.all(shard_of(k, len(layer.packed)).numpy() == i)
+        held.append(k.numpy())
+        for what, value in zip(found, shard.unpack(v), strict=True):
+            found[what].append(value.numpy())
     want = np.argsort(keys)
-    for what, expected in (("embeddings", vectors), ("slots", slots)):
-        k = np.concatenate([k for k, _ in found[what]])
-        v = np.concatenate([v for _, v in found[what]])
-        order = np.argsort(k)
-        np.testing.assert_array_equal(k[order], keys[want])
+    meta = np.stack([keys % 97, keys % 89, np.ones_like(keys)], axis=1)
+    k = np.concatenate(held)
+    order = np.argsort(k)
+    np.testing.assert_array_equal(k[order], keys[want])
+    for what, expected in (("embeddings", vectors), ("meta", meta), ("slots", slots)):
+        v = np.concatenate(found[what])
         np.testing.assert_array_equal(v[order], expected[want])
-    print("restored", len(layer.shards), "shards, every value")
+    print("restored", len(layer.packed), "shards, every value")
 """
 
 
@@ -133,9 +137,20 @@ def test_a_checkpoint_is_written_while_a_worker_is_frozen(workdir: Path, run_cli
     )
 
     job, address, summary = start_local_job(
-        workdir, "--job", JOB, "--max-shards", "2", "--min-shard-bytes", "1024", "--ps", "2",
-        "--checkpoint-every", "200",
-    )  # fmt: skip
+        workdir,
+        "--job",
+        JOB,
+        "--max-shards",
+        "2",
+        "--min-shard-bytes",
+        "1024",
+        "--ps",
+        "2",
+        "--checkpoint-every",
+        "200",
+        "--keep-checkpoints",
+        "100",
+    )  # fmt: skip  (kept: the one checked is read seconds later, while training goes on)
     frozen = None
     try:
         # Past the first checkpoints: a worker frozen while TensorFlow still registers its

@@ -23,8 +23,8 @@ from psctl.coordinator.training.summary import Summary, write_summary
 
 pytestmark = pytest.mark.timeout(30)
 
-USER = {"rows": 12_345, "admitted": 20_000, "evicted": 7_655}
-ITEM = {"rows": 900, "admitted": 1_000, "evicted": 100}
+USER = {"rows": 12_345, "admitted": 20_000, "evicted": 7_655, "bytes": 3_604_740}
+ITEM = {"rows": 900, "admitted": 1_000, "evicted": 100, "bytes": 0}
 
 
 def new_metrics() -> tuple[CoordinatorMetrics, CollectorRegistry]:
@@ -138,15 +138,24 @@ def test_publisher_sends_the_counts_everywhere():
     publisher = Publisher(control=control, metrics=metrics, batch_size=64)
     scalars = Scalars()
     publisher.scalars = scalars  # type: ignore[assignment]
-    publisher.tables(100, {"user_id": USER})
+    shards = {"bytes/ps:0": 1_800_000, "bytes/ps:1": 1_804_740}
+    publisher.tables(100, {"user_id": {**USER, **shards}})
     assert control.view().board.tables == {"user_id": USER}
     assert sample(registry, "psctl_table_rows", "user_id") == 12_345
     assert sample(registry, "psctl_table_admitted_total", "user_id") == 20_000
+    for ps, nbytes in (("ps:0", 1_800_000), ("ps:1", 1_804_740)):
+        labels = {"table": "user_id", "ps": ps}
+        assert registry.get_sample_value("psctl_table_bytes", labels) == nbytes
     assert scalars.written == [
         (
             "tables",
             100,
-            {"user_id/rows": 12_345.0, "user_id/admitted": 20_000.0, "user_id/evicted": 7_655.0},
+            {
+                "user_id/rows": 12_345.0,
+                "user_id/admitted": 20_000.0,
+                "user_id/evicted": 7_655.0,
+                "user_id/bytes": 3_604_740.0,
+            },
         )
     ]
     publisher.tables(200, {})  # no dynamic tables: nothing published, nothing cleared
@@ -168,6 +177,7 @@ def test_tensorboard_gets_one_scalar_per_table_and_count(tmp_path: Path):
         "tables/user_id/rows": (100, 12_345.0),
         "tables/user_id/admitted": (100, 20_000.0),
         "tables/user_id/evicted": (100, 7_655.0),
+        "tables/user_id/bytes": (100, 3_604_740.0),
     }
 
 
@@ -177,12 +187,13 @@ def test_publisher_without_prometheus_or_tensorboard():
     assert control.view().board.tables == {"item_id": ITEM}
 
 
-def test_table_counts_copies_to_exactly_the_three_ints():
-    given = {"b": {"rows": 3.0, "admitted": 4, "evicted": 1, "other": 9}, "a": {"rows": 1}}
+def test_table_counts_copies_to_exactly_the_four_ints():
+    given = {"b": {"rows": 3.0, "admitted": 4, "evicted": 1, "bytes": 7, "other": 9},
+             "a": {"rows": 1}}  # fmt: skip
     got = table_counts(given)  # type: ignore[arg-type]
     assert got == {
-        "a": {"rows": 1, "admitted": 0, "evicted": 0},
-        "b": {"rows": 3, "admitted": 4, "evicted": 1},
+        "a": {"rows": 1, "admitted": 0, "evicted": 0, "bytes": 0},
+        "b": {"rows": 3, "admitted": 4, "evicted": 1, "bytes": 7},
     }
     assert list(got) == ["a", "b"]
     assert all(type(n) is int for counts in got.values() for n in counts.values())
@@ -219,11 +230,12 @@ def test_tables_is_field_16_of_status_a_new_number():
     assert fields["tables"].number == 16
     assert fields["message"].number == 15
     table = control_pb2.Table.DESCRIPTOR.fields_by_name
-    assert [(n, table[n].number) for n in ("name", "rows", "admitted", "evicted")] == [
+    assert [(n, table[n].number) for n in ("name", "rows", "admitted", "evicted", "bytes")] == [
         ("name", 1),
         ("rows", 2),
         ("admitted", 3),
         ("evicted", 4),
+        ("bytes", 5),
     ]
 
 
@@ -232,11 +244,10 @@ def test_psctl_status_prints_one_line_per_table():
     control.set_tables({"user_id": USER, "item_id": ITEM})
     text = format_status(status_proto(control))
     lines = text.splitlines()
-    assert "table user_id: 12,345 rows, 20,000 admitted, 7,655 evicted" in lines
-    assert "table item_id: 900 rows, 1,000 admitted, 100 evicted" in lines
-    assert lines.index("table item_id: 900 rows, 1,000 admitted, 100 evicted") < lines.index(
-        "table user_id: 12,345 rows, 20,000 admitted, 7,655 evicted"
-    )
+    user = "table user_id: 12,345 rows (3.6 MB, 292 bytes/key), 20,000 admitted, 7,655 evicted"
+    assert user in lines
+    assert "table item_id: 900 rows, 1,000 admitted, 100 evicted" in lines  # no size reported
+    assert lines.index("table item_id: 900 rows, 1,000 admitted, 100 evicted") < lines.index(user)
     assert not any(
         line.startswith("table ")
         for line in format_status(status_proto(new_control())).splitlines()
@@ -248,7 +259,7 @@ def test_psctl_status_json_has_tables_by_name_with_numbers():
     control.set_tables({"user_id": USER})
     control.update(global_step=1200)
     as_json = json.loads(json.dumps(status_dict(status_proto(control))))
-    assert as_json["tables"] == {"user_id": USER}
+    assert as_json["tables"] == {"user_id": {**USER, "bytes_per_key": 292}}
     # Every 64-bit integer a number, as jq and scripts compare them (proto JSON: strings).
     assert as_json["global_step"] == 1200 and as_json["target_steps"] == 1000
     (chief,) = as_json["tasks"]

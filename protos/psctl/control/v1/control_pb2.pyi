@@ -87,16 +87,18 @@ class Checkpoint(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., time_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Table(_message.Message):
-    __slots__ = ("name", "rows", "admitted", "evicted")
+    __slots__ = ("name", "rows", "admitted", "evicted", "bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     admitted: int
     evicted: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation")
