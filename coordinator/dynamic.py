@@ -139,26 +139,31 @@ class PackedShard:
         dtype: Any,
         *,
         sketch_width: int | None,
-        kinds: tuple[str, ...] = (),
-        initial: dict[str, float] | None = None,
     ) -> None:
         self.device = device
         self.dim = dim
         self.dtype = dtype
-        self.slot_kinds = tuple(kinds)
-        self.slot_width = dim * len(kinds)
         self.meta_width = _meta_columns(dtype)
-        self.width = dim + self.slot_width + self.meta_width
         self.counters = variable_on(device, tf.zeros([2], tf.int64))
+        self.sketch = Sketch(sketch_width, device) if sketch_width else None
+        self.set_slots((), {})
+
+    def set_slots(self, kinds: tuple[str, ...], initial: dict[str, float]) -> None:
+        """Rows with room for an optimizer keeping ``kinds`` (``initial``: each kind's value
+        in a new row): a new, empty table (this runs before training)."""
+        self.slot_kinds = tuple(kinds)
+        self.slot_width = self.dim * len(kinds)
+        self.width = self.dim + self.slot_width + self.meta_width
+        dim, dtype = self.dim, self.dtype
+        # Out of any graph being traced: a subclassed model is first built by a symbolic
+        # call, which Keras traces in a scratch graph.
         with tf.init_scope(), self.placed():
-            initial = initial or {}
             default = [tf.zeros([dim], dtype)]
             default += [tf.fill([dim], tf.constant(initial[k], dtype)) for k in kinds]
             default.append(self._meta_bits(tf.constant([[0, ABSENT]], tf.int32))[0])
             self.table = tf.lookup.experimental.MutableHashTable(
                 tf.int64, dtype, default_value=tf.concat(default, 0)
             )
-        self.sketch = Sketch(sketch_width, device) if sketch_width else None
 
     def placed(self) -> Any:
         return tf.device(self.device) if self.device else contextlib.nullcontext()
@@ -228,7 +233,6 @@ class ServingTables:
     meta: Any
     counters: Any  # int64 [admitted, evicted]: the totals
     slots: Any = None
-    device: str | None = None
 
     def tables(self) -> dict[str, Any]:
         found = {"embeddings": self.embeddings, "meta": self.meta}
@@ -391,18 +395,12 @@ class DynamicEmbedding(keras.layers.Layer):
     def dtype_of_rows(self) -> Any:
         return tf.as_dtype(keras.backend.standardize_dtype(self.variable_dtype))
 
-    def _packed(
-        self, device: str, kinds: tuple[str, ...] = (), initial: dict[str, float] | None = None
-    ) -> PackedShard:
-        # Out of any graph being traced: a subclassed model is first built by a symbolic
-        # call, which Keras traces in a scratch graph (PackedShard makes its own scope).
+    def _packed(self, device: str) -> PackedShard:
         return PackedShard(
             device,
             self.output_dim,
             self.dtype_of_rows,
             sketch_width=self.admission_sketch_width if self.admit_after > 1 else None,
-            kinds=kinds,
-            initial=initial,
         )
 
     def _serving_tables(self) -> ServingTables:
@@ -431,8 +429,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def ensure_slots(self, kinds: tuple[str, ...], initial: dict[str, float]) -> None:
         """Give every shard room for an optimizer keeping ``kinds`` per row (``initial``:
-        each kind's value for a new row). A ps shard's row widens: its table is made anew
-        (it is empty: this runs before training)."""
+        each kind's value for a new row)."""
         shards = self.shards
         if not kinds or not shards or tuple(kinds) == getattr(shards[0], "slot_kinds", None):
             return
@@ -448,8 +445,8 @@ class DynamicEmbedding(keras.layers.Layer):
                 )
             self.slot_table = shards[0].slots
             return
-        widened = [self._packed(s.device, tuple(kinds), initial) for s in shards]
-        object.__setattr__(self, "_psctl_shards", widened)
+        for shard in shards:
+            shard.set_slots(tuple(kinds), initial)
 
     # -- the lookup ----------------------------------------------------------------------
 
