@@ -195,7 +195,9 @@ def main() -> int:
     ratio = large["coordinator_peak_bytes"] / max(1, small["coordinator_peak_bytes"])
     seconds = statistics.mean(large["checkpoint_seconds"]) if large["checkpoint_seconds"] else 0
     print(f"dynamic table: {dynamic['rows']:,} live keys on 2 ps, {per_key:.0f} bytes/key on "
-          f"the ps, {dynamic['steps_per_sec']:.1f} steps/s")  # fmt: skip
+          f"the ps at its peak (the final checkpoint; "
+          f"{dynamic['training_bytes_per_key']:.0f} while training), "
+          f"{dynamic['steps_per_sec']:.1f} steps/s")  # fmt: skip
     print(f"coordinator peak at {args.rows} rows / at {args.small_rows}: {ratio:.2f}x")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

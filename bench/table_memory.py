@@ -13,25 +13,30 @@
    then updated and given its slots; ``admit_after=1``, no eviction) trains until the
    table holds ``--keys`` live rows; each ps's RSS is sampled over the run (``/proc/<pid>/status``
    of the pids ``psctl local`` lists in its ``tasks.json``). Bytes per key on the ps: the
-   growth of the two ps's RSS from their first sample, over the live rows.
+   growth of the two ps's RSS from their first sample, over the live rows, at its peak (the
+   final checkpoint, whose export holds the rows once more) and while training (up to the
+   last progress line, over the rows at its step).
 
     .venv/bin/python bench/table_memory.py                  # 1M probe, then 10M on 2 ps
     .venv/bin/python bench/table_memory.py --keys 1M        # a smaller cluster run
     .venv/bin/python bench/table_memory.py --no-cluster     # the one-process probe only
 
-Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps (payload P; psctl
-reports R)``.
+Last line: ``dynamic table: K live keys on 2 ps, B bytes/key on the ps at its peak (the
+final checkpoint), T while training (payload P; psctl reports R)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +46,7 @@ from bench.dynamic import RssSampler
 
 REPO = Path(__file__).resolve().parent.parent
 IDS_PER_EXAMPLE = 26
+PROGRESS = re.compile(r"^train \| step:\s+(\d+)/")
 
 JOB = '''
 """Every example brings {new} ids never seen before and {new} ids first seen 2 steps
@@ -129,6 +135,19 @@ def probe(keys: int, dim: int) -> list[dict[str, float]]:
     return rows
 
 
+def read_progress(
+    proc: subprocess.Popen[str], sampler: RssSampler, progress: list[tuple[float, int]],
+    lines: list[str],
+) -> None:  # fmt: skip
+    """psctl local's stderr, line by line: the time of each progress line and its step."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        lines.append(line)
+        found = PROGRESS.match(line)
+        if found:
+            progress.append((time.monotonic() - sampler.started_at, int(found.group(1))))
+
+
 def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]:
     job = work / "memory_job.py"
     new = IDS_PER_EXAMPLE // 2
@@ -146,28 +165,43 @@ def cluster_run(keys: int, dim: int, batch: int, work: Path) -> dict[str, float]
     sampler = RssSampler(work / "local" / "tasks.json", every=0.5)  # MB per ps, None: gone
     sampler.start()
     proc = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    progress: list[tuple[float, int]] = []  # (seconds on the sampler's clock, global step)
+    lines: list[str] = []
+    reader = threading.Thread(target=read_progress, args=(proc, sampler, progress, lines),
+                              daemon=True)  # fmt: skip
+    reader.start()
     try:
-        _, err = proc.communicate(timeout=3600)
+        proc.wait(timeout=3600)
+        reader.join(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
         sampler.stop()
     if proc.returncode != 0:
-        raise SystemExit(f"psctl local failed ({proc.returncode}):\n{err[-3000:]}")
+        raise SystemExit(f"psctl local failed ({proc.returncode}):\n{''.join(lines)[-3000:]}")
     result = json.loads(summary.read_text())
     rows = result["tables"]["ids"]["rows"]
-    sampled = [(t, [v * 1e6 for v in mb]) for t, mb in sampler.samples if None not in mb]
-    first, peak = sum(sampled[0][1]), max(sum(s[1]) for s in sampled)
+    sampled = [(t, sum(v * 1e6 for v in mb)) for t, mb in sampler.samples if None not in mb]
+    first, peak = sampled[0][1], max(total for _, total in sampled)
     per_key = (peak - first) / rows
-    for t, values in sampled[:: max(1, len(sampled) // 8)]:
-        print(f"  {t:6.0f} s  ps RSS " + " ".join(f"{v / 2**30:.2f} GiB" for v in values))
+    # While training (up to the last progress line, before the final checkpoint's export):
+    # the rows then, as every step brings the same number of new keys.
+    ended, step = progress[-1] if progress else (math.inf, result["global_step"])
+    training = max(total for t, total in sampled if t <= ended or t == sampled[0][0])
+    rows_then = rows * min(1.0, step / max(1, result["global_step"]))
+    training_per_key = (training - first) / max(1.0, rows_then)
+    for t, values in sampler.samples[:: max(1, len(sampler.samples) // 8)]:
+        shown = " ".join("gone" if v is None else f"{v * 1e6 / 2**30:.2f} GiB" for v in values)
+        print(f"  {t:6.0f} s  ps RSS {shown}")
     return {
         "rows": rows,
         "steps": result["global_step"],
         "steps_per_sec": result["steps_per_sec"],
         "ps_rss_first_bytes": first,
         "ps_rss_peak_bytes": peak,
+        "ps_rss_training_bytes": training,
         "bytes_per_key": per_key,
+        "training_bytes_per_key": training_per_key,
         "reported_bytes_per_key": result["tables"]["ids"].get("bytes", 0) / max(1, rows),
         "payload": 8 + dim * 4 * 3 + 8,
         "wall_seconds": time.monotonic() - started,
@@ -192,8 +226,9 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if not args.no_cluster:
         print(f"dynamic table: {run['rows']:,} live keys on 2 ps, {run['bytes_per_key']:.0f} "
-              f"bytes/key on the ps (payload {run['payload']}; psctl reports "
-              f"{run['reported_bytes_per_key']:.0f})")  # fmt: skip
+              f"bytes/key on the ps at its peak (the final checkpoint), "
+              f"{run['training_bytes_per_key']:.0f} while training (payload {run['payload']}; "
+              f"psctl reports {run['reported_bytes_per_key']:.0f})")  # fmt: skip
     return 0
 
 

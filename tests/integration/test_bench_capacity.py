@@ -39,4 +39,5 @@ def test_capacity_runs_end_to_end_at_small_sizes(run_cli, workdir):
         # Each ps wrote its own part of the final checkpoint.
         assert re.search(r"ps:0 \d+ file\(s\).*ps:1 \d+ file\(s\)", run["checkpoint_lines"][-1])
     assert report["dynamic"]["rows"] > 0 and report["dynamic"]["bytes_per_key"] > 0
+    assert report["dynamic"]["training_bytes_per_key"] > 0, report["dynamic"]
     assert report["largest_dynamic_keys_estimated"] > 0
