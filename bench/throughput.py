@@ -47,9 +47,15 @@ to the control's state likewise), same cluster, steps and K, interleaved. While 
 runs, a thread in the parent GETs its /metrics every second, as Prometheus would. Its last line
 is ``metrics overhead = X.X%``: 1 - on/off of the median steps/s (positive = slower with them).
 
+``--tf-ports-overhead`` runs only psctl, on the usual cluster (TensorFlow's ports open, as
+``psctl local --open-tf-ports``) and on a second one whose ports are in a job network
+namespace, as ``psctl local`` runs them by default (cluster/netns.py), interleaved. Its last
+line is ``namespace cost = X.X%``: 1 - namespace/open of the median steps/s.
+
     .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
     .venv/bin/python bench/throughput.py --repeats 1 --steps 800 --json out.json
     .venv/bin/python bench/throughput.py --metrics-overhead --repeats 5
+    .venv/bin/python bench/throughput.py --tf-ports-overhead --repeats 5
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -482,12 +489,16 @@ CHILDREN = {
     "dispatch": run_dispatch,
     "psctl": run_psctl,
     "psctl-metrics": run_psctl_metrics,
+    "psctl-netns": run_psctl,  # the same run, in a job namespace (--tf-ports-overhead)
     "raw": run_raw,
     "local": run_local,
 }
 
 
 def child_main(args: argparse.Namespace) -> int:
+    from psctl.cluster import netns
+
+    netns.enter()  # psctl-netns: where its cluster's TensorFlow ports are, as psctl local's
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     if args.run_mode != "local" and not args.cluster:
@@ -875,6 +886,8 @@ def parent_main(args: argparse.Namespace) -> int:
     modes = list(dict.fromkeys(modes))  # K = 1: no duplicates
     if args.metrics_overhead:
         modes = [Mode("psctl", k), Mode("psctl-metrics", k)]
+    elif args.tf_ports_overhead:
+        modes = [Mode("psctl", k), Mode("psctl-netns", k)]
     elif args.capacity:
         modes = [Mode("dispatch", 1), Mode("psctl", k)]
     elif args.skip_local:
@@ -886,6 +899,8 @@ def parent_main(args: argparse.Namespace) -> int:
     )
     width = max(9, *(len(m.label) for m in modes))
     runs: list[dict[str, Any]] = []
+    kept = contextlib.ExitStack()  # --tf-ports-overhead: a second cluster, in a namespace
+    clusters = {}
     try:
         local.start()
         started = time.monotonic()
@@ -894,12 +909,16 @@ def parent_main(args: argparse.Namespace) -> int:
             f"{len(local.servers)} servers SERVING in {time.monotonic() - started:.1f}s",
             flush=True,
         )
+        if args.tf_ports_overhead:
+            clusters["psctl-netns"] = kept.enter_context(namespaced_cluster(args, workdir))
         for repeat in range(args.repeats):
             shift = repeat % len(modes)
             for mode in modes[shift:] + modes[:shift]:
                 if chief_port:
                     wait_port_released(chief_port, timeout=30.0)
-                result = run_child(mode, args, local, logs, len(runs) + 1, repeat)
+                cluster = clusters.get(mode.kind, local)
+                with job_namespace_of(cluster):
+                    result = run_child(mode, args, cluster, logs, len(runs) + 1, repeat)
                 runs.append(result)
                 scrapes = (
                     f"; {result['scrapes_in_window']} scrapes in the window"
@@ -923,12 +942,15 @@ def parent_main(args: argparse.Namespace) -> int:
         print("throughput: interrupted", file=sys.stderr)
         return 130
     finally:
+        kept.close()
         close_bench(local)
 
     print(_load(), flush=True)
     rows = summarize(modes, runs)
     if args.metrics_overhead:
         return report_overhead(rows, runs, args)
+    if args.tf_ports_overhead:
+        return report_namespace(rows, runs)
     print_table(rows, args)
     if args.capacity:
         capacity = next(r for r in rows if r["mode"] == "dispatch")["median"]
@@ -955,6 +977,62 @@ def parent_main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}")
     print(f"psctl/raw_tf = {ratio:.2f}", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
+    """A second LocalCluster like the first, its TensorFlow ports in a job namespace of its
+    own as psctl local makes one (cluster/netns.py); ``job_namespace_of`` it names the
+    namespace to the children started for it."""
+    from psctl.cluster import netns
+    from psctl.coordinator.launch.local import LocalCluster
+
+    space = netns.JobNamespace()
+    cluster = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir / "netns")
+    cluster.job_namespace = space  # type: ignore[attr-defined]
+    try:
+        with job_namespace_of(cluster):
+            cluster.start()
+        cluster.wait_serving(timeout=args.start_timeout)
+        print(f"{len(cluster.servers)} servers SERVING in a job namespace", flush=True)
+        yield cluster
+    finally:
+        cluster.stop()
+        space.close()
+
+
+@contextlib.contextmanager
+def job_namespace_of(cluster: Any) -> Iterator[None]:
+    """The processes started meanwhile join ``cluster``'s job namespace, if it has one."""
+    from psctl.cluster import netns
+
+    space = getattr(cluster, "job_namespace", None)
+    if space is None:
+        yield
+        return
+    os.environ.update(space.environ)
+    try:
+        yield
+    finally:
+        os.environ.pop(netns.ENV, None)
+
+
+def report_namespace(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> int:
+    """psctl on the open cluster vs the same on one in a job namespace, side by side."""
+    medians = {r["mode"]: r["median"] for r in rows}
+    rounds = []
+    for repeat in sorted({r["repeat"] for r in runs}):
+        pair = {r["mode"]: r["steps_per_sec"] for r in runs if r["repeat"] == repeat}
+        if "psctl" in pair and "psctl-netns" in pair:
+            rounds.append(100.0 * (1.0 - pair["psctl-netns"] / pair["psctl"]))
+    print()
+    print(f"{'TF ports':<28} {'steps/s (median)':>17}")
+    print(f"{'open (--open-tf-ports)':<28} {medians['psctl']:>17.1f}")
+    print(f"{'job namespace (default)':<28} {medians['psctl-netns']:>17.1f}")
+    print("per round (1 - namespace/open): " + " ".join(f"{x:+.1f}%" for x in rounds))
+    cost = 100.0 * (1.0 - medians["psctl-netns"] / medians["psctl"])
+    print(f"namespace cost = {cost:.1f}%", flush=True)
     return 0
 
 
@@ -1007,6 +1085,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: psctl with coordinator metrics on (served, scraped every 1 s) vs off; "
         "the last line is 'metrics overhead = X.X%%'",
+    )
+    parser.add_argument(
+        "--tf-ports-overhead",
+        action="store_true",
+        help="instead: psctl on a cluster with TensorFlow's ports open vs on one in a job "
+        "network namespace (psctl local's default), interleaved; the last line is "
+        "'namespace cost = X.X%%'",
     )
     parser.add_argument(
         "--capacity",

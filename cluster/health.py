@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from psctl.cluster import netns
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A server still starting answers UNKNOWN, one stopping (its drain) NOT_SERVING: a worker
@@ -49,7 +51,12 @@ class HealthService:
         tls_cert: str = "",
         tls_key: str = "",
         task_type: str = "",
+        enter_job_netns: bool = False,
     ) -> None:
+        """``enter_job_netns``: once the port is bound here, the process joins the job's
+        network namespace (``netns.enter``), if it has one, and listens on the same port
+        there too, for the training process's health checks. Call it after every other
+        side port is open: TensorFlow comes after."""
         self._services = ["", task_service(task_type)] if task_type else [""]
         self._servicer = health.HealthServicer()
         for service in self._services:
@@ -59,14 +66,21 @@ class HealthService:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        creds = None
         if tls_cert and tls_key:
             creds = grpc.ssl_server_credentials(
                 [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())]
             )
-            self.port = self._server.add_secure_port(bind, creds)
-        else:
-            self.port = self._server.add_insecure_port(bind)
+        self.port = self._listen(bind, creds)
+        if enter_job_netns and netns.enter():
+            # gRPC binds when a port is added: this one is the job namespace's.
+            self._listen(f"127.0.0.1:{self.port}", creds)
         self._server.start()
+
+    def _listen(self, bind: str, creds: grpc.ServerCredentials | None) -> int:
+        if creds is not None:
+            return self._server.add_secure_port(bind, creds)
+        return self._server.add_insecure_port(bind)
 
     def set_serving(self, serving: bool) -> None:
         for service in self._services:

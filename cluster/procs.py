@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from psctl.cluster import netns
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_TIMEOUT = 5.0
 
@@ -34,7 +36,9 @@ def command_lines(text: str) -> dict[int, str]:
 
 
 def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``sig`` when its parent dies, even by SIGKILL.
+    """A ``preexec_fn``: the child gets ``sig`` when its parent dies, even by SIGKILL; in
+    a job with a private network namespace, it joins the job's user namespace
+    (``netns.join_user``), so that it may enter the network namespace later.
 
     The kernel sends it when the *thread* that started the child ends: start children from
     a thread that lives as long as they should. ``nice`` lowers the child's priority: its
@@ -56,6 +60,7 @@ def die_with_parent(sig: int = signal.SIGTERM, *, nice: int = 0) -> Callable[[],
         libc.prctl(_PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
+        netns.join_user()  # single-threaded here, as joining a user namespace must be
 
     return arm
 

@@ -1,9 +1,9 @@
 """Server bootstrap shared by `ps-server` and `worker-server`.
 
-Start order: check every port is free, health service (UNKNOWN: starting), /metrics, the
-TensorFlow server, then health SERVING and systemd READY=1. SIGTERM turns health
-NOT_SERVING for --shutdown-grace and exits 0 (SIGINT: at once): a TF server cannot be
-stopped in-process.
+Start order: check every port is free, /metrics, health service (UNKNOWN: starting), the
+job's network namespace where it has one (cluster/netns.py), the TensorFlow server, then
+health SERVING and systemd READY=1. SIGTERM turns health NOT_SERVING for --shutdown-grace
+and exits 0 (SIGINT: at once): a TF server cannot be stopped in-process.
 """
 
 from __future__ import annotations
@@ -380,13 +380,6 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
     if opts.data_dispatcher:
         ports.check_port_free(opts.data_port, field="--data-port")
 
-    health = HealthService(
-        host=opts.bind_host,
-        port=opts.health_port,
-        tls_cert=opts.health_tls_cert,
-        tls_key=opts.health_tls_key,
-        task_type=task.task_type,
-    )
     registry = CollectorRegistry()
     metrics = ProcessMetrics(
         registry=registry, task_type=task.task_type, task_index=task.task_index
@@ -399,6 +392,16 @@ def serve(opts: ServerOptions, stop: _Stop) -> int:
             certfile=opts.metrics_tls_cert,
             keyfile=opts.metrics_tls_key,
         )
+    # Last of the side ports: then into the job's network namespace, if it has one
+    # (cluster/netns.py), where TensorFlow's port will be.
+    health = HealthService(
+        host=opts.bind_host,
+        port=opts.health_port,
+        tls_cert=opts.health_tls_cert,
+        tls_key=opts.health_tls_key,
+        task_type=task.task_type,
+        enter_job_netns=True,
+    )
     log.info("%s starting TF server on %s", name, task.address)
     started = time.monotonic()
     server = _start_tf_server(opts)

@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for every server to be SERVING (default 120, longer for many "
         "servers: each imports TensorFlow, several CPU-seconds)",
     )
+    local.add_argument(
+        "--open-tf-ports",
+        action="store_true",
+        help="leave TensorFlow's ports open to every local user and host, as TensorFlow "
+        "serves them (a trusted machine only; default: in a private network namespace, "
+        "docs/security.md; also PSCTL_OPEN_TF_PORTS=1)",
+    )
     add_control_address(local)
     add_train_arguments(local)
 

@@ -6,17 +6,23 @@ train.py and local.py; sync: sync.py). Nothing else in launch/ branches on the s
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psctl.cluster import netns
 from psctl.coordinator.job import check_job_found
 from psctl.coordinator.launch.local import local_ps_main, prepare_local
 from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
 from psctl.coordinator.launch.train import ps_train_main
 from psctl.coordinator.settings import TrainSettings, resolve_settings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,4 +53,27 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     settings = resolve_settings(flags=flags, config_file=args.config)
     check_job_found(settings.job)
     check_output_dirs(settings.checkpoint_dir, settings.summary_json)
-    return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)
+    with job_network(args, os.environ):
+        return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)
+
+
+@contextlib.contextmanager
+def job_network(args: argparse.Namespace, environ: MutableMapping[str, str]) -> Iterator[None]:
+    """The job's TensorFlow ports in a network namespace of its own for as long as the
+    job runs (cluster/netns.py): every process psctl starts finds it in ``environ``. With
+    --open-tf-ports (PSCTL_OPEN_TF_PORTS=1), as TensorFlow serves them, said once."""
+    if args.open_tf_ports or environ.get("PSCTL_OPEN_TF_PORTS", "") in ("1", "true", "yes"):
+        log.warning(
+            "TensorFlow's ports are open (--open-tf-ports): any local user, and any host that "
+            "reaches this one, can run operations on this job's tasks"
+        )
+        yield
+        return
+    space = netns.JobNamespace()
+    environ.update(space.environ)
+    log.info("TensorFlow's ports are in a network namespace of the job's: only it reaches them")
+    try:
+        yield
+    finally:
+        environ.pop(netns.ENV, None)
+        space.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from psctl.cluster import ports
+from psctl.cluster import netns, ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.files import write_json_atomic
@@ -94,16 +94,6 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             source,
             cluster.num_workers,
         )
-    ports.check_port_free(
-        cluster.task_address("worker", index).port, field=f"cluster.worker[{index}] port"
-    )
-    with tensorflow_import_quietly():
-        import tensorflow as tf
-    # Each worker waits on its peers in collectives: too few inter-op threads can hang the
-    # group (ARCHITECTURE.md).
-    if (os.cpu_count() or 1) < cluster.num_workers + 2:
-        tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
-
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     is_chief = index == 0
     address = cluster.task_address("worker", index)
@@ -142,8 +132,19 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             own_health_port=health_port,
             own_metrics_port=metrics_port,
         )
-    # SERVING from when this worker joined the group until it is done, as a server's.
+    # SERVING from when this worker joined the group until it is done, as a server's. The
+    # last side port: then into the job's network namespace where it has one
+    # (cluster/netns.py), with TensorFlow's port.
     health = WorkerHealth(host=host, port=health_port, metrics=process_metrics)
+    ports.check_port_free(
+        cluster.task_address("worker", index).port, field=f"cluster.worker[{index}] port"
+    )
+    with tensorflow_import_quietly():
+        import tensorflow as tf
+    # Each worker waits on its peers in collectives: too few inter-op threads can hang the
+    # group (ARCHITECTURE.md).
+    if (os.cpu_count() or 1) < cluster.num_workers + 2:
+        tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
 
     def run(control: JobControl, failures: FailurePolicy) -> int:
         summary = _train(cluster, index, settings, control, metrics, args, health)
@@ -170,13 +171,18 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 
 class WorkerHealth:
     """A sync worker's grpc.health.v1 service (port 0: none) and the health state its
-    /metrics shows (a worker other than the chief), set together."""
+    /metrics shows (a worker other than the chief), set together. Made after every other
+    side port: the process is in the job's network namespace after it (``netns.enter``)."""
 
     def __init__(self, *, host: str, port: int, metrics: ProcessMetrics | None) -> None:
         cert, key = os.environ.get(HEALTH_TLS_CERT_ENV, ""), os.environ.get(HEALTH_TLS_KEY_ENV, "")
-        self.service = (
-            HealthService(host=host, port=port, tls_cert=cert, tls_key=key) if port else None
-        )
+        self.service = None
+        if port:
+            self.service = HealthService(
+                host=host, port=port, tls_cert=cert, tls_key=key, enter_job_netns=True
+            )
+        else:
+            netns.enter()
         self.metrics = metrics
 
     def set_serving(self, serving: bool) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from psctl.cluster import ports
+from psctl.cluster import netns, ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.health import TASK_TYPES, served_task_types
@@ -136,9 +136,11 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         return supervise_train(args, settings)
     early = EarlyStops()  # a stop while this process starts: kept for the loop
     require_chief(cluster, source=source)
-    # TensorFlow binds the chief's port when it connects to the cluster.
-    ports.wait_port_free(
-        cluster.task_address("chief", 0).port, field="cluster.chief[0] port", grace=PORT_GRACE
+    # TensorFlow binds the chief's port when it connects to the cluster (in the job's
+    # network namespace where it has one: cluster/netns.py).
+    chief_port = cluster.task_address("chief", 0).port
+    netns.run_inside(
+        lambda: ports.wait_port_free(chief_port, field="cluster.chief[0] port", grace=PORT_GRACE)
     )
     counters = Counters(**json.loads(args.supervisor_counters or "{}"))
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
@@ -146,6 +148,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     # that restarts waits for its servers, and one stopped meanwhile would otherwise leave
     # Prometheus without its restart (seen in bench/soak.py --netns).
     metrics = start_metrics(metrics_port, settings, cluster, counters)
+    netns.enter()  # the side ports are open: from here on, TensorFlow's side
     try:
         wait_for_tf_ports(cluster, timeout=settings.connect_timeout, tick=early.die)
     except Unreachable as err:
