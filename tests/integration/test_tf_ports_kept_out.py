@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -250,3 +251,18 @@ def test_no_namespace_to_be_had_is_one_line_and_exit_78(tmp_path: Path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "Operation not permitted" in errors[0] and "--open-tf-ports" in errors[0]
     assert not (tmp_path / "job" / "cluster.json").exists()  # no server started
+
+
+@pytest.mark.timeout(300)
+def test_bench_compares_open_and_namespaced_ports(run_cli, tmp_path: Path):
+    """bench/throughput.py --tf-ports-overhead at a small size: both clusters train, and
+    the last line is the cost."""
+    argv = [sys.executable, str(REPO / "bench" / "throughput.py"), "--tf-ports-overhead",
+            "--repeats", "1", "--steps", "100", "--workdir", str(tmp_path)]  # fmt: skip
+    proc = run_cli(argv, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"namespace cost = -?\d+\.\d%", lines[-1]), lines[-1]
+    rates = {m: float(v) for m, v in re.findall(r"^\[1/1\] (psctl\S*)@\d+ +([\d.]+) steps/s",
+                                                   proc.stdout, re.M)}  # fmt: skip
+    assert sorted(rates) == ["psctl", "psctl-netns"] and all(r > 0 for r in rates.values())
