@@ -44,9 +44,10 @@ DOCKERFILE = KUBE / "Dockerfile"
 JOB_DOCKERFILE = KUBE / "Dockerfile.job"
 EVALUATE_JOB = KUBE / "evaluate-job.yaml"
 EXPORT_JOB = KUBE / "export-job.yaml"
+NETWORK_POLICY = KUBE / "networkpolicy.yaml"
 # The core kinds are checked against Kubernetes' own OpenAPI schemas (kubernetes-validate,
 # offline) for the oldest release the probes need (grpc probes GA) and the newest it knows.
-CORE_KINDS = {"PersistentVolumeClaim", "PodDisruptionBudget", "Job"}
+CORE_KINDS = {"PersistentVolumeClaim", "PodDisruptionBudget", "Job", "NetworkPolicy"}
 CRD_SCHEMA = REPO / "tests" / "fixtures" / "tfjob-crd-openapi-v1.9.yaml"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARDS = sorted((REPO / "deploy" / "grafana").glob("*.json"))
@@ -154,6 +155,7 @@ def test_every_manifest_is_plain_yaml_with_psctl_labels():
         "podmonitor.yaml",
         "evaluate-job.yaml",
         "export-job.yaml",
+        "networkpolicy.yaml",
     }
     kinds = set()
     for path in manifests:
@@ -164,7 +166,14 @@ def test_every_manifest_is_plain_yaml_with_psctl_labels():
             kinds.add(doc["kind"])
             assert doc["apiVersion"] and doc["metadata"]["name"], path.name
             assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "psctl", path.name
-    assert kinds == {"TFJob", "PersistentVolumeClaim", "PodDisruptionBudget", "PodMonitor", "Job"}
+    assert kinds == {
+        "TFJob",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "PodMonitor",
+        "Job",
+        "NetworkPolicy",
+    }
 
 
 def strict(schema: Any) -> Any:
@@ -761,3 +770,36 @@ def test_a_users_job_goes_into_an_image_made_from_psctls():
     assert "FROM ${BASE}" in lines and "COPY ${JOB} /opt/psctl/jobs/" in lines
     # The documented --job path is one psctl loads as a file.
     assert "--job /opt/psctl/jobs/my_job.py" in text
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector of matchLabels only (what psctl's manifests use) against labels."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_only_the_jobs_own_pods_reach_its_tf_ports():
+    """networkpolicy.yaml covers every pod of the TFJob; its TF and health ports admit the
+    job's own pods and nothing wider (no rule without `from`, no namespace or IP block);
+    /metrics admits Prometheus' pods only; every named port is one the pods declare."""
+    policy = one(NETWORK_POLICY)["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    pods = {name: spec["template"]["metadata"]["labels"] for name, spec in replica_specs().items()}
+    for name, labels in pods.items():
+        assert selects(policy["podSelector"], labels), f"{name} pods are not covered"
+    declared = {p["name"] for r in replica_specs() for p in container(r).get("ports", [])}
+    admitted: dict[str, list[dict[str, Any]]] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("from"), f"a rule without `from` admits every pod: {rule}"
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP" and port["port"] in declared, port
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert set(admitted) == {PORT_NAME, "health", "metrics"}
+    for name in (PORT_NAME, "health"):
+        for peer in admitted[name]:
+            assert set(peer) == {"podSelector"}, f"{name} admits more than pods: {peer}"
+            assert all(selects(peer["podSelector"], labels) for labels in pods.values())
+            stranger = {"app.kubernetes.io/name": "psctl", "app.kubernetes.io/instance": "other"}
+            assert not selects(peer["podSelector"], stranger), f"{name}: another job's pods"
+    for peer in admitted["metrics"]:
+        assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
