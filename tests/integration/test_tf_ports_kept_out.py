@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,14 @@ from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.client import Target, call
 from psctl.coordinator.operations.security import ControlSecurity
-from tests.conftest import REPO, child_env, kill_if_running, processes_mentioning, psctl_argv
+from tests.conftest import (
+    REPO,
+    child_env,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+    require_tool,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -266,3 +274,90 @@ def test_bench_compares_open_and_namespaced_ports(run_cli, tmp_path: Path):
     rates = {m: float(v) for m, v in re.findall(r"^\[1/1\] (psctl\S*)@\d+ +([\d.]+) steps/s",
                                                    proc.stdout, re.M)}  # fmt: skip
     assert sorted(rates) == ["psctl", "psctl-netns"] and all(r > 0 for r in rates.values())
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[tuple[str, str]]:
+    """Two network namespaces joined by a veth pair: the job's host (10.77.0.1) and another
+    host on its network (10.77.0.2). The root namespace's network is never touched."""
+    require_tool("ip", "apt-get install iproute2 (make systemd-tools)")
+    job, other = f"pskept{os.getpid()}-job", f"pskept{os.getpid()}-out"
+    commands = [
+        ["netns", "add", job],
+        ["netns", "add", other],
+        ["link", "add", "kept0", "netns", job, "type", "veth", "peer", "kept1", "netns", other],
+        ["-n", job, "addr", "add", "10.77.0.1/24", "dev", "kept0"],
+        ["-n", other, "addr", "add", "10.77.0.2/24", "dev", "kept1"],
+        ["-n", job, "link", "set", "kept0", "up"],
+        ["-n", other, "link", "set", "kept1", "up"],
+        ["-n", job, "link", "set", "lo", "up"],
+        ["-n", other, "link", "set", "lo", "up"],
+    ]
+    try:
+        for command in commands:
+            subprocess.run(["ip", *command], check=True, capture_output=True, timeout=30)
+        yield job, other
+    finally:
+        for name in (job, other):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+PROBE = """
+import json, socket, sys
+result = {}
+for address in sys.argv[1:]:
+    try:
+        socket.create_connection(("10.77.0.1", int(address.rsplit(":", 1)[1])), timeout=3).close()
+        result[address] = "connected"
+    except OSError as err:
+        result[address] = type(err).__name__
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("opened", [False, True], ids=["kept-out", "open"])
+def test_another_host_reaches_no_tf_port(workdir: Path, opened: bool):
+    """psctl local on a host with a network interface; another host on that network
+    connects to every TF port of the job at the host's address: refused (with
+    --open-tf-ports: it connects, so this test can fail)."""
+    with two_hosts() as (job_host, other_host):
+        argv = [*psctl_argv("local", "--workdir", str(workdir), "--steps", "10000000",
+                            "--checkpoint-every", "1000000", "--control-address", "127.0.0.1:0",
+                            "--log-every", "1"),
+                *(["--open-tf-ports"] if opened else [])]  # fmt: skip
+        log = workdir.parent / "job.log"
+        with log.open("wb") as out:
+            job = subprocess.Popen(
+                ["ip", "netns", "exec", job_host, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
+        try:
+            deadline = time.monotonic() + 180
+            while "train | step:" not in log.read_text(errors="replace"):
+                assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+            cluster = json.loads((workdir / "cluster.json").read_text())["cluster"]
+            addresses = [a for addrs in cluster.values() for a in addrs]
+            probe = subprocess.run(
+                ["ip", "netns", "exec", other_host, sys.executable, "-c", PROBE, *addresses],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert probe.returncode == 0, probe.stderr
+            reached = json.loads(probe.stdout)
+            assert sorted(reached) == sorted(addresses)
+            if opened:
+                assert set(reached.values()) == {"connected"}, reached
+            else:
+                assert set(reached.values()) == {"ConnectionRefusedError"}, reached
+            steps = log.read_text().count("train | step:")
+            time.sleep(3)  # a progress line a second: it trains on
+            assert log.read_text().count("train | step:") > steps
+            job.send_signal(signal.SIGINT)
+            assert job.wait(timeout=120) == 0, log.read_text()[-3000:]
+        finally:
+            kill_if_running(job)
