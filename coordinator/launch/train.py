@@ -18,7 +18,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.health import TASK_TYPES, served_task_types
 from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.signals import EarlyStops
-from psctl.cluster.spec import ClusterConfig, require_chief
+from psctl.cluster.spec import SYNC_REQUIRED, ClusterConfig, load_cluster_file, require_chief
 from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
     FailurePolicy,
@@ -121,6 +121,19 @@ def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
             "give each task the address of its own server, or start the servers from "
             "this cluster file",
         )
+
+
+def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
+    """`psctl train --check-job --cluster FILE` (what psctl local starts beside its
+    servers): the job loaded and checked for the cluster's workers but without them
+    (``check_job``), exit 0; a mistake is one line, exit 78, raised as ConfigError."""
+    from psctl.coordinator.job import load_job
+
+    workers = load_cluster_file(args.cluster, required=SYNC_REQUIRED).num_workers
+    with tensorflow_import_quietly():
+        from psctl.coordinator.training.model import check_job
+    check_job(load_job(settings.job), settings, num_workers=workers)
+    return 0
 
 
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
