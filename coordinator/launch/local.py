@@ -40,6 +40,7 @@ from psctl.coordinator.launch.supervisor import (
     describe_exit,
     forward_stop_signals,
 )
+from psctl.coordinator.launch.train import WARNING as CHECK_WARNING
 from psctl.coordinator.operations.front import Refused, launch_control
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings, env_name, load_toml
@@ -591,6 +592,10 @@ class JobCheck:
             log.debug("job check still running after %.0fs: left to the training process", timeout)
         self.stop()
         self.raise_if_rejected()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        for line in lines:
+            if line.startswith(CHECK_WARNING):
+                log.warning("%s", line[len(CHECK_WARNING) :])
         if self.proc.returncode not in (0, EXIT_CONFIG, None):
             log.debug("job check ended with status %s (%s)", self.proc.returncode, self.log_path)
         else:
@@ -672,6 +677,7 @@ def local_ps_main(
         # Bound only later, by the control front: not a port for a server.
         reserved_ports=(Address.parse(args.control_address, field="--control-address").port,),
     )
+    local.counters.launched = getattr(args, "started", 0.0) or time.time()
     log.info("work dir %s", workdir)
     if args.start_timeout is None:
         args.start_timeout = default_start_timeout(len(local.cluster.tasks()) - 1)

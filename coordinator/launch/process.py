@@ -298,6 +298,9 @@ def complete(
             summary.start_step = counters.job_start_step
         if counters.job_started:
             summary.wall_seconds = max(summary.wall_seconds, time.time() - counters.job_started)
+        first_loop = counters.job_started or counters.process_started
+        if counters.launched and first_loop:
+            summary.startup_seconds = round(max(0.0, first_loop - counters.launched), 1)
         summary.ps_failures = failures["ps"]
         summary.worker_failures = failures["worker"]
         summary.coordinator_failures = counters.coordinator_failures

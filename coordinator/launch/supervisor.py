@@ -109,6 +109,9 @@ class Counters:
     # process ends it: when and where the first training process's loop started (Unix
     # seconds, 0, and -1: none reported yet, as for the first process itself).
     job_started: float = 0.0
+    # When the command started (Unix seconds: psctl local's own start, else its training
+    # supervisor's): the summary's start-up is from here to the first loop's start.
+    launched: float = 0.0
     job_start_step: int = -1
     process_started: float = 0.0
     process_start_step: int = -1
@@ -240,6 +243,8 @@ class TrainingSupervisor:
         self.budget = RestartBudget(policy)
         self.tick = tick or (lambda: None)
         self.counters = counters or Counters()
+        if not self.counters.launched:
+            self.counters.launched = time.time()
         if not self.counters.report_file:
             self.counters.report_file = new_report_file()
         self.failures = failures or FailurePolicy()

@@ -131,9 +131,13 @@ def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 
     workers = load_cluster_file(args.cluster, required=SYNC_REQUIRED).num_workers
     with tensorflow_import_quietly():
-        from psctl.coordinator.training.model import check_job
-    check_job(load_job(settings.job), settings, num_workers=workers)
+        from psctl.coordinator.training.job_check import check_job
+    for warning in check_job(load_job(settings.job), settings, num_workers=workers):
+        print(f"{WARNING}{warning}", file=sys.stderr, flush=True)
     return 0
+
+
+WARNING = "psctl: warning: "  # a --check-job line psctl local passes on
 
 
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:

@@ -38,43 +38,6 @@ def scalar(value: Any) -> float:
     return float(keras.ops.convert_to_numpy(value))
 
 
-def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> None:
-    """What a job can get wrong without a cluster, found in seconds: the training and eval
-    datasets' features against the model's inputs (keys, dtypes, structure), the
-    optimizer, the metrics against the labels and predictions. ConfigError (one line)
-    where one does not fit. psctl local runs it beside its starting servers.
-
-    The model is made in a stateless scope that never initializes its variables: no table
-    is allocated here (a 10M-row one would take gigabytes in this process). Past the
-    features, only ConfigErrors count: anything else the scope itself may cause is left
-    to the training process, which builds the model for real."""
-    ctx = DataContext.from_settings(
-        settings, worker_index=0, num_workers=num_workers, batch_size=settings.batch_size
-    )
-    x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
-    job.create_optimizer()  # its variables (a step counter) are made with values: not in the scope
-    with keras.StatelessScope(initialize_variables=False):
-        model = job.create_model()
-        inputs = model_inputs(model)
-        declared = inputs if inputs is not None else symbolic(x_spec)
-        check_features(declared, x_spec, job=job.name, source="dataset_fn")
-        if job.eval_dataset_fn is not None:
-            eval_ctx = DataContext.from_settings(
-                settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
-            )
-            eval_x = job.eval_dataset(eval_ctx).element_spec[0]
-            check_features(declared, eval_x, job=job.name, source="eval_dataset_fn")
-        try:
-            predictions = build_model(model, x_spec)
-        except ConfigError:
-            raise
-        except Exception:  # see the docstring: the training process decides
-            return
-        structured_metric_factories(
-            job.metrics, label_spec=y_spec, pred_spec=predictions, job=job.name
-        )
-
-
 class JobModel:
     """The job's model (checked against and built for ``x_spec``: what ``source``, a dataset
     function of the job, yields as features), its optimizer (built over the model's

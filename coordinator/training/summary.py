@@ -22,7 +22,7 @@ class Summary:
     eval_loss: float | None
     examples_per_sec: float
     steps_per_sec: float
-    wall_seconds: float
+    wall_seconds: float  # from the first training process's loop start to the end
     train_seconds: float
     num_workers: int
     num_ps: int
@@ -46,6 +46,10 @@ class Summary:
     # ("time", Unix seconds), "from" and "to" (e.g. "1 ps + 2 workers") and "seconds" from
     # the request until the new cluster's training process started.
     resizes: list[dict[str, object]] = field(default_factory=list)
+    # From the command's start (psctl local's, else its training supervisor's) to the first
+    # training loop's: servers, TensorFlow's import, the job's check and model; None where
+    # unknown (a bare --once process).
+    startup_seconds: float | None = None
 
 
 def accuracy_of(values: dict[str, float]) -> float | None:
@@ -71,6 +75,7 @@ def print_summary(summary: Summary) -> None:
         f"accuracy: {show(summary.accuracy)} | eval_accuracy: {show(summary.eval_accuracy)} | "
         + (f"eval_auc: {show(summary.eval_auc)} | " if summary.eval_auc is not None else "")
         + f"{summary.examples_per_sec:.0f} ex/s | {summary.steps_per_sec:.1f} steps/s | "
-        f"wall {summary.wall_seconds:.1f}s",
+        f"wall {summary.wall_seconds:.1f}s"
+        + (f" | start-up {summary.startup_seconds:.1f}s" if summary.startup_seconds else ""),
         flush=True,
     )

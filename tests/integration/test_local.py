@@ -35,8 +35,11 @@ def test_local_trains_mlp_to_accuracy_and_leaves_nothing(workdir, run_cli):
     summary = read_json(out)
     assert summary["global_step"] == 1500
     assert summary["eval_accuracy"] >= 0.90, summary
-    for key in ("loss", "accuracy", "examples_per_sec", "wall_seconds"):
+    for key in ("loss", "accuracy", "examples_per_sec", "wall_seconds", "startup_seconds"):
         assert summary[key] is not None and summary[key] > 0, key
+    # Start-up: servers, imports and the job's check, before the first loop (not in wall).
+    assert 1.0 < summary["startup_seconds"] < 220, summary
+    assert f"start-up {summary['startup_seconds']:.1f}s" in proc.stdout
     assert "train | step:" in proc.stderr
     assert (workdir / "checkpoints" / "checkpoint").is_file()
     assert processes_mentioning(str(workdir)) == []

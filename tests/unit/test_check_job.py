@@ -11,7 +11,7 @@ import pytest
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import load_job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.model import check_job
+from psctl.coordinator.training.job_check import check_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,8 +44,18 @@ metrics = []
 """
 
 
+UNSHARDED = """
+import tensorflow as tf
+from psctl.jobs.mlp import create_model, create_optimizer, loss_fn, make_data, metrics  # noqa: F401
+
+def dataset_fn(ctx):
+    x, y, _, _ = make_data()
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(ctx.batch_size)
+"""
+
+
 def test_a_good_job_passes_and_a_renamed_key_is_one_line(tmp_path: Path):
-    check_job(load_job("mlp"), TrainSettings(job="mlp"), num_workers=2)
+    assert check_job(load_job("mlp"), TrainSettings(job="mlp"), num_workers=2) == []
     job = tmp_path / "renamed_job.py"
     job.write_text(RENAMED)
     with pytest.raises(ConfigError) as err:
@@ -61,3 +71,12 @@ def test_the_model_is_checked_without_its_variables(tmp_path: Path):
     check_job(load_job(str(job)), TrainSettings(job=str(job)), num_workers=2)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
     assert grown < 1 << 30, f"the check allocated {grown / 2**30:.1f} GiB"
+
+
+def test_workers_reading_the_same_examples_get_one_warning(tmp_path: Path):
+    job = tmp_path / "unsharded_job.py"
+    job.write_text(UNSHARDED)
+    settings = TrainSettings(job=str(job))
+    (warning,) = check_job(load_job(str(job)), settings, num_workers=2)
+    assert "workers 0 and 1 read the same first batch" in warning and "shard" in warning
+    assert check_job(load_job(str(job)), settings, num_workers=1) == []  # one worker: fine
