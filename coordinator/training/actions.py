@@ -82,7 +82,12 @@ class PublishStatus:
             check_finite(self.last_values, loop.completed)
         self.last_status, self.status_step = now, loop.completed
         if now - self.last_log >= self.log_every:
-            self.progress.report(loop.completed, rate * self.batch_size, self.last_values)
+            self.progress.report(
+                loop.completed,
+                rate * self.batch_size,
+                self.last_values,
+                self.publisher.last_tables,
+            )
             self.last_log = now
 
 

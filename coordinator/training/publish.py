@@ -27,6 +27,7 @@ class Publisher:
         self.batch_size = batch_size
         # Created after the strategy connected to the cluster, which resets the eager context.
         self.scalars = ScalarWriter(logdir) if logdir else None
+        self.last_tables: dict[str, dict[str, int]] = {}  # for the progress line
 
     def progress(self, step: int, steps_per_sec: float, values: dict[str, float]) -> None:
         """Training progress to the status, Prometheus and TensorBoard."""
@@ -61,6 +62,7 @@ class Publisher:
         counts = table_counts(stats)
         if not counts:
             return
+        self.last_tables = counts
         self.control.set_tables(counts)
         if self.metrics is not None:
             self.metrics.set_table_stats(counts, step=step)
