@@ -25,6 +25,7 @@ fixed table gives).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from psctl.coordinator.layers import (
     pooled_shape,
 )
 
+log = logging.getLogger(__name__)
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
 _MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio (Fibonacci hashing)
 
@@ -370,6 +372,10 @@ class DynamicEmbedding(keras.layers.Layer):
         )
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.initial_rows = _initializer(self.embeddings_initializer)
+        # psctl's training step updates the tables (``ensure_slots`` says it will); Keras'
+        # own fit or a GradientTape loop cannot: it sees no variable to train.
+        self.updated_by_psctl = False
+        self._warned_untrained = False
 
     # -- the tables ----------------------------------------------------------------------
 
@@ -430,6 +436,7 @@ class DynamicEmbedding(keras.layers.Layer):
     def ensure_slots(self, kinds: tuple[str, ...], initial: dict[str, float]) -> None:
         """Give every shard room for an optimizer keeping ``kinds`` per row (``initial``:
         each kind's value for a new row)."""
+        self.updated_by_psctl = True
         shards = self.shards
         if not kinds or not shards or tuple(kinds) == getattr(shards[0], "slot_kinds", None):
             return
@@ -496,7 +503,16 @@ class DynamicEmbedding(keras.layers.Layer):
         found += [None] * (3 - len(found))
         return found[0], found[1], found[2]
 
-    def call(self, inputs: Any) -> Any:
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if training and not self.updated_by_psctl and not self._warned_untrained:
+            self._warned_untrained = True  # once per layer (a trace runs this once)
+            log.warning(
+                "DynamicEmbedding %r is training outside psctl (Keras' fit or a GradientTape "
+                "loop): its table has no Keras variable and is updated only by psctl's "
+                "training step, so here every id reads zeros and nothing is learned; train "
+                "the model with psctl local or psctl train (docs/embeddings.md)",
+                self.name,
+            )
         keys, valid = self.keys(inputs)
         shape = tf.shape(keys)
         flat_keys = tf.reshape(keys, [-1])
