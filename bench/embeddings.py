@@ -71,6 +71,7 @@ QUICK_MODES = "psctl,raw"
 TF_KERAS_ENV = REPO / ".venv-tfkeras"  # tf-keras pulls in its own TensorFlow wheel
 TF_KERAS_PINS = ("tensorflow==2.21.0", "tf-keras==2.21.0")  # the TF psctl runs on
 LOOPBACK = "loopback"  # no --rtt: LocalCluster on 127.0.0.1, as before
+NAMESPACE = "job namespace"  # --tf-ports-overhead: the same, its TF ports as psctl local's
 EMBEDDING_DIM = 16  # the ctr job's (jobs/ctr.py, EMBEDDING_DIM)
 ITEM_BYTES = 4  # float32
 SLOTS = {"adam": 2, "adagrad": 1}  # optimizer state per table row, in rows
@@ -376,6 +377,9 @@ def _emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def child_main(args: argparse.Namespace) -> int:
+    from psctl.cluster import netns
+
+    netns.enter()  # on a cluster in a job namespace: where its TF ports are
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     logging.basicConfig(  # to the run's .log file
@@ -423,7 +427,14 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
     host). SIGINT/SIGTERM are ignored while it stops: nothing cuts the clean-up short."""
     with contextlib.ExitStack() as stack:
         stack.callback(_restore_interrupts)  # the last thing on the way out
-        if rtt == LOOPBACK:
+        if rtt == NAMESPACE:  # the servers and the child join it (cluster/netns.py)
+            from psctl.cluster import netns
+
+            space = netns.JobNamespace()
+            stack.callback(space.close)
+            os.environ.update(space.environ)
+            stack.callback(os.environ.pop, netns.ENV, None)
+        if rtt in (LOOPBACK, NAMESPACE):
             from psctl.coordinator.launch.local import LocalCluster
 
             local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
@@ -689,6 +700,23 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines += _ratio_line(
             mine, "tf_keras", "adagrad", "ratio_tf_keras", "psctl/tf_keras steps/s"
         )
+    return lines + namespace_lines(rows)
+
+
+def namespace_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """--tf-ports-overhead: psctl's steps/s with the TF ports in a job namespace over the
+    same configuration with them open, one line per configuration run both ways."""
+    rate = {
+        (r["rtt"], r["rows"], r["optimizer"]): (r["psctl"] or {}).get("steps_per_sec") for r in rows
+    }
+    lines = []
+    for (rtt, size, optimizer), inside in rate.items():
+        outside = rate.get((LOOPBACK, size, optimizer))
+        if rtt == NAMESPACE and inside and outside:
+            lines.append(
+                f"psctl steps/s, TF ports in a job namespace/open at {rows_label(size)} rows "
+                f"({optimizer}) = {inside / outside:.2f} ({inside:.1f} / {outside:.1f})"
+            )
     return lines
 
 
@@ -816,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
         "added between them, in ms (0: through the delaying relay with no delay; direct: no "
         "relay), comma-separated for several (needs root, iproute2, cc); default: loopback",
     )
+    parser.add_argument(
+        "--tf-ports-overhead",
+        action="store_true",
+        help="run every configuration on loopback twice: TensorFlow's ports open, and in a "
+        "job network namespace as psctl local runs them; the last line is psctl's steps/s "
+        "in the namespace over open (not with --rtt)",
+    )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
     parser.add_argument(
@@ -886,6 +921,10 @@ def main(argv: list[str] | None = None) -> int:
         args.rtt_list = [rtt_label(r) for r in parse_rtt(args.rtt)] if args.rtt else [LOOPBACK]
     except ValueError as err:
         parser.error(str(err))
+    if args.tf_ports_overhead:
+        if args.rtt:
+            parser.error("--tf-ports-overhead runs on loopback: leave --rtt out")
+        args.rtt_list = [LOOPBACK, NAMESPACE]
     try:
         args.row_counts = parse_rows(args.rows)
     except ValueError as err:

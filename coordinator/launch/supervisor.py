@@ -111,7 +111,7 @@ class Counters:
     job_started: float = 0.0
     # When the command started (Unix seconds: psctl local's own start, else its training
     # supervisor's): the summary's start-up is from here to the first loop's start.
-    launched: float = 0.0
+    launched: float = field(default=0.0, compare=False)
     job_start_step: int = -1
     process_started: float = 0.0
     process_start_step: int = -1
