@@ -10,37 +10,38 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import global_state  # no public way to drop deferred variables
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.features import (
-    build_model,
     check_features,
     model_inputs,
     symbolic,
 )
-from psctl.coordinator.training.metric_objects import structured_metric_factories
 from psctl.coordinator.training.programs import shard_for
+
+UNINITIALIZED = "uninitialized_variables"  # Keras' list (keras/src/backend/common/variables.py)
 
 
 def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[str]:
-    """What a job can get wrong without a cluster, found in seconds: the training and eval
-    datasets' features against the model's inputs (keys, dtypes, structure), the
-    optimizer, the metrics against the labels and predictions. ConfigError (one line)
-    where one does not fit. psctl local runs it beside its starting servers.
+    """What a job can get wrong without a cluster, found in seconds: its functions
+    (loading it checks that they exist), the training and eval datasets' features against
+    the model's inputs (keys, dtypes, structure), and the optimizer. ConfigError (one line)
+    where one does not fit. psctl local runs it beside its starting servers; what needs
+    the model built (metrics against predictions) is left to the training process.
 
     The model's layer weights are never initialized (``weights_deferred``): no table is
-    allocated here (a 10M-row one would take gigabytes in this process). Past the
-    features, only ConfigErrors count: anything else the deferral itself may cause is left
-    to the training process, which builds the model for real.
+    allocated here (a 10M-row one would take gigabytes in this process). A model that
+    cannot be made so is left to the training process too.
 
     Returns warnings: a dataset that every worker reads alike (``same_data_warning``)."""
     ctx = DataContext.from_settings(
         settings, worker_index=0, num_workers=num_workers, batch_size=settings.batch_size
     )
     dataset = job.dataset_fn(ctx)
-    x_spec, y_spec = dataset.element_spec[:2]
+    x_spec = dataset.element_spec[0]
     warnings = []
     if num_workers > 1 and not settings.epochs:  # --epochs: the tf.data service splits it
         second = DataContext.from_settings(
@@ -70,15 +71,6 @@ def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[st
             )
             eval_x = job.eval_dataset(eval_ctx).element_spec[0]
             check_features(declared, eval_x, job=job.name, source="eval_dataset_fn")
-        try:
-            predictions = build_model(model, x_spec)
-        except ConfigError:
-            raise
-        except Exception:  # see the docstring: the training process decides
-            return warnings
-        structured_metric_factories(
-            job.metrics, label_spec=y_spec, pred_spec=predictions, job=job.name
-        )
     return warnings
 
 
@@ -90,6 +82,10 @@ def weights_deferred() -> Iterator[None]:
     counter, made with a value in a compiled model's ``create_model``) are made as usual:
     a whole stateless scope refuses them. Only for this check's own process."""
     original = keras.layers.Layer.add_weight
+    # Keras keeps the deferred variables in a list, and the next stateless scope anywhere
+    # in the process that ends with initialize_variables=True (Keras' own symbolic calls
+    # open one) would make them all: the list is put back as it was.
+    pending = list(global_state.get_global_attribute(UNINITIALIZED, []) or [])
 
     def add_weight(self: Any, *args: Any, **kwargs: Any) -> Any:
         with keras.StatelessScope(initialize_variables=False):
@@ -100,6 +96,7 @@ def weights_deferred() -> Iterator[None]:
         yield
     finally:
         keras.layers.Layer.add_weight = original
+        global_state.set_global_attribute(UNINITIALIZED, pending)
 
 
 def same_data_warning(job: str, first: Any, second: Any) -> str | None:

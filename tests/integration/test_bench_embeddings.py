@@ -98,3 +98,23 @@ def test_embeddings_quick_through_the_relay(run_cli, workdir):
         assert len(run["ps_peak_mb"]) == 2 and all(mb > 100 for mb in run["ps_peak_mb"]), run
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "psrtt" not in names  # every namespace deleted
+
+
+@pytest.mark.timeout(200)
+def test_embeddings_quick_with_tf_ports_open_and_in_a_namespace(run_cli, workdir):
+    """--tf-ports-overhead: psctl (only) on a cluster with its TF ports open, then on one
+    in a job namespace; the last line compares the two."""
+    results = workdir / "results"
+    argv = [BENCH, "--quick", "--modes", "psctl", "--tf-ports-overhead", "--results", str(results)]
+    proc = run_cli([sys.executable, *argv], timeout=190)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"psctl steps/s, TF ports in a job namespace/open at 10k rows \(adam\) = \d+\.\d\d "
+        r"\(\d+\.\d / \d+\.\d\)",
+        last,
+    ), last
+    report = json.loads((results / "results.json").read_text())
+    networks = {run["rtt"]: run for run in report["runs"]}
+    assert set(networks) == {"loopback", "job namespace"}
+    assert all(run["steps"] == 100 for run in networks.values()), networks
