@@ -431,6 +431,20 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def env_switch(environ: Mapping[str, str], name: str) -> bool:
+    """A PSCTL_* on/off variable (``PSCTL_INSECURE_CONTROL``, ``PSCTL_OPEN_TF_PORTS``): on
+    for 1, true or yes, off for 0, false, no or unset (any case); anything else is one
+    line, exit 78, rather than read as off."""
+    value = environ.get(name, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(
+            name,
+            f"got {value[:40]!r}",
+            "set it to 1 (or true, yes) to allow, or 0 (false, no), or unset it",
+        )
+    return value in ("1", "true", "yes")
+
+
 def check_environ(environ: Mapping[str, str]) -> None:
     """Raise ConfigError for the first PSCTL_* variable psctl does not read.
 

@@ -19,7 +19,7 @@ from psctl.coordinator.job import check_job_found
 from psctl.coordinator.launch.local import local_ps_main, prepare_local
 from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
 from psctl.coordinator.launch.train import check_job_main, ps_train_main
-from psctl.coordinator.settings import TrainSettings, resolve_settings
+from psctl.coordinator.settings import TrainSettings, env_switch, resolve_settings
 from psctl.coordinator.training.checkpoint_files import check_output_dirs
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def job_network(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
     """The job's TensorFlow ports in a network namespace of its own for as long as the
     job runs (cluster/netns.py): every process psctl starts finds it in ``environ``. With
     --open-tf-ports (PSCTL_OPEN_TF_PORTS=1), as TensorFlow serves them, said once."""
-    if args.open_tf_ports or environ.get("PSCTL_OPEN_TF_PORTS", "") in ("1", "true", "yes"):
+    if args.open_tf_ports or env_switch(environ, "PSCTL_OPEN_TF_PORTS"):
         log.warning(
             "TensorFlow's ports are open (--open-tf-ports): any local user, and any host that "
             "reaches this one, can run operations on this job's tasks"

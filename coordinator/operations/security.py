@@ -25,7 +25,7 @@ import grpc
 
 from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.settings import SERVICE_STATE_DIR
+from psctl.coordinator.settings import SERVICE_STATE_DIR, env_switch
 
 CONTROL_SERVICE = "/psctl.control.v1.Control/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -240,14 +240,9 @@ class ControlSecurity:
             value = getattr(args, f"control_{name}", None)
             return str(value) if value else env.get(ENV[name], "")
 
-        flag = env.get(ENV["insecure"], "").strip().lower()
-        if flag not in ("", "0", "1", "true", "false", "yes", "no"):
-            raise ConfigError(
-                ENV["insecure"],
-                f"got {flag[:40]!r}",
-                "set it to 1 (or true, yes) to allow, or 0 (false, no), or unset it",
-            )
-        insecure = bool(getattr(args, "insecure_control", False)) or flag in ("1", "true", "yes")
+        insecure = bool(getattr(args, "insecure_control", False)) or env_switch(
+            env, ENV["insecure"]
+        )
         return cls(
             token_file=pick("token_file"),
             read_token_file=pick("read_token_file"),

@@ -361,3 +361,21 @@ def test_another_host_reaches_no_tf_port(workdir: Path, opened: bool):
             assert job.wait(timeout=120) == 0, log.read_text()[-3000:]
         finally:
             kill_if_running(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_misspelt_open_switch_is_one_line_not_an_open_job(tmp_path: Path):
+    """PSCTL_OPEN_TF_PORTS takes what PSCTL_INSECURE_CONTROL takes; anything else (here
+    "on") is one line, exit 78, before any server starts."""
+    proc = subprocess.run(
+        psctl_argv("local", "--workdir", str(tmp_path / "job"), "--control-address", "127.0.0.1:0"),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=child_env(PSCTL_OPEN_TF_PORTS="on"),
+    )
+    assert proc.returncode == 78, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "PSCTL_OPEN_TF_PORTS: got 'on'" in errors[0], errors[0]
+    assert not (tmp_path / "job" / "cluster.json").exists()
