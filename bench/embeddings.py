@@ -430,10 +430,7 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
         if rtt == NAMESPACE:  # the servers and the child join it (cluster/netns.py)
             from psctl.cluster import netns
 
-            space = netns.JobNamespace()
-            stack.callback(space.close)
-            os.environ.update(space.environ)
-            stack.callback(os.environ.pop, netns.ENV, None)
+            stack.enter_context(netns.job_namespace())
         if rtt in (LOOPBACK, NAMESPACE):
             from psctl.coordinator.launch.local import LocalCluster
 

@@ -992,7 +992,7 @@ def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]
     cluster = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir / "netns")
     cluster.job_namespace = space  # type: ignore[attr-defined]
     try:
-        with job_namespace_of(cluster):
+        with space.named():
             cluster.start()
         cluster.wait_serving(timeout=args.start_timeout)
         print(f"{len(cluster.servers)} servers SERVING in a job namespace", flush=True)
@@ -1002,20 +1002,11 @@ def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]
         space.close()
 
 
-@contextlib.contextmanager
-def job_namespace_of(cluster: Any) -> Iterator[None]:
-    """The processes started meanwhile join ``cluster``'s job namespace, if it has one."""
-    from psctl.cluster import netns
-
+def job_namespace_of(cluster: Any) -> contextlib.AbstractContextManager[None]:
+    """The processes started meanwhile join ``cluster``'s job namespace, if it has one
+    (the open cluster's children must not: the name is set only around its own)."""
     space = getattr(cluster, "job_namespace", None)
-    if space is None:
-        yield
-        return
-    os.environ.update(space.environ)
-    try:
-        yield
-    finally:
-        os.environ.pop(netns.ENV, None)
+    return contextlib.nullcontext() if space is None else space.named()
 
 
 def report_namespace(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> int:

@@ -11,7 +11,7 @@ Only TensorFlow moves. Each task process starts in the host's namespace, opens i
 ports there (health, /metrics: operators, Prometheus and the launcher reach them as
 before), then joins the job's namespace (``enter``) before it imports TensorFlow, so that
 every thread TensorFlow starts, and every socket it opens, is the job's. A server also
-serves health inside (``inside``), for the training process's health checks.
+serves health inside (cluster/health.py), for the training process's health checks.
 
 The namespace is held by one process (``python -m psctl.cluster.netns``, run by
 ``unshare``), which brings the namespace's loopback up and waits until its launcher goes.
@@ -22,6 +22,7 @@ network namespace when the process is ready (``enter``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -30,7 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -149,10 +150,30 @@ class JobNamespace:
     def environ(self) -> dict[str, str]:
         return {ENV: self.path}
 
+    @contextlib.contextmanager
+    def named(self, environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+        """Meanwhile ``environ`` names this namespace: the processes psctl starts join it."""
+        environ.update(self.environ)
+        try:
+            yield
+        finally:
+            environ.pop(ENV, None)
+
     def close(self) -> None:
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
+
+
+@contextlib.contextmanager
+def job_namespace(environ: MutableMapping[str, str] = os.environ) -> Iterator[JobNamespace]:
+    """A namespace for the job, named in ``environ`` while it lasts, gone after."""
+    space = JobNamespace()
+    try:
+        with space.named(environ):
+            yield space
+    finally:
+        space.close()
 
 
 def _loopback_up() -> None:

@@ -71,11 +71,6 @@ def job_network(args: argparse.Namespace, environ: MutableMapping[str, str]) -> 
         )
         yield
         return
-    space = netns.JobNamespace()
-    environ.update(space.environ)
-    log.info("TensorFlow's ports are in a network namespace of the job's: only it reaches them")
-    try:
+    with netns.job_namespace(environ):
+        log.info("TensorFlow's ports are in a network namespace of the job's: only it reaches them")
         yield
-    finally:
-        environ.pop(netns.ENV, None)
-        space.close()
