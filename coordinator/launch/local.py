@@ -577,10 +577,13 @@ class JobCheck:
         """JobRejected with the check's error line once it has exited 78."""
         if self.proc.poll() != EXIT_CONFIG:
             return
-        prefix = "psctl: error: "
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        said = [line[len(prefix) :] for line in lines if line.startswith(prefix)]
+        said = self._said("psctl: error: ")
         raise JobRejected(said[-1] if said else f"the job's check failed: see {self.log_path}")
+
+    def _said(self, prefix: str) -> list[str]:
+        """The check's lines that start with ``prefix``, without it."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line[len(prefix) :] for line in lines if line.startswith(prefix)]
 
     def finish(self, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) for the check to end; JobRejected if it
@@ -592,10 +595,8 @@ class JobCheck:
             log.debug("job check still running after %.0fs: left to the training process", timeout)
         self.stop()
         self.raise_if_rejected()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        for line in lines:
-            if line.startswith(CHECK_WARNING):
-                log.warning("%s", line[len(CHECK_WARNING) :])
+        for warning in self._said(CHECK_WARNING):
+            log.warning("%s", warning)
         if self.proc.returncode not in (0, EXIT_CONFIG, None):
             log.debug("job check ended with status %s (%s)", self.proc.returncode, self.log_path)
         else:

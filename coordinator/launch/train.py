@@ -123,6 +123,9 @@ def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
         )
 
 
+WARNING = "psctl: warning: "  # a --check-job line psctl local passes on
+
+
 def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train --check-job --cluster FILE` (what psctl local starts beside its
     servers): the job loaded and checked for the cluster's workers but without them
@@ -135,9 +138,6 @@ def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     for warning in check_job(load_job(settings.job), settings, num_workers=workers):
         print(f"{WARNING}{warning}", file=sys.stderr, flush=True)
     return 0
-
-
-WARNING = "psctl: warning: "  # a --check-job line psctl local passes on
 
 
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
