@@ -39,7 +39,9 @@ from psctl.cluster.errors import ConfigError
 
 T = TypeVar("T")
 
-ENV = "PSCTL_JOB_NETNS"  # /proc/PID/ns of the holder; unset: no private namespace
+# /proc/PID/ns of the holder, or a named namespace's file (/run/netns/NAME, made by the
+# psctl-tunnel unit on hosts); unset: no private namespace.
+ENV = "PSCTL_JOB_NETNS"
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 READY = b"ready\n"
@@ -66,7 +68,7 @@ def join_user(environ: Mapping[str, str] = os.environ) -> None:
     not in it yet. As its root, the process may later ``enter`` the job's network
     namespace; on the host it stays who it was (same uid for files, signals and ports)."""
     where = environ.get(ENV)
-    if not where:
+    if not where or not Path(where).is_dir():  # a named namespace has no user namespace
         return
     user = Path(where) / "user"
     if os.geteuid() != 0 and not _same(user, "user"):
@@ -79,7 +81,7 @@ def enter(environ: Mapping[str, str] = os.environ) -> bool:
     where = environ.get(ENV)
     if not where:
         return False
-    net = Path(where) / "net"
+    net = Path(where) / "net" if Path(where).is_dir() else Path(where)
     if not _same(net, "net"):
         _setns(net, _CLONE_NEWNET)
     return True

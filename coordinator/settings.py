@@ -44,6 +44,7 @@ OTHER_ENV = {
     "PSCTL_INSECURE_CONTROL": "--insecure-control (coordinator/operations/security.py)",
     "PSCTL_OPEN_TF_PORTS": "psctl local --open-tf-ports (cluster/netns.py)",
     "PSCTL_JOB_NETNS": "set by psctl local: the job's network namespace (cluster/netns.py)",
+    "PSCTL_TUNNEL_ADDRESS": "psctl.env: this host's end of the tunnel (deploy/tunnel.py)",
     "PSCTL_METRICS_TLS_CERT": "/metrics over HTTPS: its certificate (cluster/metrics.py)",
     "PSCTL_METRICS_TLS_KEY": "/metrics over HTTPS: the certificate's key (cluster/metrics.py)",
     "PSCTL_HEALTH_TLS_CERT": "a server's health over TLS: its certificate (cluster/health.py)",

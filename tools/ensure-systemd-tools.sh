@@ -1,10 +1,12 @@
 #!/bin/sh
-# Make sure `systemd-analyze` (the unit tests verify every rendered unit with it), `ip`
-# (the multi-host test and bench/netlab.py build network-namespace hosts with it) and `cc`
-# (bench/netlab.py compiles its delaying relay, bench/relay.c) are on PATH. Idempotent: does
-# nothing when both are there. Otherwise installs the Debian/Ubuntu packages `systemd` and
-# `iproute2`, running `apt-get update` first only if the plain install fails. Uses sudo only
-# when not root.
+# Make sure `systemd-analyze` (the unit tests verify every rendered unit with it; the package
+# also ships systemd-socket-activate and systemd-socket-proxyd, which the multi-host test
+# runs), `ip` (the multi-host test and bench/netlab.py build network-namespace hosts with
+# it), `cc` (bench/netlab.py compiles its delaying relay, bench/relay.c), and `wireguard-go`
+# and `wg` (the tunnel between hosts: coordinator/deploy/tunnel.py) are on PATH. Idempotent:
+# does nothing when all are there. Otherwise installs the Debian/Ubuntu packages `systemd`,
+# `iproute2`, `gcc`, `wireguard-go` and `wireguard-tools`, running `apt-get update` first
+# only if the plain install fails. Uses sudo only when not root.
 #
 # Installing the package does not make systemd the init system of a container: the tests
 # only run `systemd-analyze verify` and never start a unit.
@@ -14,13 +16,16 @@ missing=""
 command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
 command -v cc >/dev/null 2>&1 || missing="$missing gcc libc6-dev"
+command -v wireguard-go >/dev/null 2>&1 || missing="$missing wireguard-go"
+command -v wg >/dev/null 2>&1 || missing="$missing wireguard-tools"
 if [ -z "$missing" ]; then
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "ensure-systemd-tools: missing$missing and no apt-get here; install systemd" \
-        "(systemd-analyze), iproute2 (ip) and a C compiler (cc) with your package manager" >&2
+        "(systemd-analyze), iproute2 (ip), a C compiler (cc), wireguard-go and" \
+        "wireguard-tools (wg) with your package manager" >&2
     exit 1
 fi
 
@@ -46,7 +51,7 @@ if ! apt_install; then
     apt_install
 fi
 
-for tool in systemd-analyze ip cc; do
+for tool in systemd-analyze ip cc wireguard-go wg; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "ensure-systemd-tools: $tool still not on PATH after installing$missing" >&2
         exit 1

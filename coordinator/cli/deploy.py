@@ -14,11 +14,14 @@ from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 def cmd_deploy(args: argparse.Namespace) -> int:
     # Imported here: every other command (`psctl status` most of all) starts faster.
     from psctl.coordinator.deploy.check import cmd_check
-    from psctl.coordinator.deploy.render import cmd_render
+    from psctl.coordinator.deploy.render import cmd_keys, cmd_render
+    from psctl.coordinator.deploy.tunnel import cmd_tunnel
 
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "render": cmd_render,
         "check": cmd_check,
+        "keys": cmd_keys,
+        "tunnel": cmd_tunnel,
     }
     return commands[args.deploy_command](args)
 
@@ -56,18 +59,61 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     )
     render_p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     render_p.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="the cluster's tunnel keys (psctl deploy keys): every host's TensorFlow ports "
+        "are reached only through an encrypted, authenticated tunnel (docs/security.md)",
+    )
+    render_p.add_argument(
+        "--open-tf-ports",
+        action="store_true",
+        help="no tunnel: TensorFlow's ports open on every interface of every host, as "
+        "TensorFlow serves them (a trusted network only)",
+    )
+    render_p.add_argument(
         "--strategy",
         choices=("async", "sync"),
         default="async",
         help="async: ps and worker servers plus the coordinator; sync: a training unit on "
         "every worker host (psctl train --strategy sync), no ps (default %(default)s)",
     )
+    keys_p = dsub.add_parser(
+        "keys",
+        help="make the cluster's tunnel keys: one WireGuard key pair per host",
+        description="Write DIR/<host>.key (0600) and DIR/<host>.pub for every host of the "
+        "cluster file that has none (wg genkey, from wireguard-tools); keys already there "
+        "are kept, so run it again after adding hosts. --rotate makes new keys for every "
+        "host: render and install every host's tunnel.conf again (docs/deploy.md).",
+    )
+    keys_p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file")
+    keys_p.add_argument("--out", required=True, metavar="DIR", help="the key directory")
+    keys_p.add_argument("--rotate", action="store_true", help="new keys for every host")
+    tunnel_p = dsub.add_parser(
+        "tunnel",
+        help="run this host's tunnel (the psctl-tunnel unit's process; root)",
+        description="Make the job's network namespace (/run/netns/psctl-ADDRESS) if missing, run "
+        "wireguard-go, move its interface in with this host's cluster address and a route "
+        "to every peer, tell systemd READY=1, and log each peer's handshakes until SIGTERM.",
+    )
+    tunnel_p.add_argument(
+        "--config", required=True, metavar="FILE", help="this host's tunnel.conf (0600)"
+    )
+    tunnel_p.add_argument(
+        "--address", required=True, help="this host's address in the cluster file"
+    )
+    tunnel_p.add_argument(
+        "--netns", help="namespace name (default psctl-ADDRESS: what the units name)"
+    )
+    tunnel_p.add_argument(
+        "--interface", help="WireGuard interface (default wgp + 12 hex digits of ADDRESS)"
+    )
     check_p = dsub.add_parser(
         "check",
         help="reach every server's TF port and health service; non-zero if any is not up",
         description="From this host, check every server of the cluster: its grpc.health.v1 "
-        "service (psctl health's table) and whether its TF port accepts connections; exit "
-        "69 if any is not up. With --checkpoint-dir, also that every ps reads a file this "
+        "service (psctl health's table) and whether its TF port accepts connections (with "
+        "the tunnel: from this host's end of it, as root, and every peer's last handshake); "
+        "exit 69 if any is not up. With --checkpoint-dir, also that every ps reads a file this "
         "host writes there (each ps saves its own shards of every checkpoint): exit 78 if "
         "one does not.",
     )
@@ -78,4 +124,9 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         help="the job's checkpoint directory: check that every ps host shares it at this path",
     )
     check_p.add_argument("--timeout", type=decimal, default=2.0, help="seconds per check")
+    check_p.add_argument(
+        "--address",
+        help="this host's address in the cluster file (default: the chief's): with the "
+        "tunnel, TF ports are tried from this host's end of it, as the coordinator does",
+    )
     return {"deploy": cmd_deploy}

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
-from psctl.cluster.errors import EXIT_UNAVAILABLE
+from psctl.cluster import netns
+from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, HealthAddresses
-from psctl.coordinator.deploy.plan import plan_hosts
+from psctl.coordinator.deploy.plan import ServerTask, plan_hosts
+from psctl.coordinator.deploy.tunnel import NETNS_DIR, interface_name, netns_name, peer_states
 
 CHECK_JOB = "psctl_deploy_check"  # this process's name for the ps tasks
 
@@ -40,18 +43,23 @@ def cmd_check(args: argparse.Namespace) -> int:
             cluster=args.cluster, health_port_offset=HEALTH_PORT_OFFSET, timeout=args.timeout
         )
     )
-    rows = [("HOST", "TASK", "TF PORT (from here)")]
-    closed = 0
     servers = [s for p in plans for s in p.servers]
-    for s in servers:
-        state = _tcp_open(s.host, s.tf_port, args.timeout)
+    here = args.address or next(p.host for p in plans if p.chief_port is not None)
+    where = NETNS_DIR / netns_name(here)
+    tunnel = where.exists()
+    rows = [("HOST", "TASK", "TF PORT (through the tunnel)" if tunnel else "TF PORT (from here)")]
+    states = _tf_ports(servers, args.timeout, where if tunnel else None)
+    closed = 0
+    for s, state in zip(servers, states, strict=True):
         closed += state != "open"
         rows.append((s.host, s.name, f"{s.tf_port} {state}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    _table(rows)
+    if tunnel:
+        _table([("TUNNEL PEER", "ENDPOINT", "LAST HANDSHAKE"), *peer_states(interface_name(here))])
     hosts = sum(1 for p in plans if p.servers)
     if args.checkpoint_dir and closed == 0 and health == 0:
+        if tunnel:  # TensorFlow's threads and sockets in this host's end of the tunnel
+            netns.enter({netns.ENV: str(where)})
         check_checkpoint_dir(cluster, args.checkpoint_dir)
         print(f"checkpoint dir: every ps reads {args.checkpoint_dir} as this host writes it")
     if closed == 0 and health == 0:
@@ -62,6 +70,31 @@ def cmd_check(args: argparse.Namespace) -> int:
         problems.append(f"{closed} TF port(s) not reachable from here")
     print(f"not ready: {'; '.join(problems)}")
     return EXIT_UNAVAILABLE
+
+
+def _table(rows: list[tuple[str, str, str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _tf_ports(servers: list[ServerTask], timeout: float, inside: Path | None) -> list[str]:
+    """Each server's TF port tried from here, or from the job's namespace ``inside`` (this
+    host's end of the tunnel: where the coordinator reaches them from)."""
+
+    def probe() -> list[str]:
+        return [_tcp_open(s.host, s.tf_port, timeout) for s in servers]
+
+    if inside is None:
+        return probe()
+    try:
+        return netns.run_inside(probe, {netns.ENV: str(inside)})
+    except PermissionError:
+        raise ConfigError(
+            "psctl deploy check",
+            f"TensorFlow's ports are reached from {inside}, which only root may enter",
+            "run it as root, as docs/deploy.md does",
+        ) from None
 
 
 def check_checkpoint_dir(cluster: Any, directory: str) -> None:

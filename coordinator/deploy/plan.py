@@ -26,6 +26,10 @@ CONTROL_PORT = Address.parse(CONTROL_ADDRESS, field="control address").port
 TARGET = "psctl.target"
 COORDINATOR_UNIT = "psctl-coordinator.service"
 SYNC_UNIT = "psctl-sync@.service"
+# The tunnel (coordinator/deploy/tunnel.py) and the side ports' way out of its namespace.
+TUNNEL_UNIT = "psctl-tunnel.service"
+PROXY_SOCKET = "psctl-proxy@.socket"
+PROXY_SERVICE = "psctl-proxy@.service"
 # Where the coordinator unit's job token lands: its HOME is the state directory.
 CONTROL_TOKEN_FILE = f"{STATE_DIR}/.local/state/psctl/127.0.0.1_{CONTROL_PORT}.token"
 
@@ -77,6 +81,17 @@ class HostPlan:
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(r for r in SERVER_ROLES if any(s.task_type == r for s in self.servers))
+
+    @property
+    def side_addresses(self) -> list[str]:
+        """HOST:PORT of every side port psctl listens on here (health, /metrics, the control
+        API): what the proxies carry out of the job's namespace."""
+        found = []
+        if self.chief_port is not None:
+            found += [CONTROL_ADDRESS, f"{self.host}:{COORDINATOR_METRICS_PORT}"]
+        for s in self.servers:
+            found += [f"{s.host}:{s.health_port}", f"{s.host}:{s.metrics_port}"]
+        return found
 
     @property
     def task_names(self) -> str:
@@ -147,3 +162,23 @@ def _check_host_ports(plan: HostPlan) -> None:
                 f"{COORDINATOR_METRICS_PORT} and {CONTROL_PORT}",
             )
         used[port] = what
+
+
+def escape_instance(text: str) -> str:
+    """``text`` as a unit's instance, as `systemd-escape` writes it, and ':' as ``\\x3a``
+    too (``%I`` undoes both): systemd-analyze verify (252) cannot load an instance with
+    ':' in its name."""
+    out = []
+    for i, ch in enumerate(text):
+        if ch == "/":
+            out.append("-")
+        elif (ch.isascii() and ch.isalnum()) or ch == "_" or (ch == "." and i > 0):
+            out.append(ch)
+        else:
+            out.append("".join(f"\\x{b:02x}" for b in ch.encode()))
+    return "".join(out)
+
+
+def proxy_unit(address: str) -> str:
+    """The socket unit that carries the side port ``address`` (HOST:PORT) to the host."""
+    return PROXY_SOCKET.replace("@", f"@{escape_instance(address)}")

@@ -10,33 +10,80 @@ from psctl.coordinator.deploy.plan import (
     CONTROL_PORT,
     COORDINATOR_METRICS_PORT,
     COORDINATOR_UNIT,
+    PROXY_SERVICE,
+    PROXY_SOCKET,
     STATE_DIR,
     SYNC_UNIT,
     TARGET,
+    TUNNEL_UNIT,
     UNIT_DIR,
     HostPlan,
+    proxy_unit,
     unit_name,
 )
+from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
+from psctl.coordinator.deploy.tunnel import LISTEN_PORT, netns_name
+
+_TUNNEL_UNITS = f"{TUNNEL_UNIT} {PROXY_SOCKET} {PROXY_SERVICE}"
 
 
-def _port_rows(plan: HostPlan) -> list[tuple[str, str, str, str]]:
+def _tunnel_lines(config_dir: str, proxies: Sequence[str]) -> list[str]:
+    """Install the host's key and start its tunnel and side-port proxies."""
+    return [
+        f"install -m 0600 {TUNNEL_CONF} {config_dir}/",
+        f"install -m 0644 {_TUNNEL_UNITS} {UNIT_DIR}/",
+        "systemctl daemon-reload",
+        f"systemctl enable --now {TUNNEL_UNIT}" + "".join(f" '{p}'" for p in proxies),
+    ]
+
+
+def _tunnel_note(host: str) -> list[str]:
+    return [
+        "",
+        "Every psctl service here runs in the network namespace",
+        f"/run/netns/{netns_name(host)}, made by {TUNNEL_UNIT}: other hosts reach its",
+        f"TensorFlow ports only through the cluster's WireGuard tunnel (UDP {LISTEN_PORT}), with",
+        "this cluster's keys; the side ports",
+        f"(health, /metrics, control) are on {host}'s network through psctl-proxy@ sockets.",
+        f"`{TUNNEL_CONF}` holds this host's private key: keep it 0600, on this host only.",
+    ]
+
+
+def _port_rows(plan: HostPlan, *, tunnel: bool) -> list[tuple[str, str, str, str]]:
+    def tf_from(hosts: str) -> str:
+        return f"{hosts}, through the tunnel: do not open" if tunnel else hosts
+
     rows = []
+    if tunnel:
+        rows.append(("tunnel", f"{LISTEN_PORT}/udp", "WireGuard", "the cluster's hosts"))
     if plan.chief_port is not None:
         rows += [
-            ("chief", str(plan.chief_port), "TensorFlow gRPC (coordinator)", "the servers"),
+            (
+                "chief",
+                str(plan.chief_port),
+                "TensorFlow gRPC (coordinator)",
+                tf_from("the servers"),
+            ),
             ("chief", str(COORDINATOR_METRICS_PORT), "Prometheus /metrics", "Prometheus"),
             ("chief", str(CONTROL_PORT), "psctl control API (loopback)", "nobody: do not open"),
         ]
     for s in plan.servers:
         rows += [
-            (s.name, str(s.tf_port), "TensorFlow gRPC", "the coordinator, the other servers"),
+            (
+                s.name,
+                str(s.tf_port),
+                "TensorFlow gRPC",
+                tf_from("the coordinator, the other servers"),
+            ),
             (s.name, str(s.health_port), "grpc.health.v1", "the coordinator host, probes"),
             (s.name, str(s.metrics_port), "Prometheus /metrics", "Prometheus"),
         ]
     return rows
 
 
-def host_readme(plan: HostPlan, *, bin_dir: str, config_dir: str, coordinator_host: str) -> str:
+def host_readme(
+    plan: HostPlan, *, bin_dir: str, config_dir: str, coordinator_host: str, tunnel: bool
+) -> str:
     """OUT/<host>/README.md: what to install and start on the host, and its ports."""
     configs = ["cluster.json", "psctl.env"] + [s.env_file for s in plan.servers]
     units = [unit_name(r) for r in plan.roles]
@@ -56,8 +103,11 @@ def host_readme(plan: HostPlan, *, bin_dir: str, config_dir: str, coordinator_ho
         f"install -d -m 0755 {config_dir}",
         f"install -m 0644 {' '.join(configs)} {config_dir}/",
         f"install -m 0644 {' '.join(units)} {UNIT_DIR}/",
-        "systemctl daemon-reload",
     ]
+    if tunnel:
+        lines += _tunnel_lines(config_dir, [proxy_unit(a) for a in plan.side_addresses])
+    else:
+        lines.append("systemctl daemon-reload")
     if plan.servers:
         enable = " ".join(s.unit for s in plan.servers)
         lines += [
@@ -106,13 +156,17 @@ def host_readme(plan: HostPlan, *, bin_dir: str, config_dir: str, coordinator_ho
         "| task | port | what | reached from |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {t} | {p} | {w} | {f} |" for t, p, w, f in _port_rows(plan)]
-    lines += [
-        "",
-        "TensorFlow's gRPC has no TLS and no authentication: open these to the cluster's",
-        "private network only.",
-        "",
-    ]
+    lines += [f"| {t} | {p} | {w} | {f} |" for t, p, w, f in _port_rows(plan, tunnel=tunnel)]
+    if tunnel:
+        lines += _tunnel_note(plan.host)
+        lines.append("TensorFlow's TCP ports are not opened: they are reached through the tunnel.")
+    else:
+        lines += [
+            "",
+            "TensorFlow's gRPC has no TLS and no authentication (rendered with",
+            "--open-tf-ports): open these to the cluster's private network only.",
+        ]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -140,9 +194,13 @@ def index_readme(plans: Sequence[HostPlan], *, source: str, coordinator_host: st
     return "\n".join(lines)
 
 
-def sync_readme(host: str, indexes: Sequence[int], *, config_dir: str) -> str:
-    """``--strategy sync``: OUT/<host>/README.md for the workers ``indexes`` on ``host``."""
+def sync_readme(
+    host: str, indexes: Sequence[int], *, config_dir: str, tunnel: bool, proxies: Sequence[str]
+) -> str:
+    """``--strategy sync``: OUT/<host>/README.md for the workers ``indexes`` on ``host``
+    (``proxies``: its side ports' addresses)."""
     starts = " ".join(SYNC_UNIT.replace("@", f"@{i}") for i in indexes)
+    tunnel_lines = _tunnel_lines(config_dir, [proxy_unit(a) for a in proxies]) if tunnel else []
     return "\n".join(
         [
             f"# psctl on {host} (--strategy sync)",
@@ -155,9 +213,11 @@ def sync_readme(host: str, indexes: Sequence[int], *, config_dir: str) -> str:
             f"install -d -m 0755 {config_dir}",
             f"install -m 0644 cluster.json psctl.env sync.env {config_dir}/",
             f"install -m 0644 {SYNC_UNIT} {TARGET} {UNIT_DIR}/",
+            *tunnel_lines,
             "systemctl daemon-reload",
             f"systemctl start {starts}",
             "```",
+            *(_tunnel_note(host) if tunnel else []),
             "",
             "Open the workers' TF ports to the other worker hosts"
             + (

@@ -17,18 +17,25 @@ from typing import Any
 
 from psctl.cluster.address import canonical_host
 from psctl.cluster.errors import ConfigError, echo
-from psctl.cluster.ports import HealthAddresses
+from psctl.cluster.ports import METRICS_PORT_OFFSET, HealthAddresses, side_port
 from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file, require_chief
 from psctl.coordinator.deploy.plan import (
+    CONTROL_ADDRESS,
+    COORDINATOR_METRICS_PORT,
     COORDINATOR_UNIT,
+    PROXY_SERVICE,
+    PROXY_SOCKET,
     SYNC_UNIT,
     TARGET,
+    TUNNEL_UNIT,
     HostPlan,
     plan_hosts,
     unit_name,
 )
 from psctl.coordinator.deploy.prometheus import prometheus_files, sync_prometheus_files
 from psctl.coordinator.deploy.readme import host_readme, index_readme, sync_readme
+from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
+from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
 from psctl.coordinator.deploy.units import (
     coordinator_env,
     host_env,
@@ -37,10 +44,12 @@ from psctl.coordinator.deploy.units import (
     sync_unit,
     target_unit,
     task_env,
+    tunnel_units,
     unit_files,
 )
 from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 
+_TUNNEL_UNITS = (TUNNEL_UNIT, PROXY_SOCKET, PROXY_SERVICE)
 # Where a unit's paths may not reach under DynamicUser= and ProtectHome=.
 _HIDDEN_PREFIXES = ("/home/", "/root/", "/run/user/")
 
@@ -64,6 +73,25 @@ def _check_out(out: Path, *, force: bool) -> None:
         )
 
 
+def tunnel_keys(keys: str | None, *, open_tf_ports: bool) -> Keys | None:
+    """The key directory to render with, None for --open-tf-ports; ConfigError for
+    neither (or both)."""
+    if keys is not None and open_tf_ports:
+        raise ConfigError("--keys", "given with --open-tf-ports", "pass one of them")
+    if keys is None and not open_tf_ports:
+        raise ConfigError(
+            "--keys",
+            "no tunnel keys: TensorFlow's ports would be open to every host that reaches them",
+            "run psctl deploy keys --cluster FILE --out DIR and pass --keys DIR, or pass "
+            "--open-tf-ports (a trusted network only)",
+        )
+    if keys is None:
+        return None
+    if not Path(keys).is_dir():
+        raise ConfigError("--keys", f"{keys} is not a directory", "psctl deploy keys --out DIR")
+    return Keys(Path(keys))
+
+
 def default_bin_dir() -> str:
     """Where the running psctl lives: its console script's directory, else the Python's."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -79,10 +107,12 @@ def render(
     cluster_file: str,
     out: Path,
     bin_dir: str,
+    keys: Keys | None,
     config_dir: str = DEFAULT_CONFIG_DIR,
     force: bool = False,
 ) -> list[HostPlan]:
-    """Write OUT/README.md and OUT/<host>/ for every host of the cluster; returns the plan."""
+    """Write OUT/README.md and OUT/<host>/ for every host of the cluster (with ``keys``, each
+    host's tunnel.conf and units in the job's namespace); returns the plan."""
     bin_dir = _absolute_dir(bin_dir, "--bin-dir")
     config_dir = _absolute_dir(config_dir, "--config-dir")
     cluster = load_cluster_file(cluster_file)
@@ -91,18 +121,26 @@ def render(
     _check_out(out, force=force)
     text = Path(cluster_file).read_text(encoding="utf-8")
     chief_host = next(p.host for p in plans if p.chief_port is not None)
-    for plan in plans:  # every name checked before anything is written
+    hosts = [p.host for p in plans]
+    secrets = _tunnel_confs(hosts, keys)  # every name and key checked before any write
+    for plan in plans:
         host_dir(out, plan.host)
     out.mkdir(parents=True, exist_ok=True)
-    units = unit_files(bin_dir=bin_dir, config_dir=config_dir)
     for plan in plans:
+        netns = netns_name(plan.host) if keys is not None else None
+        units = unit_files(bin_dir=bin_dir, config_dir=config_dir, netns=netns)
         files = {
             "README.md": host_readme(
-                plan, bin_dir=bin_dir, config_dir=config_dir, coordinator_host=chief_host
+                plan,
+                bin_dir=bin_dir,
+                config_dir=config_dir,
+                coordinator_host=chief_host,
+                tunnel=keys is not None,
             ),
             "cluster.json": text,
-            "psctl.env": host_env(config_dir=config_dir, host=plan.host),
+            "psctl.env": host_env(config_dir=config_dir, tunnel=keys is not None, host=plan.host),
             TARGET: units[TARGET],
+            **{name: units[name] for name in _TUNNEL_UNITS if name in units},
         }
         for role in plan.roles:
             files[unit_name(role)] = units[unit_name(role)]
@@ -112,6 +150,8 @@ def render(
             files[COORDINATOR_UNIT] = units[COORDINATOR_UNIT]
             files["coordinator.env"] = coordinator_env()
         _write_dir(out, host_dir(out, plan.host), files)
+        if plan.host in secrets:
+            _write_dir(out, host_dir(out, plan.host), {TUNNEL_CONF: secrets[plan.host]}, 0o600)
     _write_dir(
         out,
         out,
@@ -123,8 +163,21 @@ def render(
     return plans
 
 
+def _tunnel_confs(hosts: list[str], keys: Keys | None) -> dict[str, str]:
+    """Every host's tunnel.conf (its peers: the other hosts), none without ``keys``."""
+    if keys is None:
+        return {}
+    return {h: tunnel_conf(h, [p for p in hosts if p != h], keys) for h in hosts}
+
+
 def render_sync(
-    *, cluster_file: str, out: Path, bin_dir: str, config_dir: str, force: bool
+    *,
+    cluster_file: str,
+    out: Path,
+    bin_dir: str,
+    keys: Keys | None,
+    config_dir: str,
+    force: bool,
 ) -> list[tuple[str, list[int]]]:
     """``--strategy sync``: OUT/<host>/ for every worker host, a training unit per worker
     (no ps or worker-server units; ps entries are ignored); returns (host, worker indexes)."""
@@ -133,26 +186,45 @@ def render_sync(
     cluster = load_cluster_file(cluster_file, required=SYNC_REQUIRED)
     _check_out(out, force=force)
     hosts: dict[str, tuple[str, list[int]]] = {}
+    proxies: dict[str, list[str]] = {}  # the side ports of each host's sync workers
+    health = HealthAddresses.of_file(cluster_file)
     for task_type, index, address in cluster.task_addresses():
         if task_type == "worker":
             key = canonical_host(address.host)
             hosts.setdefault(key, (address.host, []))[1].append(index)
+            field = f"cluster.worker[{index}]"
+            sides = [str(health.require("worker", index, address, field=f"{field} health port"))]
+            if index == 0:
+                sides += [CONTROL_ADDRESS, f"{address.host}:{COORDINATOR_METRICS_PORT}"]
+            else:
+                port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
+                sides.append(str(address.with_port(port)))
+            proxies.setdefault(key, []).extend(sides)
     plans = list(hosts.values())
+    secrets = _tunnel_confs([host for host, _ in plans], keys)
     for host, _ in plans:
         host_dir(out, host)
     out.mkdir(parents=True, exist_ok=True)
     text = Path(cluster_file).read_text(encoding="utf-8")
-    unit = sync_unit(bin_dir=bin_dir, config_dir=config_dir)
+    tunnel = keys is not None
     for host, indexes in plans:
+        netns = netns_name(host) if tunnel else None
+        sides = proxies[canonical_host(host)]
         files = {
-            "README.md": sync_readme(host, indexes, config_dir=config_dir),
+            "README.md": sync_readme(
+                host, indexes, config_dir=config_dir, tunnel=tunnel, proxies=sides
+            ),
             "cluster.json": text,
-            "psctl.env": host_env(config_dir=config_dir, host=host),
+            "psctl.env": host_env(config_dir=config_dir, tunnel=tunnel, host=host),
             "sync.env": sync_env(),
-            SYNC_UNIT: unit,
+            SYNC_UNIT: sync_unit(bin_dir=bin_dir, config_dir=config_dir, netns=netns),
             TARGET: target_unit(),
         }
+        if netns is not None:
+            files.update(tunnel_units(bin_dir=bin_dir, config_dir=config_dir, netns=netns))
         _write_dir(out, host_dir(out, host), files)
+        if host in secrets:
+            _write_dir(out, host_dir(out, host), {TUNNEL_CONF: secrets[host]}, 0o600)
     _write_dir(out, out, sync_prometheus_files(cluster))
     return plans
 
@@ -180,15 +252,18 @@ def _inside(out: Path, path: Path) -> Path:
     return resolved
 
 
-def _write_dir(out: Path, path: Path, files: Mapping[str, str]) -> None:
-    """Write ``files`` into ``path``, every one checked to stay under ``out`` (a link left
-    in a reused --out could point anywhere)."""
+def _write_dir(out: Path, path: Path, files: Mapping[str, str], mode: int = 0o644) -> None:
+    """Write ``files`` into ``path`` with ``mode`` from their first byte, every one checked
+    to stay under ``out`` (a link left in a reused --out could point anywhere)."""
     _inside(out, path)
     path.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
         target = _inside(out, path / name)
-        target.write_text(content, encoding="utf-8")
-        target.chmod(0o644)
+        target.unlink(missing_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(content)
+        target.chmod(mode)
 
 
 def _warn_about_bin_dir(bin_dir: str) -> None:
@@ -213,10 +288,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     bin_dir = args.bin_dir or default_bin_dir()
     out = Path(args.out)
     # The same flags for either strategy.
+    keys = tunnel_keys(args.keys, open_tf_ports=args.open_tf_ports)
     options: dict[str, Any] = {
         "cluster_file": args.cluster,
         "out": out,
         "bin_dir": bin_dir,
+        "keys": keys,
         "config_dir": args.config_dir,
         "force": args.force,
     }
@@ -232,7 +309,29 @@ def cmd_render(args: argparse.Namespace) -> int:
     print(f"rendered {len(plans)} hosts into {out}/ (psctl in {os.path.normpath(bin_dir)}):")
     for plan in plans:
         print(f"  {plan.host + '/':<{width + 1}}  {plan.task_names}")
+    if keys is None:
+        print(
+            "psctl: warning: --open-tf-ports: TensorFlow's ports will listen on every interface "
+            "of every host, with no authentication (docs/security.md)",
+            file=sys.stderr,
+        )
+    else:
+        print(f"tunnel: each host's {TUNNEL_CONF} (0600) holds its private key: copy it only there")
     print(f"next: copy each directory to its host and follow its README.md ({out}/README.md)")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`psctl deploy keys`: a key pair for every host of the cluster file without one."""
+    cluster = load_cluster_file(args.cluster, required=())
+    hosts = list(dict.fromkeys(a.host for _, _, a in cluster.task_addresses()))
+    made = make_keys(hosts, Path(args.out), rotate=args.rotate)
+    kept = len(hosts) - len(made)
+    print(f"keys for {len(hosts)} hosts in {args.out}/: {len(made)} new, {kept} kept")
+    for host in made:
+        print(f"  {host}.key (0600), {host}.pub")
+    if made:
+        print(f"next: psctl deploy render --cluster {args.cluster} --keys {args.out} ...")
     return 0
 
 

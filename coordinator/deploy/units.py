@@ -17,14 +17,19 @@ from psctl.coordinator.deploy.plan import (
     CONTROL_TOKEN_FILE,
     COORDINATOR_METRICS_PORT,
     COORDINATOR_UNIT,
+    PROXY_SERVICE,
+    PROXY_SOCKET,
     REFERENCE_BIN_DIR,
     SERVER_ROLES,
     STATE_DIR,
     SYNC_UNIT,
     TARGET,
+    TUNNEL_UNIT,
     ServerTask,
     unit_name,
 )
+from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
+from psctl.coordinator.deploy.tunnel import netns_name
 from psctl.coordinator.failures import EXIT_USAGE, FINAL_EXIT_STATUSES
 from psctl.coordinator.settings import DEFAULT_CONFIG_DIR, DEFAULTS
 
@@ -36,6 +41,8 @@ _NAMES = {
     "state_dir": STATE_DIR,
     "control_token_file": CONTROL_TOKEN_FILE,
     "exit_usage": EXIT_USAGE,
+    "tunnel_unit": TUNNEL_UNIT,
+    "tunnel_conf": TUNNEL_CONF,
     # systemd restarts `psctl train` unless it ended with a final status.
     "final_statuses": " ".join(str(s) for s in FINAL_EXIT_STATUSES),
 }
@@ -48,6 +55,13 @@ _PS_STATE = (
 ).replace("@state_dir@", STATE_DIR)
 _WORKER_STATE = "# A worker writes no checkpoint: no StateDirectory=."
 _WORKER_DEVICES = "# No PrivateDevices=: a worker may use GPUs (/dev/nvidia*), which it would hide."
+EXAMPLE_HOST = "10.0.0.2"  # the address deploy/systemd/ is rendered for
+PROXYD = "/usr/lib/systemd/systemd-socket-proxyd"  # Debian's systemd package
+_OPEN_UNIT = (
+    "# Rendered with --open-tf-ports: TensorFlow's ports listen on every interface of this\n"
+    "# host, with no authentication (docs/security.md)."
+)
+_OPEN_SERVICE = "# No NetworkNamespacePath=: rendered with --open-tf-ports."
 
 
 @functools.cache
@@ -76,10 +90,21 @@ def _hardening(devices: str) -> str:
     return fill_block("hardening.in", devices=devices)
 
 
-def _server_unit(role: str, *, bin_dir: str, config_dir: str) -> str:
+def _tunnel_blocks(netns: str | None) -> dict[str, str]:
+    """The lines that put a unit in the job's namespace ``netns``, or say that it has none."""
+    if netns is None:
+        return {"in_tunnel": _OPEN_UNIT, "netns_path": _OPEN_SERVICE}
+    return {
+        "in_tunnel": fill_block("tunnel-unit.in", **_NAMES),
+        "netns_path": fill_block("tunnel-service.in", netns=netns),
+    }
+
+
+def _server_unit(role: str, *, bin_dir: str, config_dir: str, netns: str | None) -> str:
     return fill(
         "server.service.in",
         **_NAMES,
+        **_tunnel_blocks(netns),
         role=role,
         first_instance=unit_name(role).replace("@", "@0"),
         bin_dir=bin_dir,
@@ -107,7 +132,7 @@ _TRAIN_UNITS = {
 }
 
 
-def _train_unit(unit: str, *, bin_dir: str, config_dir: str) -> str:
+def _train_unit(unit: str, *, bin_dir: str, config_dir: str, netns: str | None) -> str:
     """The coordinator's unit or a sync worker's: its template around the environment files
     and command line every `psctl train` unit shares (templates/train-exec.in)."""
     name, env_file, args, devices = _TRAIN_UNITS[unit]
@@ -117,15 +142,16 @@ def _train_unit(unit: str, *, bin_dir: str, config_dir: str) -> str:
     return fill(
         name,
         **_NAMES,
+        **_tunnel_blocks(netns),
         first_instance=unit.replace("@", "@0"),
         train_exec=train,
         hardening=_hardening(devices),
     )
 
 
-def sync_unit(*, bin_dir: str, config_dir: str) -> str:
+def sync_unit(*, bin_dir: str, config_dir: str, netns: str | None) -> str:
     """``--strategy sync``: the training unit of one worker, its instance the index."""
-    return _train_unit(SYNC_UNIT, bin_dir=bin_dir, config_dir=config_dir)
+    return _train_unit(SYNC_UNIT, bin_dir=bin_dir, config_dir=config_dir, netns=netns)
 
 
 def target_unit() -> str:
@@ -133,23 +159,55 @@ def target_unit() -> str:
     return fill("target.in", **_NAMES)
 
 
+def tunnel_units(*, bin_dir: str, config_dir: str, netns: str) -> dict[str, str]:
+    """The tunnel's unit and the side ports' proxy socket and service, by name."""
+    return {
+        TUNNEL_UNIT: fill(
+            "tunnel.service.in", **_NAMES, netns=netns, bin_dir=bin_dir, config_dir=config_dir
+        ),
+        PROXY_SOCKET: fill("proxy.socket.in", **_NAMES),
+        PROXY_SERVICE: fill(
+            "proxy.service.in",
+            **_NAMES,
+            netns=netns,
+            proxyd=PROXYD,
+            hardening=_hardening(_PRIVATE_DEVICES),
+        ),
+    }
+
+
 def unit_files(
-    *, bin_dir: str, config_dir: str, roles: Sequence[str] = SERVER_ROLES
+    *, bin_dir: str, config_dir: str, netns: str | None, roles: Sequence[str] = SERVER_ROLES
 ) -> dict[str, str]:
-    """The server templates for ``roles``, the coordinator unit and the target, by name."""
-    files = {unit_name(r): _server_unit(r, bin_dir=bin_dir, config_dir=config_dir) for r in roles}
-    files[COORDINATOR_UNIT] = _train_unit(COORDINATOR_UNIT, bin_dir=bin_dir, config_dir=config_dir)
+    """The server templates for ``roles``, the coordinator unit, the target and (in the
+    job's namespace ``netns``; None: --open-tf-ports) the tunnel's units, by name."""
+    files = {
+        unit_name(r): _server_unit(r, bin_dir=bin_dir, config_dir=config_dir, netns=netns)
+        for r in roles
+    }
+    files[COORDINATOR_UNIT] = _train_unit(
+        COORDINATOR_UNIT, bin_dir=bin_dir, config_dir=config_dir, netns=netns
+    )
     files[TARGET] = target_unit()
+    if netns is not None:
+        files.update(tunnel_units(bin_dir=bin_dir, config_dir=config_dir, netns=netns))
     return files
 
 
 # ---------------------------------------------------------------- env files
 
 
-def host_env(*, config_dir: str, host: str | None = None) -> str:
+def host_env(*, config_dir: str, tunnel: bool, host: str | None = None) -> str:
     """psctl.env: the cluster file and settings of every psctl unit on ``host`` (an example
     address in the reference rendering)."""
-    return fill("host.env.in", config_dir=config_dir, bind=host if host is not None else "10.0.0.2")
+    host = host if host is not None else EXAMPLE_HOST
+    tunnel_env = (
+        f"# This host's address in the cluster file: its end of the tunnel.\n"
+        f"PSCTL_TUNNEL_ADDRESS={host}"
+        if tunnel
+        else "# Rendered with --open-tf-ports: no tunnel."
+    )
+    return fill("host.env.in", config_dir=config_dir, bind=host, tunnel_env=tunnel_env)
 
 
 def task_env(task: ServerTask) -> str:
@@ -190,9 +248,12 @@ def sync_env() -> str:
 
 def reference_files() -> dict[str, str]:
     """deploy/systemd/: the units and env files as rendered for /opt/psctl/venv."""
-    files = unit_files(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
-    files["psctl.env"] = host_env(config_dir=DEFAULT_CONFIG_DIR)
+    netns = netns_name(EXAMPLE_HOST)
+    files = unit_files(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR, netns=netns)
+    files["psctl.env"] = host_env(config_dir=DEFAULT_CONFIG_DIR, tunnel=True)
     files["coordinator.env"] = coordinator_env()
-    files[SYNC_UNIT] = sync_unit(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR)
+    files[SYNC_UNIT] = sync_unit(
+        bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR, netns=netns
+    )
     files["sync.env"] = sync_env()
     return files

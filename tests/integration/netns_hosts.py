@@ -73,13 +73,21 @@ def value(unit: Unit, section: str, key: str) -> str:
     return found[0]
 
 
+def unescape_instance(text: str) -> str:
+    """systemd's %I: an instance name with `systemd-escape`'s escaping undone."""
+    text = text.replace("-", "/")
+    return re.sub(r"\\x([0-9a-f]{2})", lambda m: chr(int(m[1], 16)), text)
+
+
 def specifiers(text: str, instance: str) -> str:
-    """%i and %%; any other specifier is a test failure (the helper does not know it)."""
+    """%i, %I and %%; any other specifier is a test failure (the helper does not know it)."""
 
     def sub(match: re.Match[str]) -> str:
         spec = match.group(1)
         if spec == "i":
             return instance
+        if spec == "I":
+            return unescape_instance(instance)
         if spec == "%":
             return "%"
         raise AssertionError(f"specifier %{spec} in {text!r} is not handled here")

@@ -28,30 +28,46 @@ import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
+from psctl.cluster import netns as cluster_netns
 from psctl.cluster.procs import die_with_parent
-from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT
+from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT, TUNNEL_UNIT
+from psctl.coordinator.deploy.tunnel import (
+    LISTEN_PORT,
+    NETNS_DIR,
+    Keys,
+    make_keys,
+    netns_name,
+    tunnel_conf,
+)
+from psctl.coordinator.deploy.units import PROXYD
 from psctl.coordinator.operations.security import ENV as CONTROL_CREDENTIALS
-from tests.conftest import cpu_seconds, kill_if_running
+from tests.conftest import cpu_seconds, kill_if_running, require_tool
 from tests.integration.netns_hosts import (
     SERVERS,
+    TF_PORT,
     NetnsLab,
     NotifySocket,
     RestartPolicy,
     Service,
+    Unit,
     exec_argv,
     open_lab,
     parse_unit,
     sandboxed,
     service_env,
+    unescape_instance,
     value,
     values,
     write_cluster,
@@ -61,6 +77,8 @@ from tests.integration.sandbox import NOBODY
 pytestmark = pytest.mark.integration
 
 HOSTS = {"coord": "10.77.0.1", "ps0": "10.77.0.2", "w0": "10.77.0.3", "w1": "10.77.0.4"}
+# A fifth namespace on the same bridge: not in the cluster, without its keys.
+OUTSIDER, OUTSIDER_ADDRESS = "out", "10.77.0.5"
 BIN_DIR = Path(sys.executable).parent
 CONFIG_DIR = "/etc/psctl"  # the rendered default; each host sees its own through netns
 # A target the job does not reach in this test (about 180 steps/s here): `psctl stop` ends it
@@ -82,8 +100,17 @@ CHECKOUT = os.path.realpath(Path(__file__).resolve().parents[2])
 
 @pytest.fixture
 def lab() -> Iterator[NetnsLab]:
-    with open_lab(HOSTS, scripts=("psctl", "ps-server", "worker-server")) as hosts:
-        yield hosts
+    require_tool("wireguard-go", "tools/ensure-systemd-tools.sh (Debian package wireguard-go)")
+    require_tool("wg", "tools/ensure-systemd-tools.sh (Debian package wireguard-tools)")
+    require_tool("systemd-socket-activate", "tools/ensure-systemd-tools.sh (package systemd)")
+    assert Path(PROXYD).exists(), f"{PROXYD} is missing: tools/ensure-systemd-tools.sh"
+    lab_hosts = {**HOSTS, OUTSIDER: OUTSIDER_ADDRESS}
+    remove_job_namespaces(lab_hosts.values())  # a killed run's
+    try:
+        with open_lab(lab_hosts, scripts=("psctl", "ps-server", "worker-server")) as hosts:
+            yield hosts
+    finally:
+        remove_job_namespaces(lab_hosts.values())
 
 
 def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -121,6 +148,313 @@ def psctl(lab: NetnsLab, *args: str) -> str:
     return proc.stdout
 
 
+def remove_job_namespaces(addresses: Iterable[str]) -> None:
+    """The job namespaces (and whatever runs in them) of these hosts' tunnels."""
+    for address in addresses:
+        name = netns_name(address)
+        if (NETNS_DIR / name).exists():
+            pids = subprocess.run(
+                ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=20
+            ).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+def render_protected(cluster_file: Path, out: Path, *extra: str) -> Path:
+    """`psctl deploy keys`, then `psctl deploy render --keys` as docs/deploy.md types them;
+    returns the key directory."""
+    keys = out.with_name("keys")
+    made = run(
+        [
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "keys",
+            "--cluster",
+            str(cluster_file),
+            "--out",
+            str(keys),
+        ],
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    render = run(
+        [
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "render",
+            *extra,
+            "--cluster",
+            str(cluster_file),
+            "--out",
+            str(out),
+            "--bin-dir",
+            str(BIN_DIR),
+            "--keys",
+            str(keys),
+        ],
+        timeout=60,
+    )
+    assert render.returncode == 0, render.stdout + render.stderr
+    return keys
+
+
+def in_job_netns(lab: NetnsLab, host: str, unit: Unit, argv: list[str]) -> list[str]:
+    """``argv`` as systemd runs a unit with NetworkNamespacePath=: in the host's job
+    namespace (and, through lab.exec, with the host's own /etc/psctl)."""
+    path = value(unit, "Service", "NetworkNamespacePath")
+    assert path == f"{NETNS_DIR}/{netns_name(lab.hosts[host])}", path
+    return lab.exec(host, ["nsenter", f"--net={path}", *argv])
+
+
+def start_tunnel(lab: NetnsLab, host: str, out: Path, logs: Path, notify: Path) -> Service:
+    """The host's psctl-tunnel.service from its rendered ExecStart= and environment, as root
+    in the host's network namespace (no mount namespace: the unit has none, and the job
+    namespace it makes must be seen by every other unit); READY=1 awaited."""
+    address = lab.hosts[host]
+    unit = parse_unit((out / address / TUNNEL_UNIT).read_text())
+    assert value(unit, "Service", "Type") == "notify"
+    env = {**BASE_ENV, **service_env(unit, "", host_path(lab, host))}
+    sock = NotifySocket(notify / f"tunnel-{host}.sock")
+    env["NOTIFY_SOCKET"] = str(sock.path)
+    argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
+    assert argv[:3] == [str(BIN_DIR / "psctl"), "deploy", "tunnel"], argv
+    argv = [str(host_path(lab, host)(a)) for a in argv]  # its /etc/psctl, without lab.exec
+    service = Service(
+        name=f"tunnel {host}",
+        argv=["nsenter", f"--net=/run/netns/{lab.ns(host)}", *argv],
+        env=env,
+        policy=RestartPolicy.of(unit),
+        log_path=logs / f"tunnel-{host}.log",
+    )
+    service.start()
+    try:
+        sock.wait_for("READY", "1", count=1, timeout=30, alive=service.alive)
+    except AssertionError:
+        service.stop()
+        raise AssertionError(service.log_tail()) from None
+    finally:
+        sock.close()
+    return service
+
+
+def start_proxies(lab: NetnsLab, host: str, out: Path, logs: Path) -> list[Service]:
+    """The psctl-proxy@ADDRESS.socket units the host's README enables: a socket on the
+    host's network (systemd-socket-activate stands in for systemd) handed to the rendered
+    service's systemd-socket-proxyd in the job namespace, under the unit's sandbox."""
+    address = lab.hosts[host]
+    readme = (out / address / "README.md").read_text()
+    instances = re.findall(r"'psctl-proxy@(\S+)\.socket'", readme)
+    assert instances, readme
+    unit = parse_unit((out / address / "psctl-proxy@.service").read_text())
+    services = []
+    for instance in instances:
+        listen = unescape_instance(instance)
+        argv = exec_argv(value(unit, "Service", "ExecStart"), instance, {})
+        assert argv == [PROXYD, listen], argv
+        proxied = in_job_netns(lab, host, unit, sandboxed(unit, argv, exposed=[PYTHON_HOME]))
+        service = Service(
+            name=f"proxy {listen}",
+            argv=[
+                "nsenter",
+                f"--net=/run/netns/{lab.ns(host)}",
+                "systemd-socket-activate",
+                "--listen",
+                listen,
+                *proxied,
+            ],
+            env=dict(BASE_ENV),
+            policy=RestartPolicy("on-failure", 1.0, frozenset()),
+            log_path=logs / f"proxy-{host}-{instance.replace(':', '_')}.log",
+        )
+        service.start()
+        services.append(service)
+    return services
+
+
+TF_ADDRESSES = [f"{HOSTS[h]}:{TF_PORT}" for h in ("coord", "ps0", "w0", "w1")]
+SYSTEM_PYTHON = "/usr/bin/python3"  # any uid can run it (this checkout's is under /root)
+# Tries every TF address at once; prints {address: "open" | why not}.
+CONNECT_ALL = """
+import json, socket, sys, concurrent.futures as cf
+def one(address):
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=float(sys.argv[1])).close()
+        return "open"
+    except OSError as err:
+        return type(err).__name__
+with cf.ThreadPoolExecutor(8) as pool:
+    print(json.dumps(dict(zip(sys.argv[2:], pool.map(one, sys.argv[2:])))))
+"""
+
+
+def connect_all(argv_prefix: list[str], addresses: list[str], timeout: float) -> dict[str, str]:
+    proc = run(
+        [*argv_prefix, SYSTEM_PYTHON, "-c", CONNECT_ALL, str(timeout), *addresses],
+        timeout=timeout + 30,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
+    """Nobody outside the cluster's tunnels opens a connection to a TF port: the fifth
+    host (no keys), the fifth host with a tunnel of its own keys (it knows every host's
+    public key: those are not secret), another uid on a cluster host (ps0's own network,
+    and setns into the job's namespace)."""
+    outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2)
+    assert "open" not in outside.values(), outside
+    # Its own keys for every host, so a tunnel that tries: no handshake completes.
+    keys = Keys(workdir / "outsider-keys")
+    make_keys([OUTSIDER_ADDRESS, *HOSTS.values()], keys.directory)
+    conf = workdir / "outsider-tunnel.conf"
+    conf.write_text(tunnel_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys))
+    conf.chmod(0o600)
+    own = Service(
+        name="outsider tunnel",
+        argv=[
+            "nsenter",
+            f"--net=/run/netns/{lab.ns(OUTSIDER)}",
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "tunnel",
+            "--config",
+            str(conf),
+            "--address",
+            OUTSIDER_ADDRESS,
+        ],
+        env=dict(BASE_ENV),
+        policy=RestartPolicy("on-failure", 60.0, frozenset()),
+        log_path=workdir / "outsider-tunnel.log",
+    )
+    own.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "psctl tunnel: " not in own.log_tail():
+            assert own.alive() and time.monotonic() < deadline, own.log_tail()
+            time.sleep(0.2)
+        job_ns = ["ip", "netns", "exec", netns_name(OUTSIDER_ADDRESS)]
+        tunnelled = connect_all(job_ns, TF_ADDRESSES, 5)
+        assert set(tunnelled.values()) == {"TimeoutError"}, tunnelled  # dropped, unanswered
+    finally:
+        own.stop()
+    # Another user of a cluster host: the host's network has no TF port, and the job's
+    # namespace cannot be joined.
+    probe = SETNS_PROBE.replace("@NETNS@", f"{NETNS_DIR}/{netns_name(HOSTS['ps0'])}")
+    as_other = ["setpriv", "--reuid=65533", "--regid=65533", "--clear-groups"]
+    local = connect_all(
+        lab.exec("ps0", as_other), [f"{HOSTS['ps0']}:{TF_PORT}", f"127.0.0.1:{TF_PORT}"], 2
+    )
+    assert set(local.values()) == {"ConnectionRefusedError"}, local
+    joined = run(lab.exec("ps0", [*as_other, SYSTEM_PYTHON, "-c", probe]), timeout=30)
+    assert joined.stdout.strip() == "EPERM", joined.stdout + joined.stderr
+
+
+SETNS_PROBE = """
+import ctypes, errno, os
+fd = os.open("@NETNS@", os.O_RDONLY)
+libc = ctypes.CDLL(None, use_errno=True)
+print("joined" if libc.setns(fd, 0x40000000) == 0 else errno.errorcode[ctypes.get_errno()])
+"""
+
+
+class Capture:
+    """Every frame through one bridge port (a host's cable), read in the switch's namespace
+    with a packet socket, as a passive observer on the network would: which of ``markers``
+    appeared in any frame, and the ports of every IPv4 TCP and UDP frame."""
+
+    def __init__(self, lab: NetnsLab, host: str, markers: Iterable[bytes]) -> None:
+        port = f"p{list(lab.hosts).index(host)}"
+
+        def open_socket() -> socket.socket:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+            sock.bind((port, 0))
+            return sock
+
+        where = {cluster_netns.ENV: f"/run/netns/{lab.switch}"}
+        self._sock = cluster_netns.run_inside(open_socket, where)
+        self._sock.settimeout(0.2)
+        self.markers = dict.fromkeys(markers, False)
+        self.frames = 0
+        self.ports: dict[int, list[tuple[int, int]]] = {6: [], 17: []}  # TCP, UDP
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frame = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            self.frames += 1
+            for marker in self.markers:
+                self.markers[marker] |= marker in frame
+            if len(frame) >= 38 and frame[12:14] == b"\x08\x00" and frame[23] in self.ports:
+                ihl = (frame[14] & 0x0F) * 4
+                self.ports[frame[23]].append(struct.unpack("!HH", frame[14 + ihl : 18 + ihl]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+
+# Runs an op on ps 0 from the coordinator host's end of the tunnel, with a string the
+# observer looks for (in the clear, TensorFlow's request carries it as it is).
+MARKER_OP = """
+import sys
+import tensorflow as tf
+tf.config.experimental_connect_to_host(sys.argv[1], job_name="probe")
+with tf.device("/job:probe/replica:0/task:0/device:CPU:0"):
+    print(int(tf.strings.length(tf.constant(sys.argv[2]))))
+"""
+
+
+def assert_observer_sees_no_tensor(lab: NetnsLab) -> tuple[int, int]:
+    """A tensor carrying a marker goes from the coordinator host to ps 0 while the job
+    trains; the frames on ps 0's cable hold WireGuard's UDP only, never the marker, and no
+    TCP to a TF port. A datagram the outsider sends with another marker is seen: the
+    capture reads payloads. Returns (frames seen, WireGuard datagrams)."""
+    tf_marker = f"psctl-tensor-{os.getpid()}-{time.time_ns()}"
+    plain_marker = f"psctl-plain-{os.getpid()}-{time.time_ns()}"
+    capture = Capture(lab, "ps0", [tf_marker.encode(), plain_marker.encode()])
+    try:
+        op = run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                netns_name(HOSTS["coord"]),
+                sys.executable,
+                "-c",
+                MARKER_OP,
+                f"{HOSTS['ps0']}:{TF_PORT}",
+                tf_marker,
+            ],
+            timeout=120,
+        )
+        assert op.returncode == 0 and op.stdout.split()[-1] == str(len(tf_marker)), op.stderr
+        sender = (
+            "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+            f".sendto({plain_marker.encode()!r}, ({HOSTS['ps0']!r}, 9))"
+        )
+        sent = run(lab.exec(OUTSIDER, [SYSTEM_PYTHON, "-c", sender]), timeout=30)
+        assert sent.returncode == 0, sent.stderr
+        time.sleep(0.5)
+    finally:
+        capture.stop()
+    assert capture.markers[plain_marker.encode()], f"{capture.frames} frames, no datagram"
+    assert not capture.markers[tf_marker.encode()], "the tensor crossed the wire in the clear"
+    tcp = [p for p in capture.ports[6] if TF_PORT in p]
+    assert not tcp, f"{len(tcp)} TCP segments to or from a TF port on the wire"
+    wireguard = [p for p in capture.ports[17] if LISTEN_PORT in p]
+    assert len(wireguard) >= 10, f"{len(wireguard)} WireGuard datagrams"
+    return capture.frames, len(wireguard)
+
+
 @pytest.mark.timeout(300)
 def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tmp_path: Path):
     started = time.monotonic()
@@ -133,21 +467,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
     cluster_file = tmp_path / "cluster.json"
     write_cluster(cluster_file, HOSTS)
     out = tmp_path / "rendered"
-    render = run(
-        [
-            str(BIN_DIR / "psctl"),
-            "deploy",
-            "render",
-            "--cluster",
-            str(cluster_file),
-            "--out",
-            str(out),
-            "--bin-dir",
-            str(BIN_DIR),
-        ],
-        timeout=60,
-    )
-    assert render.returncode == 0, render.stderr
+    keys = render_protected(cluster_file, out)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(HOSTS.values())
     for host, address in HOSTS.items():  # "install": the host's files at its /etc/psctl
         shutil.copytree(out / address, lab.etc(host) / "psctl")
@@ -163,8 +483,14 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
     os.chown(state_dir, NOBODY, NOBODY)
     services: dict[str, Service] = {}
     sockets: dict[str, NotifySocket] = {}
+    plumbing: list[Service] = []  # tunnels and side-port proxies
     coordinator: subprocess.Popen[bytes] | None = None
     try:
+        for host in HOSTS:
+            plumbing.append(start_tunnel(lab, host, out, tmp_path, notify_dir))
+        mark("every host's tunnel sent READY=1")
+        for host in HOSTS:
+            plumbing += start_proxies(lab, host, out, tmp_path)
         for task_type, index, host in SERVERS:
             name = f"{task_type}:{index}"
             unit = parse_unit((out / HOSTS[host] / f"psctl-{task_type}@.service").read_text())
@@ -182,8 +508,10 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             writable = [str(state_dir)] if state else []
             services[name] = Service(
                 name=name,
-                argv=lab.exec(
+                argv=in_job_netns(
+                    lab,
                     host,
+                    unit,
                     sandboxed(unit, argv, writable=writable, exposed=[PYTHON_HOME, CHECKOUT]),
                 ),
                 env=env,
@@ -198,7 +526,10 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         check = psctl(lab, "deploy", "check", "--cluster", f"{CONFIG_DIR}/cluster.json")
         serving = re.findall(r"^(ps|worker) +\d+ +\S+ +\S+ +SERVING$", check, re.M)
         assert len(serving) == len(SERVERS), check
-        mark("psctl deploy check: all SERVING")
+        assert "TF PORT (through the tunnel)" in check, check
+        mark("psctl deploy check: all SERVING, every TF port open through the tunnel")
+        assert_outsiders_refused(lab, keys.parent)
+        mark("refused: the outsider (no keys, then its own keys), another uid on ps0")
 
         unit = parse_unit((out / HOSTS["coord"] / "psctl-coordinator.service").read_text())
         env = {**BASE_ENV, **service_env(unit, "", host_path(lab, "coord"))}
@@ -216,7 +547,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         coordinator_log = tmp_path / "coordinator.log"
         with coordinator_log.open("wb") as log:
             coordinator = subprocess.Popen(
-                lab.exec("coord", argv),
+                in_job_netns(lab, "coord", unit, argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -235,6 +566,8 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
             time.sleep(0.5)
             step = global_step(lab)
         mark(f"training at step {step}")
+        frames, wireguard = assert_observer_sees_no_tensor(lab)
+        mark(f"ps0's cable: {frames} frames, {wireguard} WireGuard, no tensor in the clear")
 
         victim = services["worker:1"]
         killed_pid = victim.kill(signal.SIGKILL)
@@ -303,11 +636,16 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         kill_if_running(coordinator, 10)
         for service in services.values():
             service.stop()
+        for service in plumbing:
+            service.stop()
         for sock in sockets.values():
             sock.close()
         shutil.rmtree(notify_dir, ignore_errors=True)
         shutil.rmtree(state_dir, ignore_errors=True)
         print("\n".join(marks))
+        for service in plumbing:
+            if set(service.exits) - {0, -signal.SIGTERM}:
+                print(f"--- {service.name} (exits {service.exits})\n{service.log_tail(10)}")
         for name, service in services.items():
             print(f"--- {name} log (starts {service.starts}, exits {service.exits})")
             print(service.log_tail(15))
@@ -320,37 +658,26 @@ SYNC_STEPS = 600
 
 @pytest.mark.timeout(300)
 def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
-    """`psctl deploy render --strategy sync`: a training unit on each worker host (nothing on
-    the ps or coordinator hosts), each started from its rendered ExecStart= and environment
-    under the unit's sandbox; the two workers all-reduce across the namespaces and the
-    chief (worker 0) writes the checkpoints and the summary."""
+    """`psctl deploy render --strategy sync --keys`: a training unit on each worker host
+    (nothing on the ps or coordinator hosts), each started from its rendered ExecStart= and
+    environment under the unit's sandbox, in its host's job namespace behind the host's
+    tunnel; the two workers all-reduce through the tunnel and the chief (worker 0) writes
+    the checkpoints and the summary."""
     cluster_file = tmp_path / "cluster.json"
     write_cluster(cluster_file, HOSTS)  # its chief and ps are ignored in sync mode
     out = tmp_path / "rendered"
-    render = run(
-        [
-            str(BIN_DIR / "psctl"),
-            "deploy",
-            "render",
-            "--strategy",
-            "sync",
-            "--cluster",
-            str(cluster_file),
-            "--out",
-            str(out),
-            "--bin-dir",
-            str(BIN_DIR),
-        ],
-        timeout=60,
-    )
-    assert render.returncode == 0, render.stderr
+    render_protected(cluster_file, out, "--strategy", "sync")
     workers = {"w0": 0, "w1": 1}
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(HOSTS[h] for h in workers)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     states: dict[str, Path] = {}
+    tunnels: list[Service] = []
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
     try:
-        for host, index in workers.items():
+        for host in workers:
             shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
+            tunnels.append(start_tunnel(lab, host, out, tmp_path, notify_dir))
+        for host, index in workers.items():
             unit = parse_unit((out / HOSTS[host] / SYNC_UNIT).read_text())
             states[host] = Path(tempfile.mkdtemp(prefix=f"psctl-sync-{host}", dir="/var/lib"))
             os.chown(states[host], NOBODY, NOBODY)
@@ -369,7 +696,7 @@ def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
             )
             with (tmp_path / f"{host}.log").open("wb") as log:
                 procs[host] = subprocess.Popen(
-                    lab.exec(host, argv),
+                    in_job_netns(lab, host, unit, argv),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -391,5 +718,8 @@ def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
     finally:
         for proc in procs.values():
             kill_if_running(proc, 10)
+        for tunnel in tunnels:
+            tunnel.stop()
+        shutil.rmtree(notify_dir, ignore_errors=True)
         for state in states.values():
             shutil.rmtree(state, ignore_errors=True)

@@ -6,7 +6,9 @@ tools/ensure-systemd-tools.sh installs it): these tests fail, never skip, withou
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,9 +20,15 @@ from psctl.cluster import server as server_cli
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.coordinator.cli import main as cli
-from psctl.coordinator.deploy.plan import COORDINATOR_UNIT, REFERENCE_BIN_DIR, STATE_DIR
+from psctl.coordinator.deploy.plan import (
+    COORDINATOR_UNIT,
+    REFERENCE_BIN_DIR,
+    STATE_DIR,
+    TUNNEL_UNIT,
+)
 from psctl.coordinator.deploy.render import host_dir, render
-from psctl.coordinator.deploy.units import PLACEHOLDER, fill, reference_files
+from psctl.coordinator.deploy.tunnel import Keys, netns_name, read_peers
+from psctl.coordinator.deploy.units import PLACEHOLDER, PROXYD, fill, reference_files
 from psctl.coordinator.failures import EXIT_RESTART, EXIT_STATUS, EXIT_USAGE, FINAL_EXIT_STATUSES
 from tests.conftest import REPO, require_tool
 from tests.integration.netns_hosts import (
@@ -29,6 +37,7 @@ from tests.integration.netns_hosts import (
     parse_unit,
     read_env_file,
     service_env,
+    unescape_instance,
     value,
     values,
 )
@@ -52,6 +61,8 @@ HOST_FILES = {
     "10.0.0.5": {"worker-2.env", "psctl-worker@.service"},
 }
 COMMON_FILES = {"README.md", "cluster.json", "psctl.env", "psctl.target"}
+# With --keys (the default way): each host's tunnel, its key and the side ports' proxies.
+TUNNEL_FILES = {"tunnel.conf", TUNNEL_UNIT, "psctl-proxy@.socket", "psctl-proxy@.service"}
 HARDENING = {
     "DynamicUser": "yes",
     "NoNewPrivileges": "yes",
@@ -73,12 +84,27 @@ HARDENING = {
 SYSTEM_CALL_FILTER = ["@system-service", "~@privileged @resources"]
 
 
+def fake_keys(directory: Path, hosts: list[str]) -> Keys:
+    """A key directory as `psctl deploy keys` writes it, without wg: the renderer only
+    copies keys (32 random bytes, base64, as WireGuard's are)."""
+    directory.mkdir(exist_ok=True)
+    for host in hosts:
+        for kind in ("key", "pub"):
+            (directory / f"{host}.{kind}").write_text(base64.b64encode(os.urandom(32)).decode())
+    return Keys(directory)
+
+
 @pytest.fixture
-def rendered(tmp_path: Path) -> Path:
+def keys(tmp_path: Path) -> Keys:
+    return fake_keys(tmp_path / "keys", list(HOST_FILES))
+
+
+@pytest.fixture
+def rendered(tmp_path: Path, keys: Keys) -> Path:
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(CLUSTER))
     out = tmp_path / "out"
-    render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR)
+    render(cluster_file=str(cluster_file), out=out, bin_dir=BIN_DIR, keys=keys)
     return out
 
 
@@ -115,7 +141,7 @@ def verify(directory: Path, names: list[str]) -> None:
 def test_one_directory_per_host_with_its_units_env_files_and_readme(rendered: Path):
     assert sorted(p.name for p in rendered.iterdir()) == sorted([*HOST_FILES, *TOP_FILES])
     for host, files in HOST_FILES.items():
-        assert {p.name for p in (rendered / host).iterdir()} == files | COMMON_FILES, host
+        assert {p.name for p in (rendered / host).iterdir()} == files | COMMON_FILES | TUNNEL_FILES
         assert json.loads((rendered / host / "cluster.json").read_text()) == CLUSTER
     index = (rendered / "README.md").read_text()
     for host in HOST_FILES:
@@ -146,7 +172,7 @@ def test_env_files_name_the_cluster_file_and_every_tasks_ports(rendered: Path):
 def test_a_health_section_in_the_cluster_file_sets_the_health_port(tmp_path: Path):
     body = {**CLUSTER, "health": {"ps": ["10.0.0.2:9000"]}}
     (tmp_path / "c.json").write_text(json.dumps(body))
-    render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "out", bin_dir=BIN_DIR)
+    render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "out", bin_dir=BIN_DIR, keys=None)
     env = read_env_file(tmp_path / "out" / "10.0.0.2" / "ps-0.env")
     assert env["PSCTL_HEALTH_PORT"] == "9000"
     assert read_env_file(tmp_path / "out" / "10.0.0.3" / "ps-1.env")["PSCTL_HEALTH_PORT"] == "3222"
@@ -211,7 +237,9 @@ def test_coordinator_unit_runs_psctl_train_with_the_cli_flags(rendered: Path):
     assert values(u, "Service", "SystemCallFilter") == SYSTEM_CALL_FILTER
     # Starting it starts the servers of its host, which are ordered before it.
     assert values(u, "Unit", "Wants") == ["network-online.target", "psctl.target"]
-    assert not values(u, "Unit", "After")[1:], "After=psctl.target would be a cycle"
+    after = values(u, "Unit", "After")
+    assert "psctl.target" not in after, "After=psctl.target would be a cycle"
+    assert after == ["network-online.target", TUNNEL_UNIT]
     env = service_env(u, "", lambda p: host / p.removeprefix("/etc/psctl/"))
     argv = exec_argv(value(u, "Service", "ExecStart"), "", env)
     assert argv[0] == f"{BIN_DIR}/psctl"
@@ -260,6 +288,8 @@ def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
     other = {"Type", "NotifyAccess", "EnvironmentFile", "Environment", "ExecStart", "Restart"}
     other |= {"RestartSec", "RestartPreventExitStatus", "TimeoutStartSec", "TimeoutStopSec"}
     other |= {"SyslogIdentifier", "LimitNOFILE", "KillMode", "WatchdogSec"}
+    # The multi-host test runs every unit in its host's job namespace itself (nsenter).
+    other |= {"NetworkNamespacePath"}
     for host, files in HOST_FILES.items():
         for name in files:
             if name.endswith(".service"):
@@ -273,6 +303,10 @@ def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
         ("10.0.0.1", "psctl-coordinator.service", 1.5),
         ("10.0.0.3", "psctl-ps@.service", 1.5),
         ("10.0.0.3", "psctl-worker@.service", 1.8),  # no PrivateDevices=: GPUs
+        ("10.0.0.3", "psctl-proxy@.service", 1.5),
+        # Root with CAP_SYS_ADMIN and CAP_NET_ADMIN, and no mount namespace: it makes the
+        # job's network namespace and moves the TUN device into it (5.5 measured).
+        ("10.0.0.3", TUNNEL_UNIT, 6.0),
     ],
 )
 def test_units_expose_little_by_systemd_analyze_security(
@@ -318,7 +352,8 @@ def test_render_refuses_a_non_empty_out_and_a_relative_bin_dir(tmp_path: Path, c
     cluster_file.write_text(json.dumps(CLUSTER))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("")
-    argv = ["deploy", "render", "--cluster", str(cluster_file), "--out", str(tmp_path / "out")]
+    argv = ["deploy", "render", "--open-tf-ports", "--cluster", str(cluster_file)]
+    argv += ["--out", str(tmp_path / "out")]
     assert cli.run_command(cli.build_parser().parse_args(argv)) == EXIT_CONFIG
     assert "--out" in capsys.readouterr().err
     argv2 = [*argv[:-1], str(tmp_path / "new"), "--bin-dir", "venv/bin"]
@@ -330,14 +365,17 @@ def test_render_refuses_ports_that_collide_on_one_host(tmp_path: Path):
     body = {"cluster": {"chief": ["h0:2222"], "ps": ["h1:2222"], "worker": ["h1:3222"]}}
     (tmp_path / "c.json").write_text(json.dumps(body))
     with pytest.raises(Exception, match=r"host h1: worker:0 TF port 3222 is also the ps:0 health"):
-        render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR)
+        render(
+            cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR, keys=None
+        )
 
 
 def test_psctl_deploy_does_not_import_tensorflow(tmp_path: Path):
     (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
     code = (
         "import sys; from psctl.coordinator.cli import main as cli; "
-        f"rc = cli.main(['deploy', 'render', '--cluster', {str(tmp_path / 'c.json')!r}, "
+        "rc = cli.main(['deploy', 'render', '--open-tf-ports', "
+        f"'--cluster', {str(tmp_path / 'c.json')!r}, "
         f"'--out', {str(tmp_path / 'out')!r}, '--bin-dir', {BIN_DIR!r}]); "
         "assert rc == 0, rc; assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
     )
@@ -361,7 +399,8 @@ def test_render_refuses_host_names_that_leave_out(tmp_path: Path, capsys):
     body = {"cluster": {"chief": ["..:2222"], "ps": ["h1:2222"], "worker": ["h2:2222"]}}
     (tmp_path / "c.json").write_text(json.dumps(body))
     out = tmp_path / "deep" / "out"
-    argv = ["deploy", "render", "--cluster", str(tmp_path / "c.json"), "--out", str(out)]
+    argv = ["deploy", "render", "--open-tf-ports", "--cluster", str(tmp_path / "c.json")]
+    argv += ["--out", str(out)]
     assert cli.run_command(cli.build_parser().parse_args(argv)) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and '".." is not a valid host name' in err, err
@@ -378,11 +417,15 @@ def test_render_does_not_write_through_links_out_of_out(tmp_path: Path):
     elsewhere.mkdir()
     (out / "10.0.0.4").symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(ConfigError, match=r"^--out: .*10\.0\.0\.4 leads to .*elsewhere"):
-        render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+        render(
+            cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, keys=None, force=True
+        )
     (out / "10.0.0.4").unlink()
     (out / "README.md").symlink_to(elsewhere / "README.md")
     with pytest.raises(ConfigError, match=r"README\.md leads to"):
-        render(cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, force=True)
+        render(
+            cluster_file=str(tmp_path / "c.json"), out=out, bin_dir=BIN_DIR, keys=None, force=True
+        )
     assert files_under(elsewhere) == set()
 
 
@@ -390,9 +433,145 @@ def test_one_host_spelt_two_ways_is_one_directory(tmp_path: Path):
     body = {"cluster": {"chief": ["[::1]:2222"], "ps": ["[::0:1]:2223"], "worker": ["W:2224"]}}
     body["cluster"]["evaluator"] = ["w:2230"]
     (tmp_path / "c.json").write_text(json.dumps(body))
-    plans = render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR)
+    plans = render(
+        cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR, keys=None
+    )
     assert [(p.host, p.chief_port, [s.name for s in p.servers]) for p in plans] == [
         ("::1", 2222, ["ps:0"]),
         ("W", None, ["worker:0"]),
     ]
     assert {p.name for p in (tmp_path / "o").iterdir()} == {"::1", "W", *TOP_FILES}
+
+
+# -- the tunnel (coordinator/deploy/tunnel.py) ------------------------------------------------
+
+
+def test_render_without_keys_or_open_tf_ports_is_one_line_naming_both(tmp_path: Path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
+    argv = ["deploy", "render", "--cluster", str(tmp_path / "c.json"), "--out", str(tmp_path / "o")]
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("psctl: error: --keys: no tunnel keys"), err
+    assert "psctl deploy keys" in err and "--open-tf-ports" in err
+    assert not (tmp_path / "o").exists()
+    argv += ["--open-tf-ports", "--keys", str(tmp_path)]
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == EXIT_CONFIG
+    assert "--keys: given with --open-tf-ports" in capsys.readouterr().err
+
+
+def test_each_host_gets_its_own_key_and_every_other_host_as_a_peer(rendered: Path, keys: Keys):
+    hosts = list(HOST_FILES)
+    for host in hosts:
+        conf = rendered / host / "tunnel.conf"
+        assert conf.stat().st_mode & 0o777 == 0o600, host  # its private key
+        assert f"PrivateKey = {keys.private(host)}" in conf.read_text()
+        peers = read_peers(conf)
+        assert [p.allowed for p in peers] == [(f"{h}/32",) for h in hosts if h != host]
+        assert [p.public_key for p in peers] == [keys.public(h) for h in hosts if h != host]
+        assert [p.endpoint for p in peers] == [f"{h}:51820" for h in hosts if h != host]
+        for other in hosts:  # no other host's secret
+            assert other == host or keys.private(other) not in conf.read_text()
+        env = read_env_file(rendered / host / "psctl.env")
+        assert env["PSCTL_TUNNEL_ADDRESS"] == host
+
+
+def test_every_unit_of_a_host_runs_in_its_job_namespace_behind_the_tunnel(rendered: Path):
+    for host, files in HOST_FILES.items():
+        units = [n for n in files | TUNNEL_FILES if n.endswith(".service") and n != TUNNEL_UNIT]
+        for name in units:
+            u = unit(rendered / host / name)
+            where = f"/run/netns/psctl-{host}"
+            assert value(u, "Service", "NetworkNamespacePath") == where, name
+            assert values(u, "Unit", "Requires") == [TUNNEL_UNIT], name
+            assert TUNNEL_UNIT in values(u, "Unit", "After"), name
+    tunnel = unit(rendered / "10.0.0.3" / TUNNEL_UNIT)
+    assert value(tunnel, "Service", "Type") == "notify"
+    assert not values(tunnel, "Service", "ProtectSystem")  # its netns mount must be shared
+    env = service_env(tunnel, "", lambda p: rendered / "10.0.0.3" / p.removeprefix("/etc/psctl/"))
+    argv = exec_argv(value(tunnel, "Service", "ExecStart"), "", env)
+    args = cli.build_parser().parse_args(argv[1:])
+    assert (args.command, args.deploy_command) == ("deploy", "tunnel")
+    assert (args.config, args.address) == ("/etc/psctl/tunnel.conf", "10.0.0.3")
+    assert netns_name(args.address) == "psctl-10.0.0.3"
+
+
+def test_readme_starts_the_tunnel_and_a_proxy_for_every_side_port(rendered: Path):
+    readme = (rendered / "10.0.0.3" / "README.md").read_text()
+    assert "install -m 0600 tunnel.conf /etc/psctl/" in readme
+    enable = next(line for line in readme.splitlines() if "psctl-tunnel.service '" in line)
+    proxies = [unescape_instance(i) for i in re.findall(r"'psctl-proxy@(\S+)\.socket'", enable)]
+    assert proxies == ["10.0.0.3:3222", "10.0.0.3:4222", "10.0.0.3:3223", "10.0.0.3:4223"]
+    chief = (rendered / "10.0.0.1" / "README.md").read_text()
+    assert r"'psctl-proxy@127.0.0.1\x3a7070.socket' 'psctl-proxy@10.0.0.1\x3a9940.socket'" in chief
+    assert re.search(r"^\| tunnel \| 51820/udp \|", readme, re.M)
+    assert re.search(r"^\| ps:1 \| 2222 \| TensorFlow gRPC \| .*do not open \|$", readme, re.M)
+    proxy = unit(rendered / "10.0.0.3" / "psctl-proxy@.socket")
+    assert value(proxy, "Socket", "ListenStream") == "%I"
+    forward = value(unit(rendered / "10.0.0.3" / "psctl-proxy@.service"), "Service", "ExecStart")
+    assert exec_argv(forward, "10.0.0.3:3222", {}) == [PROXYD, "10.0.0.3:3222"]
+
+
+def test_tunnel_units_verify(rendered: Path):
+    proxies = [r"psctl-proxy@10.0.0.3\x3a3222.socket", r"psctl-proxy@10.0.0.3\x3a3222.service"]
+    verify(rendered / "10.0.0.3", [TUNNEL_UNIT, "psctl-ps@1.service", *proxies])
+
+
+def test_open_tf_ports_renders_no_tunnel_and_says_so(tmp_path: Path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
+    argv = ["deploy", "render", "--open-tf-ports", "--cluster", str(tmp_path / "c.json")]
+    argv += ["--out", str(tmp_path / "o"), "--bin-dir", BIN_DIR]
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == 0
+    assert "--open-tf-ports: TensorFlow's ports will listen on every interface" in (
+        capsys.readouterr().err
+    )
+    files = {p.name for p in (tmp_path / "o" / "10.0.0.3").iterdir()}
+    assert not files & TUNNEL_FILES
+    u = unit(tmp_path / "o" / "10.0.0.3" / "psctl-ps@.service")
+    assert not values(u, "Service", "NetworkNamespacePath") and not values(u, "Unit", "Requires")
+    assert "PSCTL_TUNNEL_ADDRESS" not in read_env_file(tmp_path / "o" / "10.0.0.3" / "psctl.env")
+
+
+def test_the_tunnel_needs_ip_addresses_and_a_key_for_every_host(tmp_path: Path):
+    named = {"cluster": {"chief": ["a:2222"], "ps": ["b:2222"], "worker": ["c:2222"]}}
+    (tmp_path / "named.json").write_text(json.dumps(named))
+    keys = fake_keys(tmp_path / "k", ["10.0.0.1"])
+    with pytest.raises(ConfigError, match=r"^cluster: host a: 'a' is not an IP address"):
+        render(cluster_file=str(tmp_path / "named.json"), out=tmp_path / "o", bin_dir=BIN_DIR,
+               keys=keys)  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))
+    with pytest.raises(ConfigError, match=r"^--keys: no key for host 10\.0\.0\.2 .*deploy keys"):
+        render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR,
+               keys=keys)  # fmt: skip
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_deploy_keys_adds_keys_for_new_hosts_and_keeps_the_others(tmp_path: Path, capsys):
+    require_tool(
+        "wg", "tools/ensure-systemd-tools.sh (installs the Debian package wireguard-tools)"
+    )
+    (tmp_path / "c.json").write_text(json.dumps({"cluster": {"chief": ["10.0.0.1:2222"]}}))
+    argv = ["deploy", "keys", "--cluster", str(tmp_path / "c.json"), "--out", str(tmp_path / "k")]
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == 0
+    first = Keys(tmp_path / "k").private("10.0.0.1")
+    assert (tmp_path / "k" / "10.0.0.1.key").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "c.json").write_text(json.dumps(CLUSTER))  # four hosts more
+    assert cli.run_command(cli.build_parser().parse_args(argv)) == 0
+    assert "keys for 5 hosts in" in capsys.readouterr().out.split("4 new, 1 kept")[0]
+    assert Keys(tmp_path / "k").private("10.0.0.1") == first
+    public = subprocess.run(["wg", "pubkey"], input=first, capture_output=True, text=True).stdout
+    assert Keys(tmp_path / "k").public("10.0.0.1") == public.strip()
+    assert cli.run_command(cli.build_parser().parse_args([*argv, "--rotate"])) == 0
+    assert Keys(tmp_path / "k").private("10.0.0.1") != first
+
+
+def test_a_tunnel_conf_readable_by_others_is_refused(tmp_path: Path):
+    conf = tmp_path / "tunnel.conf"
+    conf.write_text("[Interface]\nPrivateKey = x\n")
+    conf.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        read_peers(conf)
+    conf.chmod(0o600)
+    assert read_peers(conf) == []
+    conf.write_text("[Interface]\n")
+    with pytest.raises(ConfigError, match="has no PrivateKey"):
+        read_peers(conf)

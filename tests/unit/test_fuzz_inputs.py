@@ -386,7 +386,10 @@ def test_render_writes_under_out_or_raises_a_config_error(names: list[str]) -> N
         out = base / "out"
         try:
             plans = render(
-                cluster_file=str(base / "c.json"), out=out, bin_dir="/opt/psctl/venv/bin"
+                cluster_file=str(base / "c.json"),
+                out=out,
+                bin_dir="/opt/psctl/venv/bin",
+                keys=None,
             )
         except ConfigError as err:
             check_error(err)

@@ -157,6 +157,7 @@ def test_deploy_render_sync_writes_a_training_unit_per_worker_host(tmp_path):
         cluster_file=path,
         out=out,
         bin_dir="/opt/psctl/venv/bin",
+        keys=None,
         config_dir="/etc/psctl",
         force=False,
     )

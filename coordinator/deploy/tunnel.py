@@ -1,0 +1,382 @@
+"""Between hosts: TensorFlow's traffic only through an authenticated, encrypted tunnel.
+
+TensorFlow serves its tasks on every interface with no authentication (docs/security.md),
+so on hosts run from the units of `psctl deploy render` every psctl service lives in a
+network namespace of the job's own (``/run/netns/psctl-ADDRESS``, systemd's
+NetworkNamespacePath=). Its only interfaces are loopback and a WireGuard interface (run in
+user space by Debian's ``wireguard-go``: a kernel may have no WireGuard module), which carries
+the host's own cluster-file address, with a route to every other host of the cluster
+through it. Cluster files, TF_CONFIG and every port stay as they are; a packet between two
+tasks leaves the host only as WireGuard's UDP (ChaCha20-Poly1305, peers authenticated by
+their Curve25519 keys), and a host without the cluster's keys reaches no task.
+
+- ``psctl deploy keys``: one key pair per host of the cluster file (``wg genkey``), kept in a
+  directory; hosts added later get theirs, existing keys stay (``--rotate`` makes new ones).
+- ``psctl deploy render --keys DIR``: each host's ``tunnel.conf`` (``wg setconf``'s format:
+  its private key, every peer's public key, endpoint and address).
+- ``psctl deploy tunnel``: the psctl-tunnel unit's process (root): makes the namespace if
+  missing, runs wireguard-go, moves its interface in, addresses and routes it, says READY=1,
+  then logs each peer's handshakes (a host with other keys never completes one).
+
+The side ports (health, /metrics, the control API) reach the host's own network through
+systemd-socket-proxyd units (templates/proxy.*.in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import ipaddress
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from psctl.cluster import sdnotify
+from psctl.cluster.errors import ConfigError
+
+NETNS_DIR = Path("/run/netns")
+LISTEN_PORT = 51820  # WireGuard's UDP port on every host
+CONFIG_FILE = "tunnel.conf"
+KEEPALIVE = 25  # seconds: peers keep handshaking while idle, so a broken one shows
+# A peer with no handshake this long after start (or since its last) is reported.
+SILENT_AFTER = 60.0
+_PACKAGES = {"wg": "wireguard-tools", "wireguard-go": "wireguard-go", "ip": "iproute2"}
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError(
+            "tunnel",
+            f"{name} is not installed",
+            f"apt-get install {_PACKAGES[name]} (or pass --open-tf-ports: a trusted network only)",
+        )
+    return found
+
+
+def tunnel_address(host: str, *, field: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """A cluster host as the tunnel's address: an IP literal (a route needs one)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ConfigError(
+            field,
+            f"{host!r} is not an IP address; the tunnel routes the cluster's addresses",
+            "name the hosts by IP address in the cluster file, or render with --open-tf-ports "
+            "(a trusted network only)",
+        ) from None
+
+
+def netns_name(host: str) -> str:
+    """The job's namespace on ``host``: /run/netns/psctl-ADDRESS, NetworkNamespacePath= of
+    its units. Named by the host, so that hosts sharing one /run (namespace hosts on one
+    machine, a lab) never share one."""
+    return f"psctl-{tunnel_address(host, field='--address')}"
+
+
+def interface_name(host: str) -> str:
+    """The WireGuard interface on ``host`` (at most 15 characters, unique per address: the
+    UAPI socket /run/wireguard/NAME.sock is shared by hosts that share /run)."""
+    address = tunnel_address(host, field="--address")
+    return "wgp" + hashlib.blake2s(address.packed, digest_size=6).hexdigest()
+
+
+def _cidr(host: str, *, field: str) -> str:
+    address = tunnel_address(host, field=field)
+    return f"{address}/{address.max_prefixlen}"
+
+
+def _endpoint(host: str, *, field: str) -> str:
+    address = tunnel_address(host, field=field)
+    return f"[{address}]:{LISTEN_PORT}" if address.version == 6 else f"{address}:{LISTEN_PORT}"
+
+
+# ---------------------------------------------------------------- keys
+
+
+def _key_name(host: str) -> str:
+    return str(tunnel_address(host, field=f"cluster: host {host}"))
+
+
+def _wg(*args: str, stdin: str | None = None) -> str:
+    proc = subprocess.run(
+        [_tool("wg"), *args], input=stdin, capture_output=True, text=True, timeout=10
+    )
+    if proc.returncode != 0:
+        raise ConfigError("tunnel", f"wg {' '.join(args)}: {proc.stderr.strip()}", "see wg(8)")
+    return proc.stdout.strip()
+
+
+def make_keys(hosts: Iterable[str], directory: Path, *, rotate: bool = False) -> list[str]:
+    """A key pair for every host without one in ``directory`` (all of them with
+    ``rotate``): HOST.key (0600) and HOST.pub. Returns the hosts given new keys."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    made = []
+    for host in hosts:
+        name = _key_name(host)
+        private, public = directory / f"{name}.key", directory / f"{name}.pub"
+        if private.exists() and public.exists() and not rotate:
+            continue
+        key = _wg("genkey")
+        fd = os.open(private.with_suffix(".key.new"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(key + "\n")
+        public.write_text(_wg("pubkey", stdin=key + "\n") + "\n")
+        private.with_suffix(".key.new").replace(private)
+        made.append(name)
+    return made
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The cluster's key directory, read for rendering."""
+
+    directory: Path
+
+    def private(self, host: str) -> str:
+        return self._read(host, "key")
+
+    def public(self, host: str) -> str:
+        return self._read(host, "pub")
+
+    def _read(self, host: str, kind: str) -> str:
+        path = self.directory / f"{_key_name(host)}.{kind}"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            raise ConfigError(
+                "--keys",
+                f"no key for host {host} ({path} is missing)",
+                f"run psctl deploy keys --cluster FILE --out {self.directory} (it adds keys for "
+                "new hosts and keeps the others)",
+            ) from None
+        if len(text) != 44 or not text.endswith("="):
+            raise ConfigError("--keys", f"{path} is not a WireGuard key", "psctl deploy keys")
+        return text
+
+
+def tunnel_conf(host: str, peers: Sequence[str], keys: Keys) -> str:
+    """HOST's tunnel.conf in ``wg setconf``'s format: its key, every other host a peer."""
+    lines = [
+        f"# The psctl tunnel of {host} (psctl deploy render --keys): secret, mode 0600.",
+        "# psctl-tunnel.service gives it to `wg setconf`; addresses and routes are its own.",
+        "[Interface]",
+        f"PrivateKey = {keys.private(host)}",
+        f"ListenPort = {LISTEN_PORT}",
+    ]
+    for peer in peers:
+        field = f"cluster: host {peer}"
+        lines += [
+            "",
+            "[Peer]",
+            f"# {peer}",
+            f"PublicKey = {keys.public(peer)}",
+            f"Endpoint = {_endpoint(peer, field=field)}",
+            f"AllowedIPs = {_cidr(peer, field=field)}",
+            f"PersistentKeepalive = {KEEPALIVE}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the running tunnel
+
+
+@dataclass(frozen=True)
+class Peer:
+    public_key: str
+    allowed: tuple[str, ...]
+    endpoint: str
+
+    @property
+    def name(self) -> str:
+        return ", ".join(a.split("/")[0] for a in self.allowed) or self.endpoint
+
+
+def read_peers(config: Path) -> list[Peer]:
+    """The [Peer] sections of a tunnel.conf; ConfigError when it is unreadable, readable by
+    others than its owner, or has no private key."""
+    try:
+        mode = config.stat().st_mode
+        text = config.read_text()
+    except OSError as err:
+        raise ConfigError(
+            "--config", f"cannot read {config}: {err.strerror}", "psctl deploy render --keys"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            "--config", f"{config} is readable by others (it holds a private key)", "chmod 0600"
+        )
+    peers: list[Peer] = []
+    section, fields = "", dict[str, str]()
+    has_key = False
+    for raw in [*text.splitlines(), "[End]"]:
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("["):
+            if section == "Peer":
+                peers.append(
+                    Peer(
+                        fields.get("PublicKey", ""),
+                        tuple(a.strip() for a in fields.get("AllowedIPs", "").split(",") if a),
+                        fields.get("Endpoint", ""),
+                    )
+                )
+            section, fields = line.strip("[]"), {}
+            continue
+        key, _, val = line.partition("=")
+        fields[key.strip()] = val.strip()
+        has_key = has_key or (section == "Interface" and key.strip() == "PrivateKey")
+    if not has_key:
+        raise ConfigError("--config", f"{config} has no PrivateKey", "psctl deploy render --keys")
+    return peers
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([_tool("ip"), *args], capture_output=True, text=True, timeout=20)
+    if check and proc.returncode != 0:
+        raise ConfigError("tunnel", f"ip {' '.join(args)}: {proc.stderr.strip()}", "see ip(8)")
+    return proc
+
+
+def _wait_for_link(interface: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _ip("link", "show", interface, check=False).returncode != 0:
+        if proc.poll() is not None:
+            raise ConfigError(
+                "tunnel",
+                f"wireguard-go exited with status {proc.returncode} before {interface} existed",
+                "see its lines above (/dev/net/tun must exist)",
+            )
+        if time.monotonic() > deadline:
+            raise ConfigError("tunnel", f"{interface} did not appear in {timeout:.0f}s", "-")
+        time.sleep(0.05)
+
+
+def bring_up(
+    *, config: Path, address: str, netns: str, interface: str
+) -> tuple[subprocess.Popen[bytes], list[Peer]]:
+    """Namespace, wireguard-go, the interface moved in, keyed, addressed and routed."""
+    if os.geteuid() != 0:
+        raise ConfigError("tunnel", "psctl deploy tunnel needs root", "run it as the unit does")
+    peers = read_peers(config)
+    cidr = _cidr(address, field="--address")
+    _tool("wg")
+    if not (NETNS_DIR / netns).exists():
+        _ip("netns", "add", netns)
+    _ip("-n", netns, "link", "set", "lo", "up")
+    _ip("-n", netns, "link", "del", interface, check=False)  # a dead run's leftover
+    _ip("link", "del", interface, check=False)
+    proc = subprocess.Popen(
+        [_tool("wireguard-go"), "-f", interface],
+        env={**os.environ, "LOG_LEVEL": os.environ.get("LOG_LEVEL", "error")},
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_link(interface, proc, 10.0)
+        _wg("setconf", interface, str(config))
+        _ip("link", "set", interface, "netns", netns)
+        _ip("-n", netns, "address", "add", cidr, "dev", interface)
+        _ip("-n", netns, "link", "set", interface, "up")
+        for peer in peers:
+            for allowed in peer.allowed:
+                _ip("-n", netns, "route", "replace", allowed, "dev", interface)
+    except BaseException:
+        proc.terminate()
+        proc.wait(5)
+        raise
+    return proc, peers
+
+
+def handshakes(interface: str) -> dict[str, float]:
+    """Each peer's last handshake (seconds since the epoch; 0: never), by public key."""
+    out = _wg("show", interface, "latest-handshakes")
+    found = {}
+    for line in out.splitlines():
+        key, _, when = line.partition("\t")
+        found[key] = float(when or 0)
+    return found
+
+
+def peer_states(interface: str) -> list[tuple[str, str, str]]:
+    """(allowed addresses, endpoint, last handshake) of every peer of ``interface``, as
+    `wg show` sees them; one row saying why when it cannot."""
+    try:
+        out = _wg("show", interface, "dump")
+    except ConfigError as err:
+        return [("-", "-", err.problem)]
+    rows = []
+    now = time.time()
+    for line in out.splitlines()[1:]:  # the first line is the interface's own
+        fields = line.split("\t")
+        if len(fields) < 5:
+            continue
+        when = int(fields[4] or 0)
+        age = "never" if when == 0 else f"{now - when:.0f}s ago"
+        rows.append((fields[3], fields[2], age))
+    return rows
+
+
+def _report(interface: str, peers: Sequence[Peer], stop: threading.Event) -> None:
+    """Log each peer going up, and each that stays silent (other keys, or no tunnel there)."""
+    started = time.time()
+    up: dict[str, bool] = {}
+    while not stop.wait(5.0):
+        try:
+            seen = handshakes(interface)
+        except (ConfigError, subprocess.TimeoutExpired):
+            continue
+        now = time.time()
+        for peer in peers:
+            last = seen.get(peer.public_key, 0.0)
+            fresh = last > 0 and now - last < 180 + SILENT_AFTER
+            silent_for = now - (last or started)
+            if fresh and not up.get(peer.name):
+                print(f"psctl tunnel: {peer.name}: handshake done, traffic flows", flush=True)
+                up[peer.name] = True
+            elif not fresh and silent_for > SILENT_AFTER and up.get(peer.name, True):
+                print(
+                    f"psctl tunnel: {peer.name}: no handshake for {silent_for:.0f}s: is "
+                    "psctl-tunnel running there, with keys of this cluster's psctl deploy keys?",
+                    flush=True,
+                )
+                up[peer.name] = False
+
+
+def cmd_tunnel(args: argparse.Namespace) -> int:
+    """`psctl deploy tunnel`: bring the tunnel up, say READY=1, run until SIGTERM."""
+    netns = args.netns or netns_name(args.address)
+    interface = args.interface or interface_name(args.address)
+    proc, peers = bring_up(
+        config=Path(args.config), address=args.address, netns=netns, interface=interface
+    )
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: object) -> None:
+        stop.set()
+        proc.terminate()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print(
+        f"psctl tunnel: {interface} in {NETNS_DIR}/{netns} as {args.address}, "
+        f"{len(peers)} peers, UDP {LISTEN_PORT}",
+        flush=True,
+    )
+    sdnotify.notify("READY=1")
+    reporter = threading.Thread(target=_report, args=(interface, peers, stop), daemon=True)
+    reporter.start()
+    code = proc.wait()
+    stop.set()
+    if code != 0 and not (code == -signal.SIGTERM or stop.is_set()):
+        print(f"psctl tunnel: wireguard-go exited with status {code}", file=sys.stderr)
+        return 1
+    return 0
