@@ -11,8 +11,14 @@ from typing import Any
 from psctl.cluster import netns
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, HealthAddresses
-from psctl.coordinator.deploy.plan import ServerTask, plan_hosts
-from psctl.coordinator.deploy.tunnel import NETNS_DIR, interface_name, netns_name, peer_states
+from psctl.coordinator.deploy.plan import TUNNEL_UNIT, ServerTask, plan_hosts
+from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
+from psctl.coordinator.deploy.tunnel import (
+    NETNS_DIR,
+    interface_name,
+    netns_name,
+    peer_states,
+)
 
 CHECK_JOB = "psctl_deploy_check"  # this process's name for the ps tasks
 
@@ -47,6 +53,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     here = args.address or next(p.host for p in plans if p.chief_port is not None)
     where = NETNS_DIR / netns_name(here)
     tunnel = where.exists()
+    rendered_with_tunnel = args.cluster and (Path(args.cluster).parent / TUNNEL_CONF).exists()
+    if rendered_with_tunnel and not tunnel:
+        print(
+            f"not ready: {TUNNEL_CONF} is installed but {where} does not exist: start "
+            f"{TUNNEL_UNIT} on this host (journalctl -u {TUNNEL_UNIT} says why it is not up)"
+        )
+        return EXIT_UNAVAILABLE
     rows = [("HOST", "TASK", "TF PORT (through the tunnel)" if tunnel else "TF PORT (from here)")]
     states = _tf_ports(servers, args.timeout, where if tunnel else None)
     closed = 0

@@ -286,14 +286,28 @@ def bring_up(
         _ip("link", "set", interface, "netns", netns)
         _ip("-n", netns, "address", "add", cidr, "dev", interface)
         _ip("-n", netns, "link", "set", interface, "up")
-        for peer in peers:
-            for allowed in peer.allowed:
-                _ip("-n", netns, "route", "replace", allowed, "dev", interface)
+        _route(peers, netns, interface)
     except BaseException:
         proc.terminate()
         proc.wait(5)
         raise
     return proc, peers
+
+
+def _route(peers: Sequence[Peer], netns: str, interface: str) -> None:
+    for peer in peers:
+        for allowed in peer.allowed:
+            _ip("-n", netns, "route", "replace", allowed, "dev", interface)
+
+
+def reload(config: Path, netns: str, interface: str) -> list[Peer]:
+    """A new tunnel.conf (a host added, keys rotated) applied without taking the interface
+    down: ``wg syncconf`` (peers added, changed and removed; established sessions of the
+    unchanged ones kept), then a route to every peer."""
+    peers = read_peers(config)
+    _wg("syncconf", interface, str(config))
+    _route(peers, netns, interface)
+    return peers
 
 
 def handshakes(interface: str) -> dict[str, float]:
@@ -359,6 +373,7 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
         config=Path(args.config), address=args.address, netns=netns, interface=interface
     )
     stop = threading.Event()
+    reloads = threading.Event()
 
     def on_term(signum: int, frame: object) -> None:
         stop.set()
@@ -366,14 +381,26 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGHUP, lambda signum, frame: reloads.set())
     print(
         f"psctl tunnel: {interface} in {NETNS_DIR}/{netns} as {args.address}, "
         f"{len(peers)} peers, UDP {LISTEN_PORT}",
         flush=True,
     )
     sdnotify.notify("READY=1")
-    reporter = threading.Thread(target=_report, args=(interface, peers, stop), daemon=True)
+    watched = list(peers)  # the reporter's view, replaced in place on reload
+    reporter = threading.Thread(target=_report, args=(interface, watched, stop), daemon=True)
     reporter.start()
+    while proc.poll() is None:
+        if reloads.wait(0.5):  # systemctl reload: SIGHUP
+            reloads.clear()
+            sdnotify.notify("RELOADING=1")
+            try:
+                watched[:] = reload(Path(args.config), netns, interface)
+                print(f"psctl tunnel: reloaded {args.config}: {len(watched)} peers", flush=True)
+            except ConfigError as err:  # the old configuration stays in force
+                print(f"psctl tunnel: reload refused: {err}", file=sys.stderr, flush=True)
+            sdnotify.notify("READY=1")
     code = proc.wait()
     stop.set()
     if code != 0 and not (code == -signal.SIGTERM or stop.is_set()):

@@ -723,3 +723,59 @@ def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
         shutil.rmtree(notify_dir, ignore_errors=True)
         for state in states.values():
             shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_keys_rotated_and_reloaded_host_by_host(lab: NetnsLab, tmp_path: Path):
+    """docs/deploy.md's rotation: `psctl deploy keys --rotate`, render, install each host's
+    new tunnel.conf and `systemctl reload psctl-tunnel.service` (SIGHUP). A host with the
+    new keys and a host with the old ones do not reach each other; once both have reloaded,
+    they do, with no restart of the tunnel or of what runs in the namespaces."""
+    cluster_file = tmp_path / "cluster.json"
+    write_cluster(cluster_file, HOSTS)
+    out = tmp_path / "rendered"
+    render_protected(cluster_file, out)
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
+    tunnels: dict[str, Service] = {}
+    listener: subprocess.Popen[bytes] | None = None
+    target = [f"{HOSTS['ps0']}:{TF_PORT}"]
+    from_coord = ["ip", "netns", "exec", netns_name(HOSTS["coord"])]
+    try:
+        for host in ("coord", "ps0"):
+            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
+            tunnels[host] = start_tunnel(lab, host, out, tmp_path, notify_dir)
+        listener = subprocess.Popen(
+            ["ip", "netns", "exec", netns_name(HOSTS["ps0"]), SYSTEM_PYTHON, "-m", "http.server",
+             "--bind", HOSTS["ps0"], str(TF_PORT)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while connect_all(from_coord, target, 2) != dict.fromkeys(target, "open"):
+            assert time.monotonic() < deadline, "no connection through the first keys"
+        rotate = [str(BIN_DIR / "psctl"), "deploy", "keys", "--cluster", str(cluster_file)]
+        done = run([*rotate, "--out", str(out.with_name("keys")), "--rotate"], timeout=60)
+        assert done.returncode == 0, done.stderr
+        render_protected(cluster_file, out, "--force")
+        states = []
+        for host in ("coord", "ps0"):
+            conf = lab.etc(host) / "psctl" / "tunnel.conf"
+            old = conf.read_text()
+            shutil.copyfile(out / HOSTS[host] / "tunnel.conf", conf)
+            assert conf.read_text() != old
+            pid = tunnels[host].proc.pid if tunnels[host].proc else 0
+            os.kill(pid, signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while "reloaded" not in tunnels[host].log_tail(3):
+                assert time.monotonic() < deadline, tunnels[host].log_tail()
+                time.sleep(0.1)
+            # A fresh connection each time: only the handshake tells old keys from new (a
+            # retried handshake may wait WireGuard's 5 s rekey timeout: 15 s to connect).
+            states.append(connect_all(from_coord, target, 6 if host == "coord" else 15)[target[0]])
+            assert tunnels[host].starts == 1
+        assert states == ["TimeoutError", "open"], states
+    finally:
+        kill_if_running(listener, 5)
+        for tunnel in tunnels.values():
+            tunnel.stop()
+        shutil.rmtree(notify_dir, ignore_errors=True)
