@@ -25,6 +25,7 @@ systemd-socket-proxyd units (templates/proxy.*.in).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -247,6 +248,36 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def _private_mounts() -> bool:
+    """Whether /run/netns here is a slave of another mount namespace's (``ip netns exec``
+    makes one): a namespace mounted there would be seen by no other process."""
+    with open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split(" - ")[0].split()
+            if fields[4] == str(NETNS_DIR):
+                return any(f.startswith("master:") for f in fields[6:])
+    return False
+
+
+def _make_netns(netns: str) -> None:
+    """/run/netns/NETNS, unless it is there already (a restarted tunnel: the services in it
+    keep running); ConfigError where no other process would see the one made here."""
+    if _ip("-n", netns, "link", "show", "lo", check=False).returncode == 0:
+        return
+    if _private_mounts():
+        raise ConfigError(
+            "tunnel",
+            f"this process has a mount namespace of its own (ip netns exec?): {NETNS_DIR}/"
+            f"{netns} made here would be seen by no other process",
+            "run psctl deploy tunnel in the host's mount namespace (the psctl-tunnel unit "
+            "does; in a lab of namespace hosts: nsenter --net=/run/netns/HOST psctl deploy "
+            "tunnel ...)",
+        )
+    with contextlib.suppress(FileNotFoundError):
+        (NETNS_DIR / netns).unlink()  # a file with no namespace mounted on it
+    _ip("netns", "add", netns)
+
+
 def _wait_for_link(interface: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while _ip("link", "show", interface, check=False).returncode != 0:
@@ -270,8 +301,7 @@ def bring_up(
     peers = read_peers(config)
     cidr = _cidr(address, field="--address")
     _tool("wg")
-    if not (NETNS_DIR / netns).exists():
-        _ip("netns", "add", netns)
+    _make_netns(netns)
     _ip("-n", netns, "link", "set", "lo", "up")
     _ip("-n", netns, "link", "del", interface, check=False)  # a dead run's leftover
     _ip("link", "del", interface, check=False)

@@ -210,8 +210,9 @@ def in_job_netns(lab: NetnsLab, host: str, unit: Unit, argv: list[str]) -> list[
 
 def start_tunnel(lab: NetnsLab, host: str, out: Path, logs: Path, notify: Path) -> Service:
     """The host's psctl-tunnel.service from its rendered ExecStart= and environment, as root
-    in the host's network namespace (no mount namespace: the unit has none, and the job
-    namespace it makes must be seen by every other unit); READY=1 awaited."""
+    in the host's network namespace and this machine's mount namespace (the unit has no
+    mount namespace of its own: the job namespace it makes must be seen by every other
+    unit; `ip netns exec` would make one, and the tunnel refuses it); READY=1 awaited."""
     address = lab.hosts[host]
     unit = parse_unit((out / address / TUNNEL_UNIT).read_text())
     assert value(unit, "Service", "Type") == "notify"
