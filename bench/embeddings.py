@@ -72,6 +72,12 @@ TF_KERAS_ENV = REPO / ".venv-tfkeras"  # tf-keras pulls in its own TensorFlow wh
 TF_KERAS_PINS = ("tensorflow==2.21.0", "tf-keras==2.21.0")  # the TF psctl runs on
 LOOPBACK = "loopback"  # no --rtt: LocalCluster on 127.0.0.1, as before
 NAMESPACE = "job namespace"  # --tf-ports-overhead: the same, its TF ports as psctl local's
+DIRECT, TUNNEL = "direct", "tunnel"  # --tunnel-overhead: namespace hosts, open / behind tunnels
+# A protected network, the open one it is compared with, and what the line says of it.
+PROTECTED = {
+    NAMESPACE: (LOOPBACK, "TF ports in a job namespace/open"),
+    TUNNEL: (DIRECT, "hosts behind their tunnels/open"),
+}
 EMBEDDING_DIM = 16  # the ctr job's (jobs/ctr.py, EMBEDDING_DIM)
 ITEM_BYTES = 4  # float32
 SLOTS = {"adam": 2, "adagrad": 1}  # optimizer state per table row, in rows
@@ -446,7 +452,12 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
 
         lab = stack.enter_context(
             lab_cluster(
-                args.ps, args.workers, rtt_ms=_ms(rtt), work=workdir, timeout=args.start_timeout
+                args.ps,
+                args.workers,
+                rtt_ms=_ms(rtt),
+                work=workdir,
+                timeout=args.start_timeout,
+                tunnel=rtt == TUNNEL,
             )
         )
         stack.callback(_ignore_interrupts)
@@ -701,17 +712,20 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def namespace_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """--tf-ports-overhead: psctl's steps/s with the TF ports in a job namespace over the
-    same configuration with them open, one line per configuration run both ways."""
+    """--tf-ports-overhead, --tunnel-overhead: psctl's steps/s protected over the same
+    configuration open, one line per configuration run both ways."""
     rate = {
         (r["rtt"], r["rows"], r["optimizer"]): (r["psctl"] or {}).get("steps_per_sec") for r in rows
     }
     lines = []
     for (rtt, size, optimizer), inside in rate.items():
-        outside = rate.get((LOOPBACK, size, optimizer))
-        if rtt == NAMESPACE and inside and outside:
+        if rtt not in PROTECTED:
+            continue
+        open_network, what = PROTECTED[rtt]
+        outside = rate.get((open_network, size, optimizer))
+        if inside and outside:
             lines.append(
-                f"psctl steps/s, TF ports in a job namespace/open at {rows_label(size)} rows "
+                f"psctl steps/s, {what} at {rows_label(size)} rows "
                 f"({optimizer}) = {inside / outside:.2f} ({inside:.1f} / {outside:.1f})"
             )
     return lines
@@ -848,6 +862,14 @@ def build_parser() -> argparse.ArgumentParser:
         "job network namespace as psctl local runs them; the last line is psctl's steps/s "
         "in the namespace over open (not with --rtt)",
     )
+    parser.add_argument(
+        "--tunnel-overhead",
+        action="store_true",
+        help="run every configuration on network-namespace hosts twice (bench/netlab.py, "
+        "direct network): TensorFlow's ports open, and every host behind its WireGuard tunnel "
+        "as psctl deploy render --keys runs them (root, wireguard-go, wg); the last line is "
+        "psctl's steps/s behind the tunnels over open",
+    )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
     parser.add_argument(
@@ -922,6 +944,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.rtt:
             parser.error("--tf-ports-overhead runs on loopback: leave --rtt out")
         args.rtt_list = [LOOPBACK, NAMESPACE]
+    if args.tunnel_overhead:
+        if args.rtt or args.tf_ports_overhead:
+            parser.error(
+                "--tunnel-overhead runs on the direct network (bench/netlab.py's relay copies "
+                "TCP only, not WireGuard's UDP): leave --rtt and --tf-ports-overhead out"
+            )
+        args.rtt_list = [DIRECT, TUNNEL]
     try:
         args.row_counts = parse_rows(args.rows)
     except ValueError as err:

@@ -15,12 +15,19 @@ namespace's network is never touched, and deleting the namespaces deletes every 
 naming the hosts' own addresses, forwarded by the kernel with no relay. Comparing it with
 ``rtt_ms=0`` (the relay, no delay) shows what the relay itself costs.
 
+``tunnel=True`` (direct network only) protects the hosts as ``psctl deploy render --keys``
+does: every host runs ``psctl deploy tunnel`` with keys from ``psctl deploy keys``, and its
+server (and the coordinator, on host "chief") runs in its job namespace behind it, so every
+TensorFlow byte between hosts is WireGuard's (coordinator/deploy/tunnel.py). The relay
+copies TCP only: with it, WireGuard's UDP would not be delayed, so the two do not combine.
+
 Needs root, iproute2 and a C compiler; a missing one is one clear line (``LabError``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -36,7 +43,8 @@ from pathlib import Path
 RELAY_SOURCE = Path(__file__).with_name("relay.c")
 TF_PORT = 2222  # every host's TF server (each namespace has its own ports)
 HEALTH_PORT = 2223
-PREFIX = "psrtt"  # namespace names: psrtt<pid>-<host>
+PREFIX = "psrtt"  # namespace names: psrtt<pid>[.<lab>]-<host>
+_LABS = itertools.count()  # this process's labs: a second one (--tunnel-overhead) gets .1
 
 
 class LabError(RuntimeError):
@@ -48,6 +56,7 @@ class Host:
     name: str  # "chief", "ps0", "worker1"
     number: int  # 1..
     ns: str
+    job_ns: str = ""  # /run/netns/psctl-ADDRESS behind the host's tunnel, if it has one
 
     @property
     def ip(self) -> str:
@@ -89,9 +98,11 @@ class NetLab:
     rtt_ms: float | None
     work: Path
     ports: Sequence[int] = (TF_PORT,)
+    tunnel: bool = False
     hosts: dict[str, Host] = field(default_factory=dict)
     router: str = ""
     relay: subprocess.Popen[bytes] | None = None
+    tunnels: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> None:
         if os.geteuid() != 0:
@@ -99,7 +110,8 @@ class NetLab:
         if shutil.which("ip") is None:
             raise LabError("--rtt needs iproute2 (ip): apt-get install iproute2")
         self.work.mkdir(parents=True, exist_ok=True)
-        tag = f"{PREFIX}{os.getpid()}"
+        number = next(_LABS)
+        tag = f"{PREFIX}{os.getpid()}" + (f".{number}" if number else "")
         self.router = f"{tag}-r"
         _ip("netns", "add", self.router)
         _ip("link", "set", "lo", "up", ns=self.router)
@@ -121,6 +133,42 @@ class NetLab:
             _ip("addr", "add", f"{host.service_ip}/32", "dev", "lo", ns=self.router)
         if self.rtt_ms is not None:
             self._start_relay()
+        if self.tunnel:
+            self._start_tunnels()
+
+    def _start_tunnels(self) -> None:
+        """Keys for every host, and each host's tunnel up (its interface in its job
+        namespace) before anything runs there."""
+        from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
+
+        if self.rtt_ms is not None:
+            raise LabError("the tunnel runs on the direct network only (the relay is TCP)")
+        keys = Keys(self.work / "keys")
+        addresses = [h.ip for h in self.hosts.values()]
+        make_keys(addresses, keys.directory)
+        psctl = str(Path(sys.executable).with_name("psctl"))
+        for host in self.hosts.values():
+            conf = self.work / f"tunnel-{host.name}.conf"
+            conf.write_text(tunnel_conf(host.ip, [a for a in addresses if a != host.ip], keys))
+            conf.chmod(0o600)
+            log = (self.work / f"tunnel-{host.name}.log").open("wb")
+            self.tunnels.append(
+                subprocess.Popen(
+                    ["nsenter", f"--net=/run/netns/{host.ns}", psctl, "deploy", "tunnel",
+                     "--config", str(conf), "--address", host.ip],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )  # fmt: skip
+            log.close()
+        for host, proc in zip(self.hosts.values(), self.tunnels, strict=True):
+            log = self.work / f"tunnel-{host.name}.log"
+            deadline = time.monotonic() + 30
+            while "psctl tunnel: " not in log.read_text(errors="replace"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise LabError(f"{host.name}'s tunnel: {log.read_text()[-500:]}")
+                time.sleep(0.1)
+            host.job_ns = f"/run/netns/{netns_name(host.ip)}"
 
     @staticmethod
     def _sysctl(ns: str, setting: str) -> None:
@@ -161,14 +209,21 @@ class NetLab:
         _ip("link", "set", f"h{self.hosts[name].number}", "up" if up else "down", ns=self.router)
 
     def exec_argv(self, name: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on host ``name`` (``ip netns exec`` execs it: the pid is argv's)."""
-        return ["ip", "netns", "exec", self.hosts[name].ns, *argv]
+        """``argv`` run on host ``name`` (``ip netns exec`` execs it: the pid is argv's); in
+        its job namespace when the host has a tunnel (as NetworkNamespacePath= does)."""
+        host = self.hosts[name]
+        inside = ["nsenter", f"--net={host.job_ns}"] if host.job_ns else []
+        return ["ip", "netns", "exec", host.ns, *inside, *argv]
 
     def stop(self) -> None:
-        if self.relay is not None and self.relay.poll() is None:
-            self.relay.kill()
-            self.relay.wait()
-        for ns in [h.ns for h in self.hosts.values()] + ([self.router] if self.router else []):
+        for proc in [self.relay, *self.tunnels]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        job = [h.job_ns.rsplit("/", 1)[1] for h in self.hosts.values() if h.job_ns]
+        for ns in [*job, *(h.ns for h in self.hosts.values())] + (
+            [self.router] if self.router else []
+        ):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.hosts.clear()
 
@@ -217,14 +272,20 @@ def _wait_ready(sock: socket.socket, servers: Sequence[LabServer], timeout: floa
 
 @contextlib.contextmanager
 def lab_cluster(
-    num_ps: int, num_workers: int, *, rtt_ms: float | None, work: Path, timeout: float = 120.0
+    num_ps: int,
+    num_workers: int,
+    *,
+    rtt_ms: float | None,
+    work: Path,
+    timeout: float = 120.0,
+    tunnel: bool = False,
 ) -> Iterator[LabCluster]:
     """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
     from psctl.cluster.procs import spawn, stop_processes
     from psctl.coordinator.launch.argv import server_argv
 
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
-    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work)
+    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work, tunnel=tunnel)
     servers: list[LabServer] = []
     # A short path: AF_UNIX names stop at 107 bytes, a results folder can be deeper.
     sockets = Path(tempfile.mkdtemp(prefix="psrtt"))
@@ -273,15 +334,29 @@ class LabBench:
     """``lab_cluster`` behind ``LocalCluster``'s start / wait_serving / stop, for a benchmark
     that keeps one cluster for all its runs (throughput.py ``--rtt``)."""
 
-    def __init__(self, num_ps: int, num_workers: int, *, rtt_ms: float | None, work: Path):
+    def __init__(
+        self,
+        num_ps: int,
+        num_workers: int,
+        *,
+        rtt_ms: float | None,
+        work: Path,
+        tunnel: bool = False,
+    ):
         self._args = (num_ps, num_workers)
-        self._rtt_ms, self._work = rtt_ms, work
+        self._rtt_ms, self._work, self._tunnel = rtt_ms, work, tunnel
         self._stack = contextlib.ExitStack()
         self.cluster: LabCluster | None = None
 
     def start(self, timeout: float = 120.0) -> None:
         self.cluster = self._stack.enter_context(
-            lab_cluster(*self._args, rtt_ms=self._rtt_ms, work=self._work, timeout=timeout)
+            lab_cluster(
+                *self._args,
+                rtt_ms=self._rtt_ms,
+                work=self._work,
+                timeout=timeout,
+                tunnel=self._tunnel,
+            )
         )
 
     def wait_serving(self, timeout: float) -> None:

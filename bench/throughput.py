@@ -52,10 +52,16 @@ is ``metrics overhead = X.X%``: 1 - on/off of the median steps/s (positive = slo
 namespace, as ``psctl local`` runs them by default (cluster/netns.py), interleaved. Its last
 line is ``namespace cost = X.X%``: 1 - namespace/open of the median steps/s.
 
+``--tunnel-overhead`` runs only psctl, across network-namespace hosts (bench/netlab.py,
+direct network: one host per task), open and with every host behind its WireGuard tunnel as
+the units of ``psctl deploy render --keys`` run them, interleaved. Its last line is
+``tunnel cost = X.X%``: 1 - tunnel/open of the median steps/s.
+
     .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
     .venv/bin/python bench/throughput.py --repeats 1 --steps 800 --json out.json
     .venv/bin/python bench/throughput.py --metrics-overhead --repeats 5
     .venv/bin/python bench/throughput.py --tf-ports-overhead --repeats 5
+    .venv/bin/python bench/throughput.py --tunnel-overhead --repeats 5   # root
 """
 
 from __future__ import annotations
@@ -490,6 +496,7 @@ CHILDREN = {
     "psctl": run_psctl,
     "psctl-metrics": run_psctl_metrics,
     "psctl-netns": run_psctl,  # the same run, in a job namespace (--tf-ports-overhead)
+    "psctl-tunnel": run_psctl,  # the same run, hosts behind their tunnels (--tunnel-overhead)
     "raw": run_raw,
     "local": run_local,
 }
@@ -888,6 +895,8 @@ def parent_main(args: argparse.Namespace) -> int:
         modes = [Mode("psctl", k), Mode("psctl-metrics", k)]
     elif args.tf_ports_overhead:
         modes = [Mode("psctl", k), Mode("psctl-netns", k)]
+    elif args.tunnel_overhead:
+        modes = [Mode("psctl", k), Mode("psctl-tunnel", k)]
     elif args.capacity:
         modes = [Mode("dispatch", 1), Mode("psctl", k)]
     elif args.skip_local:
@@ -911,6 +920,8 @@ def parent_main(args: argparse.Namespace) -> int:
         )
         if args.tf_ports_overhead:
             clusters["psctl-netns"] = kept.enter_context(namespaced_cluster(args, workdir))
+        if args.tunnel_overhead:
+            clusters["psctl-tunnel"] = kept.enter_context(tunnelled_cluster(args, workdir))
         for repeat in range(args.repeats):
             shift = repeat % len(modes)
             for mode in modes[shift:] + modes[:shift]:
@@ -950,7 +961,11 @@ def parent_main(args: argparse.Namespace) -> int:
     if args.metrics_overhead:
         return report_overhead(rows, runs, args)
     if args.tf_ports_overhead:
-        return report_namespace(rows, runs)
+        what = ("TF ports", "job namespace (default)", "namespace cost")
+        return report_pair(rows, runs, "psctl-netns", what)
+    if args.tunnel_overhead:
+        what = ("between hosts", "WireGuard tunnel (--keys)", "tunnel cost")
+        return report_pair(rows, runs, "psctl-tunnel", what)
     print_table(rows, args)
     if args.capacity:
         capacity = next(r for r in rows if r["mode"] == "dispatch")["median"]
@@ -1002,6 +1017,21 @@ def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]
         space.close()
 
 
+@contextlib.contextmanager
+def tunnelled_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
+    """A second network-namespace cluster like the first, every host behind its WireGuard
+    tunnel as the units of `psctl deploy render --keys` run (bench/netlab.py)."""
+    from bench.netlab import LabBench
+
+    cluster = LabBench(args.ps, args.workers, rtt_ms=None, work=workdir / "tunnel", tunnel=True)
+    try:
+        cluster.start(timeout=args.start_timeout)
+        print(f"{len(cluster.servers)} servers SERVING behind their tunnels", flush=True)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def job_namespace_of(cluster: Any) -> contextlib.AbstractContextManager[None]:
     """The processes started meanwhile join ``cluster``'s job namespace, if it has one
     (the open cluster's children must not: the name is set only around its own)."""
@@ -1009,21 +1039,25 @@ def job_namespace_of(cluster: Any) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if space is None else space.named()
 
 
-def report_namespace(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> int:
-    """psctl on the open cluster vs the same on one in a job namespace, side by side."""
+def report_pair(
+    rows: list[dict[str, Any]], runs: list[dict[str, Any]], other: str, what: tuple[str, ...]
+) -> int:
+    """psctl on the open cluster vs the same run in mode ``other``, side by side; ``what``:
+    (the table's title, the other side's label, the name of the cost in the last line)."""
+    title, label, cost_name = what
     medians = {r["mode"]: r["median"] for r in rows}
     rounds = []
     for repeat in sorted({r["repeat"] for r in runs}):
         pair = {r["mode"]: r["steps_per_sec"] for r in runs if r["repeat"] == repeat}
-        if "psctl" in pair and "psctl-netns" in pair:
-            rounds.append(100.0 * (1.0 - pair["psctl-netns"] / pair["psctl"]))
+        if "psctl" in pair and other in pair:
+            rounds.append(100.0 * (1.0 - pair[other] / pair["psctl"]))
     print()
-    print(f"{'TF ports':<28} {'steps/s (median)':>17}")
+    print(f"{title:<28} {'steps/s (median)':>17}")
     print(f"{'open (--open-tf-ports)':<28} {medians['psctl']:>17.1f}")
-    print(f"{'job namespace (default)':<28} {medians['psctl-netns']:>17.1f}")
-    print("per round (1 - namespace/open): " + " ".join(f"{x:+.1f}%" for x in rounds))
-    cost = 100.0 * (1.0 - medians["psctl-netns"] / medians["psctl"])
-    print(f"namespace cost = {cost:.1f}%", flush=True)
+    print(f"{label:<28} {medians[other]:>17.1f}")
+    print(f"per round (1 - {cost_name.split()[0]}/open): " + " ".join(f"{x:+.1f}%" for x in rounds))
+    cost = 100.0 * (1.0 - medians[other] / medians["psctl"])
+    print(f"{cost_name} = {cost:.1f}%", flush=True)
     return 0
 
 
@@ -1085,6 +1119,14 @@ def build_parser() -> argparse.ArgumentParser:
         "'namespace cost = X.X%%'",
     )
     parser.add_argument(
+        "--tunnel-overhead",
+        action="store_true",
+        help="instead: psctl across network-namespace hosts (bench/netlab.py, direct network) "
+        "with TensorFlow's ports open vs every host behind its WireGuard tunnel (psctl deploy "
+        "render --keys), interleaved; needs root, wireguard-go, wg; the last line is "
+        "'tunnel cost = X.X%%'",
+    )
+    parser.add_argument(
         "--capacity",
         action="store_true",
         help="instead: the coordinator's dispatch capacity (--steps schedules of an almost "
@@ -1123,12 +1165,15 @@ def open_bench(
 
     logs.mkdir(parents=True, exist_ok=True)
     local: Any
-    if getattr(args, "rtt", None) is not None:  # namespace hosts through the delaying relay
-        from bench.netlab import LabBench
+    if getattr(args, "rtt", None) is not None or getattr(args, "tunnel_overhead", False):
+        from bench.netlab import LabBench  # namespace hosts (through the delaying relay)
 
         local = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir)
         chief_port = 0  # in the coordinator's own namespace: never held by an earlier run here
-        where += f"; network: namespace hosts, {args.rtt:g} ms added round-trip time"
+        if args.rtt is None:
+            where += "; network: namespace hosts, direct"
+        else:
+            where += f"; network: namespace hosts, {args.rtt:g} ms added round-trip time"
     else:
         local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
         chief_port = local.cluster.task_address("chief", 0).port
@@ -1159,6 +1204,11 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rtt is not None and not 0 <= args.rtt <= 1000:
         build_parser().error(f"--rtt {args.rtt:g}: milliseconds from 0 to 1000")
+    if args.tunnel_overhead and args.rtt is not None:
+        build_parser().error(
+            "--tunnel-overhead runs on the direct network: bench/netlab.py's relay copies TCP "
+            "only, so WireGuard's UDP would not be delayed; leave out --rtt"
+        )
     if args.run_mode:
         return child_main(args)
     return parent_main(args)
