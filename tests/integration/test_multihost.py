@@ -166,37 +166,14 @@ def render_protected(cluster_file: Path, out: Path, *extra: str) -> Path:
     """`psctl deploy keys`, then `psctl deploy render --keys` as docs/deploy.md types them;
     returns the key directory."""
     keys = out.with_name("keys")
-    made = run(
-        [
-            str(BIN_DIR / "psctl"),
-            "deploy",
-            "keys",
-            "--cluster",
-            str(cluster_file),
-            "--out",
-            str(keys),
-        ],
-        timeout=60,
-    )
-    assert made.returncode == 0, made.stdout + made.stderr
-    render = run(
-        [
-            str(BIN_DIR / "psctl"),
-            "deploy",
-            "render",
-            *extra,
-            "--cluster",
-            str(cluster_file),
-            "--out",
-            str(out),
-            "--bin-dir",
-            str(BIN_DIR),
-            "--keys",
-            str(keys),
-        ],
-        timeout=60,
-    )
-    assert render.returncode == 0, render.stdout + render.stderr
+    common = ["--cluster", str(cluster_file)]
+    with_keys = ["--bin-dir", str(BIN_DIR), "--keys", str(keys)]
+    for args in (
+        ["keys", *common, "--out", str(keys)],
+        ["render", *extra, *common, "--out", str(out), *with_keys],
+    ):
+        done = run([str(BIN_DIR / "psctl"), "deploy", *args], timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
     return keys
 
 
