@@ -72,12 +72,7 @@ TF_KERAS_ENV = REPO / ".venv-tfkeras"  # tf-keras pulls in its own TensorFlow wh
 TF_KERAS_PINS = ("tensorflow==2.21.0", "tf-keras==2.21.0")  # the TF psctl runs on
 LOOPBACK = "loopback"  # no --rtt: LocalCluster on 127.0.0.1, as before
 NAMESPACE = "job namespace"  # --tf-ports-overhead: the same, its TF ports as psctl local's
-DIRECT, TUNNEL = "direct", "tunnel"  # --tunnel-overhead: namespace hosts, open / behind tunnels
-# A protected network, the open one it is compared with, and what the line says of it.
-PROTECTED = {
-    NAMESPACE: (LOOPBACK, "TF ports in a job namespace/open"),
-    TUNNEL: (DIRECT, "hosts behind their tunnels/open"),
-}
+TUNNEL = " + tunnel"  # --tunnel-overhead: each network again, every host behind its tunnel
 EMBEDDING_DIM = 16  # the ctr job's (jobs/ctr.py, EMBEDDING_DIM)
 ITEM_BYTES = 4  # float32
 SLOTS = {"adam": 2, "adagrad": 1}  # optimizer state per table row, in rows
@@ -457,7 +452,7 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
                 rtt_ms=_ms(rtt),
                 work=workdir,
                 timeout=args.start_timeout,
-                tunnel=rtt == TUNNEL,
+                tunnel=rtt.endswith(TUNNEL),
             )
         )
         stack.callback(_ignore_interrupts)
@@ -610,6 +605,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> list[d
 
 
 def _ms(rtt: str) -> float | None:
+    rtt = rtt.removesuffix(TUNNEL)
     return float(rtt.split()[0]) if rtt.endswith(" ms") else None
 
 
@@ -719,9 +715,13 @@ def namespace_lines(rows: list[dict[str, Any]]) -> list[str]:
     }
     lines = []
     for (rtt, size, optimizer), inside in rate.items():
-        if rtt not in PROTECTED:
+        if rtt == NAMESPACE:
+            open_network, what = LOOPBACK, "TF ports in a job namespace/open"
+        elif rtt.endswith(TUNNEL):
+            open_network = rtt.removesuffix(TUNNEL)
+            what = f"hosts behind their tunnels/open ({open_network})"
+        else:
             continue
-        open_network, what = PROTECTED[rtt]
         outside = rate.get((open_network, size, optimizer))
         if inside and outside:
             lines.append(
@@ -865,10 +865,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tunnel-overhead",
         action="store_true",
-        help="run every configuration on network-namespace hosts twice (bench/netlab.py, "
-        "direct network): TensorFlow's ports open, and every host behind its WireGuard tunnel "
-        "as psctl deploy render --keys runs them (root, wireguard-go, wg); the last line is "
-        "psctl's steps/s behind the tunnels over open",
+        help="run every configuration on network-namespace hosts twice (bench/netlab.py; "
+        "the direct network, or each --rtt): TensorFlow's ports open, and every host behind "
+        "its WireGuard tunnel as psctl deploy render --keys runs them (root, wireguard-go, "
+        "wg); the last line is psctl's steps/s behind the tunnels over open",
     )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
@@ -945,12 +945,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--tf-ports-overhead runs on loopback: leave --rtt out")
         args.rtt_list = [LOOPBACK, NAMESPACE]
     if args.tunnel_overhead:
-        if args.rtt or args.tf_ports_overhead:
-            parser.error(
-                "--tunnel-overhead runs on the direct network (bench/netlab.py's relay copies "
-                "TCP only, not WireGuard's UDP): leave --rtt and --tf-ports-overhead out"
-            )
-        args.rtt_list = [DIRECT, TUNNEL]
+        if args.tf_ports_overhead:
+            parser.error("--tunnel-overhead and --tf-ports-overhead: one at a time")
+        networks = args.rtt_list if args.rtt else ["direct"]
+        args.rtt_list = [n for network in networks for n in (network, network + TUNNEL)]
     try:
         args.row_counts = parse_rows(args.rows)
     except ValueError as err:

@@ -15,11 +15,13 @@ namespace's network is never touched, and deleting the namespaces deletes every 
 naming the hosts' own addresses, forwarded by the kernel with no relay. Comparing it with
 ``rtt_ms=0`` (the relay, no delay) shows what the relay itself costs.
 
-``tunnel=True`` (direct network only) protects the hosts as ``psctl deploy render --keys``
-does: every host runs ``psctl deploy tunnel`` with keys from ``psctl deploy keys``, and its
-server (and the coordinator, on host "chief") runs in its job namespace behind it, so every
-TensorFlow byte between hosts is WireGuard's (coordinator/deploy/tunnel.py). The relay
-copies TCP only: with it, WireGuard's UDP would not be delayed, so the two do not combine.
+``tunnel=True`` protects the hosts as ``psctl deploy render --keys`` does: every host runs
+``psctl deploy tunnel`` with keys from ``psctl deploy keys``, and its server (and the
+coordinator, on host "chief") runs in its job namespace behind it, so every TensorFlow byte
+between hosts is WireGuard's (coordinator/deploy/tunnel.py). Each host's tunnel address is
+its cluster address (the service address with the relay, its own without); with the relay,
+WireGuard's endpoints are the service addresses too, and the relay holds its UDP datagrams
+(``udp:`` pairs of relay.c) as it holds TCP: every packet between hosts takes the RTT.
 
 Needs root, iproute2 and a C compiler; a missing one is one clear line (``LabError``).
 """
@@ -141,21 +143,19 @@ class NetLab:
         namespace) before anything runs there."""
         from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
 
-        if self.rtt_ms is not None:
-            raise LabError("the tunnel runs on the direct network only (the relay is TCP)")
         keys = Keys(self.work / "keys")
-        addresses = [h.ip for h in self.hosts.values()]
+        addresses = [self.cluster_ip(h.name) for h in self.hosts.values()]
         make_keys(addresses, keys.directory)
         psctl = str(Path(sys.executable).with_name("psctl"))
-        for host in self.hosts.values():
+        for host, address in zip(self.hosts.values(), addresses, strict=True):
             conf = self.work / f"tunnel-{host.name}.conf"
-            conf.write_text(tunnel_conf(host.ip, [a for a in addresses if a != host.ip], keys))
+            conf.write_text(tunnel_conf(address, [a for a in addresses if a != address], keys))
             conf.chmod(0o600)
             log = (self.work / f"tunnel-{host.name}.log").open("wb")
             self.tunnels.append(
                 subprocess.Popen(
                     ["nsenter", f"--net=/run/netns/{host.ns}", psctl, "deploy", "tunnel",
-                     "--config", str(conf), "--address", host.ip],
+                     "--config", str(conf), "--address", address],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
@@ -168,7 +168,12 @@ class NetLab:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise LabError(f"{host.name}'s tunnel: {log.read_text()[-500:]}")
                 time.sleep(0.1)
-            host.job_ns = f"/run/netns/{netns_name(host.ip)}"
+            host.job_ns = f"/run/netns/{netns_name(self.cluster_ip(host.name))}"
+
+    def cluster_ip(self, name: str) -> str:
+        """Host ``name``'s address in the cluster file: the service address with the relay."""
+        host = self.hosts[name]
+        return host.ip if self.rtt_ms is None else host.service_ip
 
     @staticmethod
     def _sysctl(ns: str, setting: str) -> None:
@@ -182,6 +187,10 @@ class NetLab:
         binary = build_relay(self.work)
         hosts = self.hosts.values()
         pairs = [f"{h.service_ip}:{port}={h.ip}:{port}" for h in hosts for port in self.ports]
+        if self.tunnel:  # TensorFlow's bytes are in WireGuard's datagrams: those are held
+            from psctl.coordinator.deploy.tunnel import LISTEN_PORT
+
+            pairs = [f"udp:{h.service_ip}:{LISTEN_PORT}={h.ip}:{LISTEN_PORT}" for h in hosts]
         delay_us = str(round(self.rtt_ms * 1000 / 2))
         log = (self.work / "relay.log").open("wb")
         self.relay = subprocess.Popen(
@@ -313,7 +322,8 @@ def lab_cluster(
                 task_type,
                 [
                     "--cluster", str(cluster_file), "--index", str(index),
-                    "--bind-host", host.ip, "--health-port", str(HEALTH_PORT),
+                    "--bind-host", lab.cluster_ip(host.name) if tunnel else host.ip,
+                    "--health-port", str(HEALTH_PORT),
                     "--metrics-port", "0", "--intra-op-threads", str(threads),
                     "--thread-spinning", "off",
                 ],

@@ -1,7 +1,12 @@
 /* A TCP relay that delays every byte by a fixed time in each direction: the network of
  * bench/netlab.py (this kernel has no netem).
  *
- *   relay DELAY_US LISTEN_IP:PORT=TARGET_IP:PORT [...]
+ *   relay DELAY_US [udp:]LISTEN_IP:PORT=TARGET_IP:PORT [...]
+ *
+ * A udp: pair relays datagrams (WireGuard's, for the hosts' tunnels): each client's
+ * datagrams to LISTEN go on to TARGET from a socket of that client's own, whose replies
+ * come back to the client from LISTEN; every datagram is held DELAY_US, in order, by one
+ * sender thread per pair.
  *
  * For every pair: accept on LISTEN, connect to TARGET, and copy both ways. Each direction
  * has a reader thread, which stamps every chunk it reads with (now + DELAY_US), and a writer
@@ -216,6 +221,137 @@ static void *acceptor(void *arg) {
     return NULL;
 }
 
+/* ---- UDP: one delay queue per pair, one thread reading each socket ---- */
+
+#define DATAGRAM 65536
+#define CLIENTS 64
+
+struct datagram {
+    struct datagram *next;
+    long long due_ns;
+    int fd;
+    struct sockaddr_in to;
+    ssize_t len;
+    char data[];
+};
+
+struct udp_pair;
+
+struct udp_client {
+    struct udp_pair *pair;
+    struct sockaddr_in addr; /* the client, as LISTEN sees it */
+    int fd;                  /* connected to TARGET */
+};
+
+struct udp_pair {
+    int fd; /* bound to LISTEN */
+    struct sockaddr_in target;
+    pthread_mutex_t lock;
+    pthread_cond_t ready;
+    struct datagram *head, *tail;
+    struct udp_client clients[CLIENTS];
+    int count;
+};
+
+static void udp_push(struct udp_pair *p, int fd, const struct sockaddr_in *to, const char *data,
+                     ssize_t len) {
+    struct datagram *d = malloc(sizeof *d + len);
+    if (!d)
+        abort();
+    d->next = NULL;
+    d->due_ns = now_ns() + delay_ns;
+    d->fd = fd;
+    d->to = *to;
+    d->len = len;
+    memcpy(d->data, data, len);
+    pthread_mutex_lock(&p->lock);
+    if (p->tail)
+        p->tail->next = d;
+    else
+        p->head = d;
+    p->tail = d;
+    pthread_cond_signal(&p->ready);
+    pthread_mutex_unlock(&p->lock);
+}
+
+static void *udp_sender(void *arg) {
+    struct udp_pair *p = arg;
+    for (;;) {
+        pthread_mutex_lock(&p->lock);
+        while (!p->head)
+            pthread_cond_wait(&p->ready, &p->lock);
+        struct datagram *d = p->head;
+        p->head = d->next;
+        if (!p->head)
+            p->tail = NULL;
+        pthread_mutex_unlock(&p->lock);
+        if (delay_ns > 0) {
+            struct timespec due = {d->due_ns / 1000000000LL, d->due_ns % 1000000000LL};
+            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, NULL) == EINTR) {
+            }
+        }
+        sendto(d->fd, d->data, d->len, 0, (struct sockaddr *)&d->to, sizeof d->to);
+        free(d);
+    }
+    return NULL;
+}
+
+static void *udp_replies(void *arg) {
+    struct udp_client *c = arg;
+    char *buf = malloc(DATAGRAM);
+    for (;;) {
+        ssize_t n = recv(c->fd, buf, DATAGRAM, 0);
+        if (n < 0 && (errno == EINTR || errno == ECONNREFUSED))
+            continue; /* the target is not up yet */
+        if (n < 0)
+            break;
+        udp_push(c->pair, c->pair->fd, &c->addr, buf, n);
+    }
+    free(buf);
+    return NULL;
+}
+
+static struct udp_client *udp_client(struct udp_pair *p, const struct sockaddr_in *from) {
+    for (int i = 0; i < p->count; i++)
+        if (p->clients[i].addr.sin_addr.s_addr == from->sin_addr.s_addr &&
+            p->clients[i].addr.sin_port == from->sin_port)
+            return &p->clients[i];
+    if (p->count == CLIENTS)
+        return NULL;
+    struct udp_client *c = &p->clients[p->count];
+    c->pair = p;
+    c->addr = *from;
+    c->fd = socket(AF_INET, SOCK_DGRAM, 0);
+    if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&p->target, sizeof p->target) < 0) {
+        perror("relay: udp connect");
+        exit(1);
+    }
+    p->count++;
+    pthread_t t;
+    start(&t, udp_replies, c);
+    return c;
+}
+
+static void *udp_listener(void *arg) {
+    struct udp_pair *p = arg;
+    char *buf = malloc(DATAGRAM);
+    for (;;) {
+        struct sockaddr_in from;
+        socklen_t size = sizeof from;
+        ssize_t n = recvfrom(p->fd, buf, DATAGRAM, 0, (struct sockaddr *)&from, &size);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            perror("relay: udp recvfrom");
+            exit(1);
+        }
+        struct udp_client *c = udp_client(p, &from);
+        if (c)
+            udp_push(p, c->fd, &p->target, buf, n);
+    }
+    return NULL;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
         fprintf(stderr, "usage: relay DELAY_US LISTEN_IP:PORT=TARGET_IP:PORT [...]\n");
@@ -226,9 +362,32 @@ int main(int argc, char **argv) {
     delay_ns = atoll(argv[1]) * 1000LL;
     int count = argc - 2;
     struct listener *ls = calloc(count, sizeof *ls);
+    struct udp_pair *us = calloc(count, sizeof *us);
     for (int i = 0; i < count; i++) {
         char spec[160];
         snprintf(spec, sizeof spec, "%s", argv[i + 2]);
+        if (strncmp(spec, "udp:", 4) == 0) {
+            char *eq = strchr(spec, '=');
+            struct sockaddr_in listen_at;
+            if (!eq) {
+                fprintf(stderr, "relay: %s: not udp:LISTEN=TARGET\n", argv[i + 2]);
+                return 2;
+            }
+            *eq = 0;
+            if (parse(spec + 4, &listen_at) < 0 || parse(eq + 1, &us[i].target) < 0) {
+                fprintf(stderr, "relay: %s: not udp:IP:PORT=IP:PORT\n", argv[i + 2]);
+                return 2;
+            }
+            us[i].fd = socket(AF_INET, SOCK_DGRAM, 0);
+            if (bind(us[i].fd, (struct sockaddr *)&listen_at, sizeof listen_at) < 0) {
+                fprintf(stderr, "relay: %s: %s\n", spec, strerror(errno));
+                return 1;
+            }
+            pthread_mutex_init(&us[i].lock, NULL);
+            pthread_cond_init(&us[i].ready, NULL);
+            ls[i].fd = -1;
+            continue;
+        }
         char *eq = strchr(spec, '=');
         struct sockaddr_in listen_at;
         if (!eq) {
@@ -251,7 +410,12 @@ int main(int argc, char **argv) {
     }
     for (int i = 0; i < count; i++) {
         pthread_t t;
-        start(&t, acceptor, &ls[i]);
+        if (ls[i].fd >= 0) {
+            start(&t, acceptor, &ls[i]);
+        } else {
+            start(&t, udp_listener, &us[i]);
+            start(&t, udp_sender, &us[i]);
+        }
     }
     printf("relay: ready\n");
     fflush(stdout);

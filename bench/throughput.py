@@ -53,9 +53,9 @@ namespace, as ``psctl local`` runs them by default (cluster/netns.py), interleav
 line is ``namespace cost = X.X%``: 1 - namespace/open of the median steps/s.
 
 ``--tunnel-overhead`` runs only psctl, across network-namespace hosts (bench/netlab.py,
-direct network: one host per task), open and with every host behind its WireGuard tunnel as
-the units of ``psctl deploy render --keys`` run them, interleaved. Its last line is
-``tunnel cost = X.X%``: 1 - tunnel/open of the median steps/s.
+one host per task; the direct network, or ``--rtt MS``), open and with every host behind
+its WireGuard tunnel as the units of ``psctl deploy render --keys`` run them, interleaved.
+Its last line is ``tunnel cost = X.X%``: 1 - tunnel/open of the median steps/s.
 
     .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
     .venv/bin/python bench/throughput.py --repeats 1 --steps 800 --json out.json
@@ -1023,7 +1023,7 @@ def tunnelled_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
     tunnel as the units of `psctl deploy render --keys` run (bench/netlab.py)."""
     from bench.netlab import LabBench
 
-    cluster = LabBench(args.ps, args.workers, rtt_ms=None, work=workdir / "tunnel", tunnel=True)
+    cluster = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir / "tunnel", tunnel=True)
     try:
         cluster.start(timeout=args.start_timeout)
         print(f"{len(cluster.servers)} servers SERVING behind their tunnels", flush=True)
@@ -1121,10 +1121,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tunnel-overhead",
         action="store_true",
-        help="instead: psctl across network-namespace hosts (bench/netlab.py, direct network) "
-        "with TensorFlow's ports open vs every host behind its WireGuard tunnel (psctl deploy "
-        "render --keys), interleaved; needs root, wireguard-go, wg; the last line is "
-        "'tunnel cost = X.X%%'",
+        help="instead: psctl across network-namespace hosts (bench/netlab.py; the direct "
+        "network, or --rtt MS) with TensorFlow's ports open vs every host behind its WireGuard "
+        "tunnel (psctl deploy render --keys), interleaved; needs root, wireguard-go, wg; the "
+        "last line is 'tunnel cost = X.X%%'",
     )
     parser.add_argument(
         "--capacity",
@@ -1204,11 +1204,6 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rtt is not None and not 0 <= args.rtt <= 1000:
         build_parser().error(f"--rtt {args.rtt:g}: milliseconds from 0 to 1000")
-    if args.tunnel_overhead and args.rtt is not None:
-        build_parser().error(
-            "--tunnel-overhead runs on the direct network: bench/netlab.py's relay copies TCP "
-            "only, so WireGuard's UDP would not be delayed; leave out --rtt"
-        )
     if args.run_mode:
         return child_main(args)
     return parent_main(args)

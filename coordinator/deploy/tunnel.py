@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import stat
@@ -259,6 +260,38 @@ def _private_mounts() -> bool:
     return False
 
 
+# What wireguard-go says (LOG_LEVEL=verbose) of a handshake from a key that is not a peer's,
+# and of one made for a key that is not this host's (it names no source then).
+_REFUSED = re.compile(r"Received invalid initiation message from (\S+)|invalid mac1")
+REFUSAL_EVERY = 300.0  # seconds: one line per source this often at most
+
+
+def _relay_log(proc: subprocess.Popen[bytes]) -> None:
+    """wireguard-go's output, read until it exits: its errors as they are, each handshake it
+    refused (a key that is not one of the cluster's) as one line per source every
+    REFUSAL_EVERY seconds; its banner and routine lines dropped."""
+    assert proc.stdout is not None
+    said: dict[str, float] = {}
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        refused = _REFUSED.search(line)
+        if refused:
+            source, now = refused[1] or "", time.monotonic()
+            if now - said.get(source, -REFUSAL_EVERY) >= REFUSAL_EVERY:
+                said[source] = now
+                print(
+                    f"psctl tunnel: refused a handshake from {source}: its key is not one of "
+                    "this cluster's (a host outside it, or one whose new keys are not "
+                    "reloaded here)"
+                    if source
+                    else "psctl tunnel: refused a handshake made for another key than this "
+                    "host's (its sender has other keys of this cluster's hosts)",
+                    flush=True,
+                )
+        elif line.startswith("ERROR"):
+            print(f"psctl tunnel: wireguard-go: {line}", file=sys.stderr, flush=True)
+
+
 def _make_netns(netns: str) -> None:
     """/run/netns/NETNS, unless it is there already (a restarted tunnel: the services in it
     keep running); ConfigError where no other process would see the one made here."""
@@ -307,9 +340,12 @@ def bring_up(
     _ip("link", "del", interface, check=False)
     proc = subprocess.Popen(
         [_tool("wireguard-go"), "-f", interface],
-        env={**os.environ, "LOG_LEVEL": os.environ.get("LOG_LEVEL", "error")},
+        env={**os.environ, "LOG_LEVEL": "verbose"},  # its refusals: _relay_log keeps those
         stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
+    threading.Thread(target=_relay_log, args=(proc,), name="wireguard-go log", daemon=True).start()
     try:
         _wait_for_link(interface, proc, 10.0)
         _wg("setconf", interface, str(config))

@@ -1,21 +1,29 @@
-"""psctl across hosts: four network-namespace hosts run what `psctl deploy render` wrote.
+"""psctl across hosts: four network-namespace hosts run what `psctl deploy render --keys`
+wrote, and a fifth outside the cluster tries to get in.
 
 One ps host, two worker hosts and a coordinator host, each its own network namespace with
-its own 10.x address. Every server starts from the exact ExecStart= line and environment of
-its rendered unit (instance substituted, as systemd would), with a NOTIFY_SOCKET that must
-receive READY=1, under the unit's sandbox as far as tests/integration/sandbox.py applies it
-(a dynamic user, no capabilities, the system call filter, a read-only file system, private
-/tmp, no /home: its docstring lists what is applied and what is not). `psctl deploy check`
-on the coordinator host sees every server SERVING; the coordinator unit's `psctl train`,
-sandboxed too, trains the mlp job across the hosts; a worker host's server is SIGKILLed
-mid-training and started again by the test's Restart=on-failure loop (READY=1 again, at
-the same address). `psctl pause` holds the job until it is back, so it
-has steps left: it takes its share of them. Then `psctl stop`, typed as deploy.md shows it,
-ends the job (whose step target it would not reach for minutes): stop exits 0 once the
-coordinator is gone, the coordinator exits 0 on its own (a graceful stop, operations.md's
-exit statuses), with a final checkpoint at its last step and eval accuracy >= 0.90.
+its own 10.x address, and each behind its rendered tunnel (psctl-tunnel.service: the job's
+namespace on the host, WireGuard to the others) with its side ports carried out of it by
+the psctl-proxy@ units. Every server starts from the exact ExecStart= line and environment
+of its rendered unit (instance substituted, as systemd would; NetworkNamespacePath= by
+nsenter), with a NOTIFY_SOCKET that must receive READY=1, under the unit's sandbox as far
+as tests/integration/sandbox.py applies it (a dynamic user, no capabilities, the system call
+filter, a read-only file system, private /tmp, no /home: its docstring lists what is
+applied and what is not). `psctl deploy check` on the coordinator host sees every server
+SERVING through the tunnel; the fifth host, with no keys and then with keys of its own, and
+another uid on a cluster host, reach no TF port; a capture on the ps host's cable holds no
+tensor in the clear. The coordinator unit's `psctl train`, sandboxed too, trains the mlp
+job across the hosts; a worker host's server is SIGKILLed mid-training and started again by
+the test's Restart=on-failure loop (READY=1 again, at the same address). `psctl pause` holds
+the job until it is back, so it has steps left: it takes its share of them. Then the ps
+host's server is SIGKILLed and comes back, and the job recovers from its latest
+checkpoint. Then `psctl stop`, typed as deploy.md shows it, ends the job (whose step target
+it would not reach for minutes): stop exits 0 once the coordinator is gone, the coordinator
+exits 0 on its own (a graceful stop, operations.md's exit statuses), with a final
+checkpoint at its last step and eval accuracy >= 0.90.
 
-Needs root (network namespaces) and `ip` (tools/ensure-systemd-tools.sh installs it). The
+Needs root (network namespaces), `ip`, wireguard-go and wg (tools/ensure-systemd-tools.sh
+installs them). The
 /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each host's
 files over it. Every namespace, link and process is removed at the end.
 """
@@ -86,6 +94,7 @@ CONFIG_DIR = "/etc/psctl"  # the rendered default; each host sees its own throug
 STEPS = 100_000
 STOP_AT_STEP = 1500
 KILL_AT_STEP = 100
+STEPS_BETWEEN = 300  # new steps after the worker is back, and after the ps is
 # What systemd gives a service before the unit's own environment.
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -284,9 +293,13 @@ def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
     and setns into the job's namespace)."""
     outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2)
     assert "open" not in outside.values(), outside
-    # Its own keys for every host, so a tunnel that tries: no handshake completes.
+    # A key of its own and every host's real public key (they are no secret), so a tunnel
+    # that tries: no handshake completes.
     keys = Keys(workdir / "outsider-keys")
-    make_keys([OUTSIDER_ADDRESS, *HOSTS.values()], keys.directory)
+    keys.directory.mkdir()
+    for public in (workdir / "keys").glob("*.pub"):
+        shutil.copyfile(public, keys.directory / public.name)
+    make_keys([OUTSIDER_ADDRESS], keys.directory)
     conf = workdir / "outsider-tunnel.conf"
     conf.write_text(tunnel_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys))
     conf.chmod(0o600)
@@ -318,6 +331,11 @@ def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
         assert set(tunnelled.values()) == {"TimeoutError"}, tunnelled  # dropped, unanswered
     finally:
         own.stop()
+    # Each cluster host's tunnel said so, once (the outsider tried again and again).
+    for host in HOSTS:
+        log = (workdir / f"tunnel-{host}.log").read_text()
+        refused = f"psctl tunnel: refused a handshake from {OUTSIDER_ADDRESS}:{LISTEN_PORT}"
+        assert log.count(refused) == 1, log[-2000:]
     # Another user of a cluster host: the host's network has no TF port, and the job's
     # namespace cannot be joined.
     probe = SETNS_PROBE.replace("@NETNS@", f"{NETNS_DIR}/{netns_name(HOSTS['ps0'])}")
@@ -434,7 +452,7 @@ def assert_observer_sees_no_tensor(lab: NetnsLab) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(300)
-def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tmp_path: Path):
+def test_train_across_tunnelled_hosts_through_worker_and_ps_restarts(lab: NetnsLab, tmp_path: Path):
     started = time.monotonic()
     marks: list[str] = []
 
@@ -568,10 +586,29 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         cpu_at_ready = cpu_seconds(restarted_pid), cpu_seconds(other.pid)
         psctl(lab, "resume")
 
+        # A ps host's server SIGKILLed: its unit's restart loop brings it back (READY=1
+        # again, in the same job namespace, behind the same tunnel) and psctl train's
+        # next training process restores the latest checkpoint onto it.
+        # Steps first, since the checkpoint taken while paused.
+        ps_target = step_at_ready + STEPS_BETWEEN
         deadline = time.monotonic() + 120
-        while (step or 0) < STOP_AT_STEP:
+        while (step or 0) < ps_target:
             assert coordinator.poll() is None, f"coordinator exited early:\n{coordinator_tail()}"
-            assert time.monotonic() < deadline, f"no step {STOP_AT_STEP}:\n{coordinator_tail()}"
+            assert time.monotonic() < deadline, f"no step {ps_target}:\n{coordinator_tail()}"
+            time.sleep(0.5)
+            step = global_step(lab)
+        ps = services["ps:0"]
+        killed_at = step or 0
+        mark(f"SIGKILL ps:0 (pid {ps.kill(signal.SIGKILL)}) at step {killed_at}")
+        sockets["ps:0"].wait_for("READY", "1", count=2, timeout=150, alive=ps.alive)
+        mark("ps:0 restarted: READY=1 again")
+
+        # Back from the latest checkpoint, and on past the step the ps was lost at.
+        stop_target = max(STOP_AT_STEP, killed_at + STEPS_BETWEEN)
+        deadline = time.monotonic() + 150
+        while (step or 0) < stop_target:
+            assert coordinator.poll() is None, f"coordinator exited early:\n{coordinator_tail()}"
+            assert time.monotonic() < deadline, f"no step {stop_target}:\n{coordinator_tail()}"
             time.sleep(0.5)
             step = global_step(lab)
         mark(f"training at step {step}: psctl stop")
@@ -595,6 +632,7 @@ def test_train_across_namespace_hosts_through_a_worker_restart(lab: NetnsLab, tm
         mark(f"CPU since worker:1 came back: worker:1 {cpu_used:.1f}s, worker:0 {cpu_other:.1f}s")
         final_step = summary["global_step"]
         assert STOP_AT_STEP <= final_step < STEPS and summary["stopped_early"], summary
+        assert summary["ps_failures"] >= 1 and summary["worker_failures"] >= 1, summary
         assert summary["eval_accuracy"] >= 0.90, summary
         # The final checkpoint stop promises: at the last step, the newest in the directory,
         # after the one requested while paused.
