@@ -305,7 +305,7 @@ def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
         ("10.0.0.3", "psctl-worker@.service", 1.8),  # no PrivateDevices=: GPUs
         ("10.0.0.3", "psctl-proxy@.service", 1.5),
         # Root with CAP_SYS_ADMIN and CAP_NET_ADMIN, and no mount namespace: it makes the
-        # job's network namespace and moves the TUN device into it (5.5 measured).
+        # job's network namespace and moves the TUN device into it (5.6 measured).
         ("10.0.0.3", TUNNEL_UNIT, 6.0),
     ],
 )
