@@ -376,33 +376,39 @@ def reload(config: Path, netns: str, interface: str) -> list[Peer]:
     return peers
 
 
-def handshakes(interface: str) -> dict[str, float]:
-    """Each peer's last handshake (seconds since the epoch; 0: never), by public key."""
-    out = _wg("show", interface, "latest-handshakes")
-    found = {}
-    for line in out.splitlines():
-        key, _, when = line.partition("\t")
-        found[key] = float(when or 0)
-    return found
+@dataclass(frozen=True)
+class PeerSeen:
+    """One peer as `wg show IFACE dump` reports it."""
+
+    public_key: str
+    endpoint: str
+    allowed: str
+    handshake: int  # seconds since the epoch; 0: never
+
+
+def seen(interface: str) -> list[PeerSeen]:
+    """Every peer of ``interface`` as WireGuard sees it now (ConfigError when `wg` cannot
+    say)."""
+    peers = []
+    for line in _wg("show", interface, "dump").splitlines()[1:]:  # 1st: the interface's own
+        fields = line.split("\t")
+        if len(fields) >= 5:
+            peers.append(PeerSeen(fields[0], fields[2], fields[3], int(fields[4] or 0)))
+    return peers
 
 
 def peer_states(interface: str) -> list[tuple[str, str, str]]:
     """(allowed addresses, endpoint, last handshake) of every peer of ``interface``, as
     `wg show` sees them; one row saying why when it cannot."""
     try:
-        out = _wg("show", interface, "dump")
+        peers = seen(interface)
     except ConfigError as err:
         return [("-", "-", err.problem)]
-    rows = []
     now = time.time()
-    for line in out.splitlines()[1:]:  # the first line is the interface's own
-        fields = line.split("\t")
-        if len(fields) < 5:
-            continue
-        when = int(fields[4] or 0)
-        age = "never" if when == 0 else f"{now - when:.0f}s ago"
-        rows.append((fields[3], fields[2], age))
-    return rows
+    return [
+        (p.allowed, p.endpoint, f"{now - p.handshake:.0f}s ago" if p.handshake else "never")
+        for p in peers
+    ]
 
 
 def _report(interface: str, peers: Sequence[Peer], stop: threading.Event) -> None:
@@ -411,12 +417,12 @@ def _report(interface: str, peers: Sequence[Peer], stop: threading.Event) -> Non
     up: dict[str, bool] = {}
     while not stop.wait(5.0):
         try:
-            seen = handshakes(interface)
+            last_handshake = {p.public_key: p.handshake for p in seen(interface)}
         except (ConfigError, subprocess.TimeoutExpired):
             continue
         now = time.time()
         for peer in peers:
-            last = seen.get(peer.public_key, 0.0)
+            last = last_handshake.get(peer.public_key, 0)
             fresh = last > 0 and now - last < 180 + SILENT_AFTER
             silent_for = now - (last or started)
             if fresh and not up.get(peer.name):
