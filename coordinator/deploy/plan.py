@@ -164,6 +164,30 @@ def _check_host_ports(plan: HostPlan) -> None:
         used[port] = what
 
 
+def sync_metrics_port(index: int, tf_port: int) -> int:
+    """Where sync worker ``index`` serves /metrics: worker 0 the coordinator's series at the
+    coordinator's port, every other worker at its TF port + METRICS_PORT_OFFSET."""
+    return COORDINATOR_METRICS_PORT if index == 0 else tf_port + METRICS_PORT_OFFSET
+
+
+def sync_side_addresses(cluster: ClusterConfig, health: HealthAddresses) -> dict[str, list[str]]:
+    """``--strategy sync``: HOST:PORT of every side port of each host's workers (health,
+    /metrics, worker 0's control API), by canonical host: HostPlan.side_addresses' twin."""
+    found: dict[str, list[str]] = {}
+    for task_type, index, address in cluster.task_addresses():
+        if task_type != "worker":
+            continue
+        field = f"cluster.worker[{index}]"
+        sides = [str(health.require("worker", index, address, field=f"{field} health port"))]
+        if index == 0:
+            sides.append(CONTROL_ADDRESS)
+        else:  # a ConfigError when TF port + the offset is no port
+            side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
+        sides.append(str(address.with_port(sync_metrics_port(index, address.port))))
+        found.setdefault(canonical_host(address.host), []).extend(sides)
+    return found
+
+
 def escape_instance(text: str) -> str:
     """``text`` as a unit's instance, as `systemd-escape` writes it, and ':' as ``\\x3a``
     too (``%I`` undoes both): systemd-analyze verify (252) cannot load an instance with

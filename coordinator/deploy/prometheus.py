@@ -9,9 +9,8 @@ import json
 from collections.abc import Sequence
 
 from psctl.cluster.address import Address
-from psctl.cluster.ports import METRICS_PORT_OFFSET
 from psctl.cluster.spec import ClusterConfig
-from psctl.coordinator.deploy.plan import COORDINATOR_METRICS_PORT, HostPlan
+from psctl.coordinator.deploy.plan import COORDINATOR_METRICS_PORT, HostPlan, sync_metrics_port
 from psctl.coordinator.deploy.units import fill
 
 ROLES = ("coordinator", "ps", "worker")
@@ -54,9 +53,9 @@ def sync_prometheus_files(cluster: ClusterConfig) -> dict[str, str]:
     for task_type, index, address in cluster.task_addresses():
         if task_type != "worker":
             continue
+        port = sync_metrics_port(index, address.port)
         if index == 0:
-            targets["coordinator"].append(_entry(address, COORDINATOR_METRICS_PORT, "chief", 0))
-        elif address.port + METRICS_PORT_OFFSET < 65536:
-            port = address.port + METRICS_PORT_OFFSET
+            targets["coordinator"].append(_entry(address, port, "chief", 0))
+        elif port < 65536:
             targets["worker"].append(_entry(address, port, "worker", index))
     return _files(targets)

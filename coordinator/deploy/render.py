@@ -17,19 +17,15 @@ from typing import Any
 
 from psctl.cluster.address import canonical_host
 from psctl.cluster.errors import ConfigError, echo
-from psctl.cluster.ports import METRICS_PORT_OFFSET, HealthAddresses, side_port
+from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.spec import SYNC_REQUIRED, load_cluster_file, require_chief
 from psctl.coordinator.deploy.plan import (
-    CONTROL_ADDRESS,
-    COORDINATOR_METRICS_PORT,
     COORDINATOR_UNIT,
-    PROXY_SERVICE,
-    PROXY_SOCKET,
     SYNC_UNIT,
     TARGET,
-    TUNNEL_UNIT,
     HostPlan,
     plan_hosts,
+    sync_side_addresses,
     unit_name,
 )
 from psctl.coordinator.deploy.prometheus import prometheus_files, sync_prometheus_files
@@ -49,7 +45,6 @@ from psctl.coordinator.deploy.units import (
 )
 from psctl.coordinator.settings import DEFAULT_CONFIG_DIR
 
-_TUNNEL_UNITS = (TUNNEL_UNIT, PROXY_SOCKET, PROXY_SERVICE)
 # Where a unit's paths may not reach under DynamicUser= and ProtectHome=.
 _HIDDEN_PREFIXES = ("/home/", "/root/", "/run/user/")
 
@@ -140,8 +135,9 @@ def render(
             "cluster.json": text,
             "psctl.env": host_env(config_dir=config_dir, tunnel=keys is not None, host=plan.host),
             TARGET: units[TARGET],
-            **{name: units[name] for name in _TUNNEL_UNITS if name in units},
         }
+        if netns is not None:
+            files.update(tunnel_units(bin_dir=bin_dir, config_dir=config_dir, netns=netns))
         for role in plan.roles:
             files[unit_name(role)] = units[unit_name(role)]
         for server in plan.servers:
@@ -149,9 +145,7 @@ def render(
         if plan.chief_port is not None:
             files[COORDINATOR_UNIT] = units[COORDINATOR_UNIT]
             files["coordinator.env"] = coordinator_env()
-        _write_dir(out, host_dir(out, plan.host), files)
-        if plan.host in secrets:
-            _write_dir(out, host_dir(out, plan.host), {TUNNEL_CONF: secrets[plan.host]}, 0o600)
+        _write_host(out, plan.host, files, secrets.get(plan.host))
     _write_dir(
         out,
         out,
@@ -186,30 +180,21 @@ def render_sync(
     cluster = load_cluster_file(cluster_file, required=SYNC_REQUIRED)
     _check_out(out, force=force)
     hosts: dict[str, tuple[str, list[int]]] = {}
-    proxies: dict[str, list[str]] = {}  # the side ports of each host's sync workers
-    health = HealthAddresses.of_file(cluster_file)
     for task_type, index, address in cluster.task_addresses():
         if task_type == "worker":
             key = canonical_host(address.host)
             hosts.setdefault(key, (address.host, []))[1].append(index)
-            field = f"cluster.worker[{index}]"
-            sides = [str(health.require("worker", index, address, field=f"{field} health port"))]
-            if index == 0:
-                sides += [CONTROL_ADDRESS, f"{address.host}:{COORDINATOR_METRICS_PORT}"]
-            else:
-                port = side_port(address.port, METRICS_PORT_OFFSET, field=f"{field} metrics port")
-                sides.append(str(address.with_port(port)))
-            proxies.setdefault(key, []).extend(sides)
+    tunnel = keys is not None
+    proxies = sync_side_addresses(cluster, HealthAddresses.of_file(cluster_file)) if tunnel else {}
     plans = list(hosts.values())
     secrets = _tunnel_confs([host for host, _ in plans], keys)
     for host, _ in plans:
         host_dir(out, host)
     out.mkdir(parents=True, exist_ok=True)
     text = Path(cluster_file).read_text(encoding="utf-8")
-    tunnel = keys is not None
     for host, indexes in plans:
         netns = netns_name(host) if tunnel else None
-        sides = proxies[canonical_host(host)]
+        sides = proxies.get(canonical_host(host), [])
         files = {
             "README.md": sync_readme(
                 host, indexes, config_dir=config_dir, tunnel=tunnel, proxies=sides
@@ -222,9 +207,7 @@ def render_sync(
         }
         if netns is not None:
             files.update(tunnel_units(bin_dir=bin_dir, config_dir=config_dir, netns=netns))
-        _write_dir(out, host_dir(out, host), files)
-        if host in secrets:
-            _write_dir(out, host_dir(out, host), {TUNNEL_CONF: secrets[host]}, 0o600)
+        _write_host(out, host, files, secrets.get(host))
     _write_dir(out, out, sync_prometheus_files(cluster))
     return plans
 
@@ -264,6 +247,14 @@ def _write_dir(out: Path, path: Path, files: Mapping[str, str], mode: int = 0o64
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(content)
         target.chmod(mode)
+
+
+def _write_host(out: Path, host: str, files: Mapping[str, str], secret: str | None) -> None:
+    """OUT/<host>/: ``files``, and the host's tunnel.conf (0600) when it has one."""
+    directory = host_dir(out, host)
+    _write_dir(out, directory, files)
+    if secret is not None:
+        _write_dir(out, directory, {TUNNEL_CONF: secret}, 0o600)
 
 
 def _warn_about_bin_dir(bin_dir: str) -> None:

@@ -179,8 +179,8 @@ def tunnel_units(*, bin_dir: str, config_dir: str, netns: str) -> dict[str, str]
 def unit_files(
     *, bin_dir: str, config_dir: str, netns: str | None, roles: Sequence[str] = SERVER_ROLES
 ) -> dict[str, str]:
-    """The server templates for ``roles``, the coordinator unit, the target and (in the
-    job's namespace ``netns``; None: --open-tf-ports) the tunnel's units, by name."""
+    """The server templates for ``roles``, the coordinator unit and the target, by name;
+    in the job's namespace ``netns`` (None: --open-tf-ports)."""
     files = {
         unit_name(r): _server_unit(r, bin_dir=bin_dir, config_dir=config_dir, netns=netns)
         for r in roles
@@ -189,8 +189,6 @@ def unit_files(
         COORDINATOR_UNIT, bin_dir=bin_dir, config_dir=config_dir, netns=netns
     )
     files[TARGET] = target_unit()
-    if netns is not None:
-        files.update(tunnel_units(bin_dir=bin_dir, config_dir=config_dir, netns=netns))
     return files
 
 
@@ -250,6 +248,9 @@ def reference_files() -> dict[str, str]:
     """deploy/systemd/: the units and env files as rendered for /opt/psctl/venv."""
     netns = netns_name(EXAMPLE_HOST)
     files = unit_files(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR, netns=netns)
+    files.update(
+        tunnel_units(bin_dir=REFERENCE_BIN_DIR, config_dir=DEFAULT_CONFIG_DIR, netns=netns)
+    )
     files["psctl.env"] = host_env(config_dir=DEFAULT_CONFIG_DIR, tunnel=True)
     files["coordinator.env"] = coordinator_env()
     files[SYNC_UNIT] = sync_unit(
