@@ -36,18 +36,28 @@
 
 static long long delay_ns;
 
-struct chunk {
-    struct chunk *next;
+/* What the delay queue holds: a chunk of a TCP stream or a datagram begins with one. */
+struct item {
+    struct item *next;
     long long due_ns;
+};
+
+/* Items in the order read, each sent at its stamp by the one thread that pops them. */
+struct queue {
+    pthread_mutex_t lock;
+    pthread_cond_t ready;
+    struct item *head, *tail;
+};
+
+struct chunk {
+    struct item item;
     ssize_t len; /* 0: end of stream */
     char data[];
 };
 
 struct pipe {
     int in, out;
-    pthread_mutex_t lock;
-    pthread_cond_t ready;
-    struct chunk *head, *tail;
+    struct queue queue;
     struct conn *conn;
 };
 
@@ -71,16 +81,42 @@ static void release(struct conn *c) {
     }
 }
 
-static void push(struct pipe *p, struct chunk *ch) {
-    ch->next = NULL;
-    pthread_mutex_lock(&p->lock);
-    if (p->tail)
-        p->tail->next = ch;
+static void queue_init(struct queue *q) {
+    q->head = q->tail = NULL;
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->ready, NULL);
+}
+
+/* Stamps ``it`` with now + the delay and appends it. */
+static void push(struct queue *q, struct item *it) {
+    it->next = NULL;
+    it->due_ns = now_ns() + delay_ns;
+    pthread_mutex_lock(&q->lock);
+    if (q->tail)
+        q->tail->next = it;
     else
-        p->head = ch;
-    p->tail = ch;
-    pthread_cond_signal(&p->ready);
-    pthread_mutex_unlock(&p->lock);
+        q->head = it;
+    q->tail = it;
+    pthread_cond_signal(&q->ready);
+    pthread_mutex_unlock(&q->lock);
+}
+
+/* The oldest item, once its stamp has come (waits for one, then sleeps until then). */
+static struct item *pop_due(struct queue *q) {
+    pthread_mutex_lock(&q->lock);
+    while (!q->head)
+        pthread_cond_wait(&q->ready, &q->lock);
+    struct item *it = q->head;
+    q->head = it->next;
+    if (!q->head)
+        q->tail = NULL;
+    pthread_mutex_unlock(&q->lock);
+    if (delay_ns > 0) {
+        struct timespec due = {it->due_ns / 1000000000LL, it->due_ns % 1000000000LL};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, NULL) == EINTR) {
+        }
+    }
+    return it;
 }
 
 static void *reader(void *arg) {
@@ -95,8 +131,7 @@ static void *reader(void *arg) {
             continue;
         }
         ch->len = n > 0 ? n : 0;
-        ch->due_ns = now_ns() + delay_ns;
-        push(p, ch);
+        push(&p->queue, &ch->item);
         if (n <= 0)
             break;
     }
@@ -108,22 +143,10 @@ static void *writer(void *arg) {
     struct pipe *p = arg;
     int failed = 0;
     for (;;) {
-        pthread_mutex_lock(&p->lock);
-        while (!p->head)
-            pthread_cond_wait(&p->ready, &p->lock);
-        struct chunk *ch = p->head;
-        p->head = ch->next;
-        if (!p->head)
-            p->tail = NULL;
-        pthread_mutex_unlock(&p->lock);
+        struct chunk *ch = (struct chunk *)pop_due(&p->queue);
         if (ch->len == 0) {
             free(ch);
             break;
-        }
-        if (delay_ns > 0) {
-            struct timespec due = {ch->due_ns / 1000000000LL, ch->due_ns % 1000000000LL};
-            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, NULL) == EINTR) {
-            }
         }
         for (ssize_t sent = 0; !failed && sent < ch->len;) {
             ssize_t n = send(p->out, ch->data + sent, ch->len - sent, MSG_NOSIGNAL);
@@ -174,10 +197,8 @@ static void start(pthread_t *t, void *(*fn)(void *), void *arg) {
 static void init_pipe(struct pipe *p, int in, int out, struct conn *c) {
     p->in = in;
     p->out = out;
-    p->head = p->tail = NULL;
     p->conn = c;
-    pthread_mutex_init(&p->lock, NULL);
-    pthread_cond_init(&p->ready, NULL);
+    queue_init(&p->queue);
 }
 
 struct listener {
@@ -227,8 +248,7 @@ static void *acceptor(void *arg) {
 #define CLIENTS 64
 
 struct datagram {
-    struct datagram *next;
-    long long due_ns;
+    struct item item;
     int fd;
     struct sockaddr_in to;
     ssize_t len;
@@ -246,9 +266,7 @@ struct udp_client {
 struct udp_pair {
     int fd; /* bound to LISTEN */
     struct sockaddr_in target;
-    pthread_mutex_t lock;
-    pthread_cond_t ready;
-    struct datagram *head, *tail;
+    struct queue queue;
     struct udp_client clients[CLIENTS];
     int count;
 };
@@ -258,38 +276,17 @@ static void udp_push(struct udp_pair *p, int fd, const struct sockaddr_in *to, c
     struct datagram *d = malloc(sizeof *d + len);
     if (!d)
         abort();
-    d->next = NULL;
-    d->due_ns = now_ns() + delay_ns;
     d->fd = fd;
     d->to = *to;
     d->len = len;
     memcpy(d->data, data, len);
-    pthread_mutex_lock(&p->lock);
-    if (p->tail)
-        p->tail->next = d;
-    else
-        p->head = d;
-    p->tail = d;
-    pthread_cond_signal(&p->ready);
-    pthread_mutex_unlock(&p->lock);
+    push(&p->queue, &d->item);
 }
 
 static void *udp_sender(void *arg) {
     struct udp_pair *p = arg;
     for (;;) {
-        pthread_mutex_lock(&p->lock);
-        while (!p->head)
-            pthread_cond_wait(&p->ready, &p->lock);
-        struct datagram *d = p->head;
-        p->head = d->next;
-        if (!p->head)
-            p->tail = NULL;
-        pthread_mutex_unlock(&p->lock);
-        if (delay_ns > 0) {
-            struct timespec due = {d->due_ns / 1000000000LL, d->due_ns % 1000000000LL};
-            while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, NULL) == EINTR) {
-            }
-        }
+        struct datagram *d = (struct datagram *)pop_due(&p->queue);
         sendto(d->fd, d->data, d->len, 0, (struct sockaddr *)&d->to, sizeof d->to);
         free(d);
     }
@@ -383,8 +380,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "relay: %s: %s\n", spec, strerror(errno));
                 return 1;
             }
-            pthread_mutex_init(&us[i].lock, NULL);
-            pthread_cond_init(&us[i].ready, NULL);
+            queue_init(&us[i].queue);
             ls[i].fd = -1;
             continue;
         }
