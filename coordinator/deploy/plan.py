@@ -88,9 +88,12 @@ class HostPlan:
         API): what the proxies carry out of the job's namespace."""
         found = []
         if self.chief_port is not None:
-            found += [CONTROL_ADDRESS, f"{self.host}:{COORDINATOR_METRICS_PORT}"]
+            found += [CONTROL_ADDRESS, str(Address(self.host, COORDINATOR_METRICS_PORT))]
         for s in self.servers:
-            found += [f"{s.host}:{s.health_port}", f"{s.host}:{s.metrics_port}"]
+            found += [
+                str(s.address.with_port(s.health_port)),
+                str(s.address.with_port(s.metrics_port)),
+            ]
         return found
 
     @property

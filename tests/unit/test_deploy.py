@@ -511,6 +511,26 @@ def test_readme_starts_the_tunnel_and_a_proxy_for_every_side_port(rendered: Path
     assert exec_argv(forward, "10.0.0.3:3222", {}) == [PROXYD, "10.0.0.3:3222"]
 
 
+def test_ipv6_side_ports_are_proxied_at_bracketed_addresses(tmp_path: Path):
+    body = {"cluster": {"chief": ["[fd00::1]:2222"], "ps": ["[fd00::2]:2222"]}}
+    body["cluster"]["worker"] = ["[fd00::2]:2223"]
+    (tmp_path / "c.json").write_text(json.dumps(body))
+    keys = fake_keys(tmp_path / "k", ["fd00::1", "fd00::2"])
+    render(cluster_file=str(tmp_path / "c.json"), out=tmp_path / "o", bin_dir=BIN_DIR, keys=keys)
+    found = {}
+    for host in ("fd00::1", "fd00::2"):
+        readme = (tmp_path / "o" / host / "README.md").read_text()
+        found[host] = [
+            unescape_instance(i) for i in re.findall(r"'psctl-proxy@(\S+)\.socket'", readme)
+        ]
+    assert found == {
+        "fd00::1": ["127.0.0.1:7070", "[fd00::1]:9940"],
+        "fd00::2": ["[fd00::2]:3222", "[fd00::2]:4222", "[fd00::2]:3223", "[fd00::2]:4223"],
+    }
+    peers = read_peers(tmp_path / "o" / "fd00::1" / "tunnel.conf")
+    assert [(p.endpoint, p.allowed) for p in peers] == [("[fd00::2]:51820", ("fd00::2/128",))]
+
+
 def test_tunnel_units_verify(rendered: Path):
     proxies = [r"psctl-proxy@10.0.0.3\x3a3222.socket", r"psctl-proxy@10.0.0.3\x3a3222.service"]
     verify(rendered / "10.0.0.3", [TUNNEL_UNIT, "psctl-ps@1.service", *proxies])
