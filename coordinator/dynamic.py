@@ -9,10 +9,11 @@ about 1.35x the payload (measured: docs/embeddings.md); the three tables per sha
 it (vectors, counts, slots, each an allocation per key) took 2.9x. Ids not yet admitted are
 counted in a count-min sketch of fixed size (``Sketch``), not in the table.
 
-Anywhere else (the checkpoint's skeleton, ``psctl evaluate``, ``psctl export``) a table is
-``ServingTables``: the layout checkpoints and SavedModels hold, three tables keyed by the
-ids (``embeddings``: the vectors; ``meta``: ``[count, last_seen, admitted]``; ``slots``: the
-optimizer's, side by side). Checkpoints hold each as the one-shard table's (keys, values),
+Anywhere else (the checkpoint's skeleton, ``psctl evaluate``, ``psctl export``, a model
+Keras trains itself in one process: ``OneProcess``) a table is ``ServingTables``: the
+layout checkpoints and SavedModels hold, three tables keyed by the ids (``embeddings``: the
+vectors; ``meta``: ``[count, last_seen, admitted]``; ``slots``: the optimizer's, side by
+side). Checkpoints hold each as the one-shard table's (keys, values),
 saved in slices by the ps tasks and re-split over however many there are when they are
 restored (training/sharded_save.py).
 
@@ -27,14 +28,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from psctl.coordinator.dynamic_rows import (
+    ABSENT,
+    COUNTER_CAP,
+    LAST_SEEN,
+    META_WIDTH,
+    Merged,
+    dense,
+    to_remove,
+    update_rows,
+)
 from psctl.coordinator.layers import (
     LayerSettingError,
     combiner_setting,
@@ -42,6 +54,7 @@ from psctl.coordinator.layers import (
     pool,
     pooled_shape,
 )
+from psctl.coordinator.training.sparse import SparseRule
 
 log = logging.getLogger(__name__)
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
@@ -66,10 +79,6 @@ def split_by_shard(keys: Any, num_shards: int) -> tuple[list[Any], list[Any]]:
     return positions, tf.dynamic_partition(keys, part, num_shards)
 
 
-META_WIDTH = 3  # a checkpoint's meta rows: count, last_seen, admitted
-COUNT, LAST_SEEN, ADMITTED = 0, 1, 2
-ABSENT = -1  # the last_seen a key without a row reads on a ps
-COUNTER_CAP = 2**30  # counts and steps stop here: as int32 bits, a finite float
 SKETCH_DEPTH = 4
 DEFAULT_SKETCH_WIDTH = 2**21  # counters per row: 32 MB per shard at depth 4
 _SKETCH_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
@@ -227,14 +236,19 @@ def _malloc_chunk(request: int) -> int:
 @dataclass
 class ServingTables:
     """A dynamic table in one process (the checkpoint's skeleton, ``psctl evaluate``,
-    ``psctl export``): the layout checkpoints and SavedModels hold, three tables keyed by
-    the ids: ``embeddings`` (the vectors), ``meta`` (``[count, last_seen, admitted]``) and
-    ``slots`` (the optimizer's, side by side; once ``ensure_slots`` knows them)."""
+    ``psctl export``, a model trained by Keras itself): the layout checkpoints and
+    SavedModels hold, three tables keyed by the ids: ``embeddings`` (the vectors), ``meta``
+    (``[count, last_seen, admitted]``) and ``slots`` (the optimizer's, side by side; once
+    ``ensure_slots`` knows them). ``read``/``write``/``evict`` are a shard's
+    (dynamic_rows.py), for training in one process."""
 
     embeddings: Any
     meta: Any
     counters: Any  # int64 [admitted, evicted]: the totals
+    dim: int
     slots: Any = None
+    slot_kinds: tuple[str, ...] = ()
+    sketch: Sketch | None = None  # ids not yet admitted, when trained in one process
 
     def tables(self) -> dict[str, Any]:
         found = {"embeddings": self.embeddings, "meta": self.meta}
@@ -242,10 +256,54 @@ class ServingTables:
             found["slots"] = self.slots
         return found
 
+    def read(self, keys: Any) -> tuple[Any, Any, Any]:
+        """(vectors, meta, slots or None) of ``keys``."""
+        d = self.dim
+        slots = None
+        if self.slots is not None:
+            slots = tf.reshape(self.slots.lookup(keys), [-1, d * len(self.slot_kinds)])
+        vectors = tf.reshape(self.embeddings.lookup(keys), [-1, d])
+        return vectors, tf.reshape(self.meta.lookup(keys), [-1, META_WIDTH]), slots
+
+    def write(self, keys: Any, vectors: Any, slots: Any, count: Any, last_seen: Any) -> None:
+        """Give ``keys`` rows (admitted) with these values."""
+        cap = tf.constant(COUNTER_CAP, tf.int64)
+        count = tf.minimum(tf.cast(count, tf.int64), cap)
+        last_seen = tf.minimum(tf.cast(last_seen, tf.int64), cap)
+        self.embeddings.insert(keys, vectors)
+        self.meta.insert(keys, tf.stack([count, last_seen, tf.ones_like(count)], axis=1))
+        if slots is not None:
+            self.slots.insert(keys, slots)
+
+    def evict(self, step: Any, ttl_steps: int | None, max_rows: int | None) -> Any:
+        """Remove the rows ``to_remove`` names at ``step``; how many."""
+        keys, meta = self.meta.export()
+        remove = to_remove(tf.reshape(meta, [-1, META_WIDTH])[:, LAST_SEEN], step, ttl_steps,
+                           max_rows)  # fmt: skip
+        gone = tf.boolean_mask(tf.reshape(keys, [-1]), remove)
+        for table in self.tables().values():
+            table.remove(gone)
+        evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
+        self.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
+        return evicted
+
 
 class _Context(threading.local):
     devices: list[str] | None = None  # where shards go while psctl builds on a cluster
     records: Records | None = None  # lookups a training step records
+    by_psctl: bool = False  # psctl builds the model: its own step trains the tables
+
+
+@contextlib.contextmanager
+def built_by_psctl() -> Iterator[None]:
+    """DynamicEmbedding layers made in this block (the job's ``create_model()``, when psctl
+    calls it) are trained by psctl's step, or not at all (evaluation, export), never by
+    Keras: they get no ``OneProcess``."""
+    previous, _CONTEXT.by_psctl = _CONTEXT.by_psctl, True
+    try:
+        yield
+    finally:
+        _CONTEXT.by_psctl = previous
 
 
 _CONTEXT = _Context()
@@ -323,6 +381,102 @@ def _initializer(spec: Any) -> Any:
     )
 
 
+class OneProcess:
+    """A DynamicEmbedding trained in one process by Keras itself (``model.fit``, or a
+    ``GradientTape`` loop), with no psctl: the same rules as psctl's step
+    (dynamic_rows.py: admission, the optimizer's sparse rule, eviction), on the layer's
+    ``ServingTables``.
+
+    A lookup in training passes through a custom gradient that applies the rule to the
+    rows it read. Keras only asks for the gradients of its variables, so the lookup
+    depends on one: ``anchor``, an empty trainable weight of the layer (its own gradient
+    is empty too). The rule is the model's optimizer's (``model.compile(optimizer=...)``),
+    each id stamped with the optimizer's step; a layer called on several features in one
+    step updates an id once per call (psctl's step merges them). Eviction runs every
+    ``EVICT_EVERY_STEPS`` steps (or every ``ttl_steps``, if fewer), where psctl evicts
+    every few seconds; ``max_rows_per_shard`` caps the one table here."""
+
+    EVICT_EVERY_STEPS = 100
+
+    def __init__(self, layer: DynamicEmbedding, tables: ServingTables) -> None:
+        self.layer = layer
+        self.tables = tables
+        self.anchor = layer.add_weight(
+            shape=(0,), initializer="zeros", trainable=True, name="one_process_updates"
+        )
+        self.rules: dict[int, Any] = {}
+
+    def vectors(self, keys: Any, counts: Any) -> Any:
+        """The vectors of distinct ``keys`` (seen ``counts`` times in the batch), which
+        the gradient of the step updates."""
+        model = self.layer._get_call_context().entry_layer  # the model being trained
+        tables = self.tables
+
+        @tf.custom_gradient
+        def looked_up(anchor: Any) -> Any:
+            vectors = tables.read(keys)[0]
+
+            def gradient(upstream: Any) -> Any:
+                self.update(model, keys, counts, dense(upstream, vectors))
+                return tf.zeros_like(anchor)
+
+            return tf.identity(vectors), gradient
+
+        return looked_up(tf.convert_to_tensor(self.anchor.value))
+
+    def update(self, model: Any, keys: Any, counts: Any, grads: Any) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError(
+                f"DynamicEmbedding {self.layer.name!r} trains with the model's optimizer, and "
+                "the model has none: call model.compile(optimizer=...) with the optimizer "
+                "your loop applies"
+            )
+        rule = self.rules.get(id(optimizer))
+        if rule is None:
+            rule = self.rules[id(optimizer)] = SparseRule(optimizer)
+            attach_slots([self.layer], rule)
+        step = tf.cast(optimizer.iterations, tf.int64) + 1
+        vectors, meta, slots = self.tables.read(keys)  # now: an earlier call may have moved them
+        update_rows(
+            rule,
+            self.layer,
+            self.tables,
+            Merged(keys, counts, vectors, meta, slots, grads),
+            stamp=step,
+            lr=tf.cast(rule.learning_rate(), vectors.dtype),
+            opt_step=tf.cast(step, tf.float32),
+        )
+        self.evict(step)
+
+    def evict(self, step: Any) -> None:
+        layer, tables = self.layer, self.tables
+        ttl, cap = layer.ttl_steps, layer.max_rows_per_shard
+        if ttl is not None or cap is not None:
+            every = min(self.EVICT_EVERY_STEPS, ttl or self.EVICT_EVERY_STEPS)
+            _every(step, every, lambda: tables.evict(step, ttl, cap))
+        if ttl is not None and tables.sketch is not None:
+            sketch = tables.sketch
+            _every(step, ttl, sketch.halve)
+
+
+def _every(step: Any, period: int, action: Any) -> None:
+    """Run ``action`` at the steps that are multiples of ``period`` (in a graph too)."""
+
+    def run() -> Any:
+        action()
+        return tf.constant(True)
+
+    tf.cond(tf.equal(step % period, 0), run, lambda: tf.constant(False))
+
+
+def attach_slots(layers: Sequence[DynamicEmbedding], rule: Any) -> None:
+    """Give every layer's shards the slot tables of the optimizer's ``SparseRule``."""
+    initial = {kind: rule.initial(kind) for kind in rule.kinds}
+    for layer in layers:
+        layer.ensure_slots(rule.kinds, initial)
+
+
 @keras.saving.register_keras_serializable(package="psctl")
 class DynamicEmbedding(keras.layers.Layer):
     """An embedding table keyed by raw ids, with no vocabulary size.
@@ -344,6 +498,8 @@ class DynamicEmbedding(keras.layers.Layer):
     - Eviction: an id not seen for ``ttl_steps`` global steps is removed (its row: vector,
       slots and counts), and each shard keeps at most ``max_rows_per_shard`` rows, the
       least recently seen removed first. psctl evicts every few seconds while training.
+    - Outside psctl (Keras' ``model.fit`` or a ``GradientTape`` loop in one process) the
+      table trains by the same rules, with the model's optimizer (``OneProcess``).
     """
 
     def __init__(
@@ -372,10 +528,9 @@ class DynamicEmbedding(keras.layers.Layer):
         )
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.initial_rows = _initializer(self.embeddings_initializer)
-        # psctl's training step updates the tables (``ensure_slots`` says it will); Keras'
-        # own fit or a GradientTape loop cannot: it sees no variable to train.
-        self.updated_by_psctl = False
-        self._warned_untrained = False
+        self.supports_jit = False  # hash tables: no XLA in Keras' fit
+        self.by_psctl = _CONTEXT.by_psctl  # made by psctl (job.py): psctl's step trains it
+        self.one_process: OneProcess | None = None  # else trained by Keras itself
 
     # -- the tables ----------------------------------------------------------------------
 
@@ -394,6 +549,10 @@ class DynamicEmbedding(keras.layers.Layer):
             self.meta_table = tables.meta
             self.counters = tables.counters
             shards = [tables]
+            if not self.by_psctl:
+                if self.admit_after > 1:
+                    tables.sketch = Sketch(self.admission_sketch_width, None)
+                self.one_process = OneProcess(self, tables)
         object.__setattr__(self, "_psctl_shards", shards)
         self.built = True
 
@@ -420,6 +579,7 @@ class DynamicEmbedding(keras.layers.Layer):
                     tf.int64, tf.int64, default_value=tf.zeros([META_WIDTH], tf.int64)
                 ),
                 counters=tf.Variable(tf.zeros([2], tf.int64), trainable=False),
+                dim=self.output_dim,
             )
 
     @property
@@ -436,7 +596,6 @@ class DynamicEmbedding(keras.layers.Layer):
     def ensure_slots(self, kinds: tuple[str, ...], initial: dict[str, float]) -> None:
         """Give every shard room for an optimizer keeping ``kinds`` per row (``initial``:
         each kind's value for a new row)."""
-        self.updated_by_psctl = True
         shards = self.shards
         if not kinds or not shards or tuple(kinds) == getattr(shards[0], "slot_kinds", None):
             return
@@ -445,11 +604,12 @@ class DynamicEmbedding(keras.layers.Layer):
                 return
             dtype = self.dtype_of_rows
             d = self.output_dim
-            default = tf.concat([tf.fill([d], tf.constant(initial[k], dtype)) for k in kinds], 0)
-            with tf.init_scope():
+            with tf.init_scope():  # out of any function being traced (Keras' fit)
+                default = [tf.fill([d], tf.constant(initial[k], dtype)) for k in kinds]
                 shards[0].slots = tf.lookup.experimental.MutableHashTable(
-                    tf.int64, dtype, default_value=default
+                    tf.int64, dtype, default_value=tf.concat(default, 0)
                 )
+            shards[0].slot_kinds = tuple(kinds)
             self.slot_table = shards[0].slots
             return
         for shard in shards:
@@ -504,15 +664,6 @@ class DynamicEmbedding(keras.layers.Layer):
         return found[0], found[1], found[2]
 
     def call(self, inputs: Any, training: Any = None) -> Any:
-        if training and not self.updated_by_psctl and not self._warned_untrained:
-            self._warned_untrained = True  # once per layer (a trace runs this once)
-            log.warning(
-                "DynamicEmbedding %r is training outside psctl (Keras' fit or a GradientTape "
-                "loop): its table has no Keras variable and is updated only by psctl's "
-                "training step, so here every id reads zeros and nothing is learned; train "
-                "the model with psctl local or psctl train (docs/embeddings.md)",
-                self.name,
-            )
         keys, valid = self.keys(inputs)
         shape = tf.shape(keys)
         flat_keys = tf.reshape(keys, [-1])
@@ -520,7 +671,10 @@ class DynamicEmbedding(keras.layers.Layer):
         where = tf.where(flat_valid)
         distinct, index, counts = tf.unique_with_counts(tf.gather_nd(flat_keys, where))
         records = _CONTEXT.records
-        vectors, meta, slots = self._lookup(distinct, with_state=records is not None)
+        if records is None and training and self.one_process is not None:
+            vectors = self.one_process.vectors(distinct, tf.cast(counts, tf.int64))
+        else:
+            vectors, meta, slots = self._lookup(distinct, with_state=records is not None)
         if records is not None:
             records.tape.watch(vectors)
             counts = tf.cast(counts, tf.int64)
@@ -534,6 +688,41 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         return pooled_shape(input_shape, self.output_dim, self.combiner)
+
+    # -- Keras' own files (model.save, save_weights) -------------------------------------
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras' weights, then the one-process tables (keys and values of each) and their
+        counts and slot kinds: ``.keras`` and ``.weights.h5`` files hold the rows too."""
+        super().save_own_variables(store)
+        tables = self.shards[0] if self.shards else None
+        if not isinstance(tables, ServingTables):
+            return
+        for name, table in tables.tables().items():
+            keys, values = table.export()
+            store[f"{name}_keys"], store[f"{name}_values"] = keys.numpy(), values.numpy()
+        store["counters"] = tables.counters.numpy()
+        if tables.slots is not None:
+            store["slot_kinds"] = np.frombuffer(",".join(tables.slot_kinds).encode(), np.uint8)
+            keys = tf.constant([-1], tf.int64)  # never a key: reads the new rows' slots
+            store["slot_default"] = tables.slots.lookup(keys).numpy()[0]
+
+    def load_own_variables(self, store: Any) -> None:
+        variables = self._trainable_variables + self._non_trainable_variables
+        for index, variable in enumerate(variables):
+            variable.assign(store[f"{index}"])
+        tables = self.shards[0] if self.shards else None
+        if not isinstance(tables, ServingTables) or "embeddings_keys" not in store:
+            return
+        if "slot_kinds" in store and tables.slots is None:
+            kinds = tuple(bytes(np.asarray(store["slot_kinds"], np.uint8)).decode().split(","))
+            default = np.asarray(store["slot_default"])
+            d = self.output_dim
+            self.ensure_slots(kinds, {k: float(default[i * d]) for i, k in enumerate(kinds)})
+        for name, table in tables.tables().items():
+            if f"{name}_keys" in store:
+                table.insert(store[f"{name}_keys"], store[f"{name}_values"])
+        tables.counters.assign(store["counters"])
 
     def get_config(self) -> dict[str, Any]:
         config: dict[str, Any] = super().get_config()

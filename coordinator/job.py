@@ -307,7 +307,10 @@ def _checked(job: Job) -> Job:
     def create_model() -> Any:
         import keras
 
-        model = job.create_model()
+        from psctl.coordinator.dynamic import built_by_psctl
+
+        with built_by_psctl():
+            model = job.create_model()
         if not isinstance(model, keras.Model):
             raise ConfigError(
                 field,

@@ -6,7 +6,8 @@ while training, the counts an operator sees, and the checkpoint transfers.
   once), go to the shard that holds them; each shard's ``meta`` counts them and stamps the
   global step; admitted ids get the job optimizer's sparse rule (sparse.py: lazy Adam,
   Adagrad, SGD with momentum/Nesterov, Ftrl; slots per key next to it) and ids that reach
-  ``admit_after`` get their first vector.
+  ``admit_after`` get their first vector (the rule: ``dynamic_rows.update_rows``, which a
+  layer trained in one process uses too).
 - **Concurrency**: a worker reads a key's row, and writes back the result of its update
   (``insert``). Two workers updating one key at once: the last write wins (one
   update of that key is lost), where the fixed tables add both changes (``scatter_add``).
@@ -28,34 +29,25 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
 from psctl.coordinator.dynamic import (
-    ADMITTED,
-    COUNT,
-    LAST_SEEN,
     DynamicEmbedding,
     Lookup,
     PackedShard,
     Records,
+    attach_slots,
     split_by_shard,
 )
+from psctl.coordinator.dynamic_rows import LAST_SEEN, Merged, dense, to_remove, update_rows
 from psctl.coordinator.training.sparse import SparseRule
 
 log = logging.getLogger(__name__)
 
 EVICT_EVERY = 5.0  # seconds between eviction passes while training
 PUBLISH_EVERY = 2.0  # seconds between reads of the tables' counts (status, metrics)
-
-
-def attach_slots(layers: Sequence[DynamicEmbedding], rule: SparseRule) -> None:
-    """Give every layer's shards the slot tables of the job's optimizer."""
-    initial = {kind: rule.initial(kind) for kind in rule.kinds}
-    for layer in layers:
-        layer.ensure_slots(rule.kinds, initial)
 
 
 class DynamicUpdater:
@@ -80,88 +72,17 @@ class DynamicUpdater:
         for pairs in by_layer.values():
             layer = pairs[0][0].layer
             merged = _merge(pairs)
-            positions, parts = split_by_shard(merged.keys, len(layer.packed))
-            for shard, where, part in zip(layer.packed, positions, parts, strict=True):
-                self._update_shard(
+            positions, _ = split_by_shard(merged.keys, len(layer.packed))
+            for shard, where in zip(layer.packed, positions, strict=True):
+                update_rows(
+                    self.rule,
                     layer,
                     shard,
-                    part,
                     merged.rows(where),
                     stamp=stamp,
                     lr=tf.cast(lr, merged.vectors.dtype),
                     opt_step=opt_step,
                 )
-
-    def _update_shard(
-        self,
-        layer: DynamicEmbedding,
-        shard: PackedShard,
-        keys: Any,
-        rows: Merged,
-        *,
-        stamp: Any,
-        lr: Any,
-        opt_step: Any,
-    ) -> None:
-        admitted = rows.meta[:, ADMITTED] > 0
-        absent = tf.logical_not(admitted)
-        # The ids without a row: counted (in the sketch when admission takes more than one
-        # sighting), and given their first vector when the count reaches admit_after.
-        keys_n = tf.boolean_mask(keys, absent)
-        seen = tf.boolean_mask(rows.counts, absent)
-        if shard.sketch is not None:
-            seen = shard.sketch.add(keys_n, seen)
-        new = seen >= layer.admit_after
-        keys_n, seen = tf.boolean_mask(keys_n, new), tf.boolean_mask(seen, new)
-        n = tf.size(keys_n)
-        # The admitted ids: the optimizer's rule, on their vectors and slots.
-        keys_a = tf.boolean_mask(keys, admitted)
-        w = tf.boolean_mask(rows.vectors, admitted)
-        g = tf.boolean_mask(rows.grads, admitted)
-        kinds = shard.slot_kinds
-        before: dict[str, Any] = {}
-        if kinds:
-            stacked = tf.split(tf.boolean_mask(rows.slots, admitted), len(kinds), axis=1)
-            before = dict(zip(kinds, stacked, strict=True))
-        delta, after = self.rule(lambda: w, before, g, lr, opt_step)
-        vectors = [w + delta, layer.initial_rows(n, layer.output_dim, w.dtype)]
-        slots = None
-        if kinds:
-            fresh = tf.boolean_mask(tf.boolean_mask(rows.slots, absent), new)  # the defaults
-            slots = tf.concat([tf.concat([after[kind] for kind in kinds], axis=1), fresh], 0)
-        count_a = tf.boolean_mask(rows.meta[:, COUNT] + rows.counts, admitted)
-        count = tf.concat([count_a, seen], 0)
-        # One insert: each key's row, vector, slots and counts together.
-        shard.write(
-            tf.concat([keys_a, keys_n], 0),
-            tf.concat(vectors, 0),
-            slots,
-            count,
-            tf.fill(tf.shape(count), stamp),
-        )
-        shard.counters.assign_add(tf.stack([tf.cast(n, tf.int64), tf.constant(0, tf.int64)]))
-
-
-@dataclass(frozen=True)
-class Merged:
-    """A table's lookups in one step, one row per distinct key: how often it occurred, the
-    vector, meta row and slots it read, and its gradient."""
-
-    keys: Any
-    counts: Any
-    vectors: Any
-    meta: Any
-    slots: Any
-    grads: Any
-
-    def rows(self, where: Any) -> Merged:
-        """The rows at positions ``where``."""
-
-        def pick(t: Any) -> Any:
-            return None if t is None else tf.gather(t, where)
-
-        return Merged(*(pick(t) for t in (self.keys, self.counts, self.vectors, self.meta,
-                                          self.slots, self.grads)))  # fmt: skip
 
 
 def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
@@ -170,7 +91,7 @@ def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
     if len(pairs) == 1:
         one, grad = pairs[0]
         return Merged(
-            one.keys, one.counts, one.vectors, one.meta, one.slots, _dense(grad, one.vectors)
+            one.keys, one.counts, one.vectors, one.meta, one.slots, dense(grad, one.vectors)
         )
     lookups = [lookup for lookup, _ in pairs]
 
@@ -179,7 +100,7 @@ def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
         return None if parts[0] is None else tf.concat(parts, 0)
 
     keys = joined("keys")
-    grads = tf.concat([_dense(grad, lookup.vectors) for lookup, grad in pairs], 0)
+    grads = tf.concat([dense(grad, lookup.vectors) for lookup, grad in pairs], 0)
     distinct, position = tf.unique(keys)
     n = tf.size(distinct)
     first = tf.math.unsorted_segment_min(tf.range(tf.size(keys)), position, n)
@@ -198,12 +119,6 @@ def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
     )
 
 
-def _dense(grad: Any, like: Any) -> Any:
-    if grad is None:  # the features were looked up but did not reach the loss
-        return tf.zeros_like(like)
-    return tf.convert_to_tensor(grad)
-
-
 # -- eviction and counts -------------------------------------------------------------------
 
 
@@ -213,18 +128,7 @@ def _evict_shard(layer: DynamicEmbedding, shard: PackedShard, step: Any) -> Any:
     keys, values = shard.table.export()
     keys = tf.reshape(keys, [-1])
     last = shard.unpack(values)[1][:, LAST_SEEN]
-    remove = tf.zeros_like(keys, tf.bool)
-    if layer.ttl_steps is not None:
-        remove = tf.logical_or(remove, last < step - layer.ttl_steps)
-    if layer.max_rows_per_shard is not None:
-        kept = tf.logical_not(remove)
-        # int64: a cap beyond int32 (up to layers.MAX_SETTING) keeps every row.
-        kept_count = tf.reduce_sum(tf.cast(kept, tf.int64))
-        excess = tf.cast(tf.maximum(kept_count - layer.max_rows_per_shard, 0), tf.int32)
-        age = tf.where(kept, -last, tf.fill(tf.shape(last), tf.int64.min))
-        _, oldest = tf.math.top_k(age, k=excess)
-        hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))
-        remove = tf.logical_or(remove, hits)
+    remove = to_remove(last, step, layer.ttl_steps, layer.max_rows_per_shard)
     shard.table.remove(tf.boolean_mask(keys, remove))
     evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
     shard.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))

@@ -307,18 +307,3 @@ def test_a_subclassed_model_builds_its_tables_outside_the_symbolic_trace():
     shard = model.table.shards[0]
     shard.embeddings.insert(tf.constant([1], tf.int64), tf.ones([1, DIM]))  # eager, usable
     assert model({"ids": tf.constant([[1, 2, -1]], tf.int64)}).shape == (1, 1)
-
-
-def test_keras_fit_outside_psctl_warns_once_that_the_table_does_not_learn(caplog):
-    """Plain Keras cannot train a DynamicEmbedding (no Keras variable; psctl's step updates
-    it): model.fit says so once, instead of training on zeros in silence."""
-    ids = keras.Input((2,), dtype="int64", name="ids")
-    layer = DynamicEmbedding(4, combiner="sum", name="items")
-    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
-    model.compile(optimizer="sgd", loss="mse")
-    x, y = np.array([[1, 2], [3, 4]] * 8, np.int64), np.ones((16, 1), np.float32)
-    with caplog.at_level("WARNING", logger="psctl.coordinator.dynamic"):
-        model.fit(x, y, epochs=2, batch_size=4, verbose=0)
-        model.predict(x, verbose=0)
-    said = [r.getMessage() for r in caplog.records if "training outside psctl" in r.getMessage()]
-    assert len(said) == 1 and "'items'" in said[0], said
