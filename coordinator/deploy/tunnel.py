@@ -43,6 +43,7 @@ from pathlib import Path
 
 from psctl.cluster import sdnotify
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.deploy.tunnel_state import UP_WITHIN, TunnelState, state_path
 
 NETNS_DIR = Path("/run/netns")
 LISTEN_PORT = 51820  # WireGuard's UDP port on every host
@@ -266,10 +267,11 @@ _REFUSED = re.compile(r"Received invalid initiation message from (\S+)|invalid m
 REFUSAL_EVERY = 300.0  # seconds: one line per source this often at most
 
 
-def _relay_log(proc: subprocess.Popen[bytes]) -> None:
+def _relay_log(proc: subprocess.Popen[bytes], state: TunnelState | None = None) -> None:
     """wireguard-go's output, read until it exits: its errors as they are, each handshake it
     refused (a key that is not one of the cluster's) as one line per source every
-    REFUSAL_EVERY seconds; its banner and routine lines dropped."""
+    REFUSAL_EVERY seconds, and every one counted in ``state``; its banner and routine lines
+    dropped."""
     assert proc.stdout is not None
     said: dict[str, float] = {}
     for raw in proc.stdout:
@@ -277,6 +279,8 @@ def _relay_log(proc: subprocess.Popen[bytes]) -> None:
         refused = _REFUSED.search(line)
         if refused:
             source, now = refused[1] or "", time.monotonic()
+            if state is not None:
+                state.refused(source)
             if now - said.get(source, -REFUSAL_EVERY) >= REFUSAL_EVERY:
                 said[source] = now
                 print(
@@ -326,7 +330,7 @@ def _wait_for_link(interface: str, proc: subprocess.Popen[bytes], timeout: float
 
 
 def bring_up(
-    *, config: Path, address: str, netns: str, interface: str
+    *, config: Path, address: str, netns: str, interface: str, state: TunnelState | None = None
 ) -> tuple[subprocess.Popen[bytes], list[Peer]]:
     """Namespace, wireguard-go, the interface moved in, keyed, addressed and routed."""
     if os.geteuid() != 0:
@@ -345,7 +349,9 @@ def bring_up(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    threading.Thread(target=_relay_log, args=(proc,), name="wireguard-go log", daemon=True).start()
+    threading.Thread(
+        target=_relay_log, args=(proc, state), name="wireguard-go log", daemon=True
+    ).start()
     try:
         _wait_for_link(interface, proc, 10.0)
         _wg("setconf", interface, str(config))
@@ -411,19 +417,24 @@ def peer_states(interface: str) -> list[tuple[str, str, str]]:
     ]
 
 
-def _report(interface: str, peers: Sequence[Peer], stop: threading.Event) -> None:
-    """Log each peer going up, and each that stays silent (other keys, or no tunnel there)."""
+def _report(
+    interface: str, peers: Sequence[Peer], stop: threading.Event, state: TunnelState
+) -> None:
+    """Log each peer going up, and each that stays silent (other keys, or no tunnel there);
+    every handshake in ``state``."""
     started = time.time()
     up: dict[str, bool] = {}
+    state.handshakes({peer.name: 0 for peer in peers})
     while not stop.wait(5.0):
         try:
             last_handshake = {p.public_key: p.handshake for p in seen(interface)}
         except (ConfigError, subprocess.TimeoutExpired):
             continue
         now = time.time()
+        state.handshakes({p.name: last_handshake.get(p.public_key, 0) for p in peers})
         for peer in peers:
             last = last_handshake.get(peer.public_key, 0)
-            fresh = last > 0 and now - last < 180 + SILENT_AFTER
+            fresh = last > 0 and now - last < UP_WITHIN
             silent_for = now - (last or started)
             if fresh and not up.get(peer.name):
                 print(f"psctl tunnel: {peer.name}: handshake done, traffic flows", flush=True)
@@ -441,8 +452,13 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
     """`psctl deploy tunnel`: bring the tunnel up, say READY=1, run until SIGTERM."""
     netns = args.netns or netns_name(args.address)
     interface = args.interface or interface_name(args.address)
+    state = TunnelState(args.address, state_path(args.address))
     proc, peers = bring_up(
-        config=Path(args.config), address=args.address, netns=netns, interface=interface
+        config=Path(args.config),
+        address=args.address,
+        netns=netns,
+        interface=interface,
+        state=state,
     )
     stop = threading.Event()
     reloads = threading.Event()
@@ -461,7 +477,7 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
     )
     sdnotify.notify("READY=1")
     watched = list(peers)  # the reporter's view, replaced in place on reload
-    reporter = threading.Thread(target=_report, args=(interface, watched, stop), daemon=True)
+    reporter = threading.Thread(target=_report, args=(interface, watched, stop, state), daemon=True)
     reporter.start()
     while proc.poll() is None:
         if reloads.wait(0.5):  # systemctl reload: SIGHUP
@@ -475,6 +491,7 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
             sdnotify.notify("READY=1")
     code = proc.wait()
     stop.set()
+    state.path.unlink(missing_ok=True)  # gone with the tunnel (a crash leaves it, stale)
     if code != 0 and not (code == -signal.SIGTERM or stop.is_set()):
         print(f"psctl tunnel: wireguard-go exited with status {code}", file=sys.stderr)
         return 1

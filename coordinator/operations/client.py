@@ -18,6 +18,7 @@ from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, Co
 from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.tf_config import resolve_cluster
 from psctl.control.v1 import control_pb2
+from psctl.coordinator.deploy.tunnel_state import STALE_AFTER, UP_WITHIN
 from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,
     ControlSecurity,
@@ -189,6 +190,26 @@ def format_table(table: control_pb2.Table) -> str:
     )
 
 
+def format_tunnel(tunnel: control_pb2.Tunnel, now: float) -> list[str]:
+    """``tunnel 10.0.0.1: 3 of 3 peers up`` and a line per source of refused handshakes
+    (or that the tunnel process stopped writing)."""
+    head = f"tunnel {tunnel.address}: "
+    quiet = now - tunnel.updated_unix_seconds
+    if quiet > STALE_AFTER:
+        return [f"{head}its process has not reported for {quiet:.0f}s: is psctl-tunnel running?"]
+    down = [p.address for p in tunnel.peers if p.handshake_unix_seconds <= now - UP_WITHIN]
+    up = len(tunnel.peers) - len(down)
+    silent = f" (no recent handshake: {', '.join(down)})" if down else ""
+    lines = [f"{head}{up} of {len(tunnel.peers)} peers up{silent}"]
+    for refusal in tunnel.refused:
+        lines.append(
+            f"tunnel refused {refusal.count} handshake(s) from "
+            f"{refusal.source or 'a sender with another host key'}, last "
+            f"{now - refusal.last_unix_seconds:.0f}s ago: not a key of this cluster"
+        )
+    return lines
+
+
 def _num(value: float, fmt: str = ".4f") -> str:
     return "-" if value != value else format(value, fmt)  # NaN -> "-"
 
@@ -219,6 +240,8 @@ def format_status(status: control_pb2.Status) -> str:
         age = time.time() - ckpt.time_unix_seconds
         lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
     lines.extend(format_table(t) for t in status.tables)
+    if status.HasField("tunnel"):
+        lines.extend(format_tunnel(status.tunnel, time.time()))
     counts = {
         kind: sum(t.type == kind and is_member(t) for t in status.tasks)
         for kind in ("ps", "worker")

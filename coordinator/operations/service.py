@@ -23,6 +23,7 @@ from psctl.cluster import ports
 from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
+from psctl.coordinator.deploy.tunnel_state import read_state
 from psctl.coordinator.operations.health_poll import poll_health_forever
 from psctl.coordinator.operations.job_state import SERVING, UNKNOWN, JobControl, Rejected
 from psctl.coordinator.operations.security import (
@@ -79,6 +80,9 @@ def status_proto(job: JobControl) -> control_pb2.Status:
                 time_unix_seconds=board.checkpoint_time,
             )
         )
+    tunnel = tunnel_proto(os.environ.get("PSCTL_TUNNEL_ADDRESS", ""))
+    if tunnel is not None:
+        status.tunnel.CopyFrom(tunnel)
     for name, counts in sorted(board.tables.items()):
         status.tables.append(
             control_pb2.Table(
@@ -111,6 +115,31 @@ def status_proto(job: JobControl) -> control_pb2.Status:
             )
         )
     return status
+
+
+def tunnel_proto(address: str) -> control_pb2.Tunnel | None:
+    """This host's tunnel as its process last wrote it (``address``: psctl.env's
+    PSCTL_TUNNEL_ADDRESS); None without one."""
+    state = read_state(address) if address else None
+    if state is None:
+        return None
+    try:
+        return control_pb2.Tunnel(
+            address=str(state["address"]),
+            updated_unix_seconds=float(state["updated"]),
+            peers=[
+                control_pb2.TunnelPeer(address=p["address"], handshake_unix_seconds=p["handshake"])
+                for p in state["peers"]
+            ],
+            refused=[
+                control_pb2.TunnelRefusal(
+                    source=r["source"], count=r["count"], last_unix_seconds=r["last"]
+                )
+                for r in state["refused"]
+            ],
+        )
+    except (KeyError, TypeError, ValueError):
+        return None  # not the tunnel process's file
 
 
 def stream_status(

@@ -562,6 +562,13 @@ def test_train_across_tunnelled_hosts_through_worker_and_ps_restarts(lab: NetnsL
             time.sleep(0.5)
             step = global_step(lab)
         mark(f"training at step {step}")
+        # The coordinator host's tunnel in psctl status: its peers, and the outsider's
+        # handshakes it refused (assert_outsiders_refused).
+        status = psctl(lab, "status")
+        assert f"tunnel {HOSTS['coord']}: 3 of 3 peers up\n" in status, status
+        refused = rf"^tunnel refused \d+ handshake\(s\) from {OUTSIDER_ADDRESS}:{LISTEN_PORT}, "
+        assert re.search(refused, status, re.M), status
+        mark("psctl status: the tunnel's 3 peers up, the outsider's handshakes refused")
         frames, wireguard = assert_observer_sees_no_tensor(lab)
         mark(f"ps0's cable: {frames} frames, {wireguard} WireGuard, no tensor in the clear")
 

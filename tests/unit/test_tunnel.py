@@ -4,12 +4,17 @@ itself (root, wireguard-go, namespaces) runs in tests/integration/test_multihost
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.deploy import tunnel
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.deploy import tunnel, tunnel_state
 from psctl.coordinator.deploy.plan import escape_instance
+from psctl.coordinator.deploy.tunnel_state import TunnelState
+from psctl.coordinator.operations.client import format_status, status_dict
+from psctl.coordinator.operations.service import tunnel_proto
 from tests.integration.netns_hosts import unescape_instance
 
 WIREGUARD_GO_OUTPUT = """\
@@ -27,12 +32,16 @@ ERROR: (wgp0) 2026/12/05 21:58:19 Failed to bind UAPI socket
 """
 
 
-def test_wireguard_go_log_keeps_each_refusal_once_per_source_and_its_errors(capsys):
+def test_wireguard_go_log_keeps_each_refusal_once_per_source_and_its_errors(
+    capsys, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tunnel_state, "STATE_DIR", tmp_path / "run")
+    state = TunnelState("10.0.0.1", tunnel_state.state_path("10.0.0.1"))
     proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(WIREGUARD_GO_OUTPUT.encode())
     proc.stdin.close()
-    tunnel._relay_log(proc)
+    tunnel._relay_log(proc, state)
     proc.wait(5)
     out, err = capsys.readouterr()
     assert out.splitlines() == [
@@ -46,6 +55,38 @@ def test_wireguard_go_log_keeps_each_refusal_once_per_source_and_its_errors(caps
     ]
     error = "ERROR: (wgp0) 2026/12/05 21:58:19 Failed to bind UAPI socket"
     assert err == f"psctl tunnel: wireguard-go: {error}\n"
+    # Every refusal counted, in the file the coordinator reads for psctl status.
+    written = tunnel_state.read_state("10.0.0.1")
+    assert written is not None
+    assert {r["source"]: r["count"] for r in written["refused"]} == {
+        "": 2, "10.0.0.9:51820": 2, "[fd00::7]:51820": 1}  # fmt: skip
+    assert (tmp_path / "run" / "10.0.0.1.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_psctl_status_shows_the_tunnels_peers_and_refusals(tmp_path, monkeypatch):
+    monkeypatch.setattr(tunnel_state, "STATE_DIR", tmp_path)
+    assert tunnel_proto("10.0.0.1") is None  # no tunnel on this host: no section
+    state = TunnelState("10.0.0.1", tunnel_state.state_path("10.0.0.1"))
+    now = time.time()
+    state.handshakes({"10.0.0.2": now - 30, "10.0.0.3": 0, "10.0.0.4": now - 1000})
+    state.refused("10.0.0.9:51820")
+    state.refused("10.0.0.9:51820")
+    status = control_pb2.Status(job="j")
+    found = tunnel_proto("10.0.0.1")
+    assert found is not None
+    status.tunnel.CopyFrom(found)
+    text = format_status(status).splitlines()
+    assert "tunnel 10.0.0.1: 1 of 3 peers up (no recent handshake: 10.0.0.3, 10.0.0.4)" in text
+    refused = [line for line in text if line.startswith("tunnel refused")]
+    assert len(refused) == 1 and refused[0].startswith(
+        "tunnel refused 2 handshake(s) from 10.0.0.9:51820, last 0s ago"), refused  # fmt: skip
+    (shown,) = status_dict(status)["tunnel"]["refused"]
+    assert shown["source"] == "10.0.0.9:51820" and shown["count"] == 2, shown  # a number
+    # A tunnel process that stopped writing (crashed): said so, instead of stale peers.
+    status.tunnel.updated_unix_seconds = now - 100
+    assert any("has not reported for 100s" in line for line in format_status(status).splitlines())
+    (tmp_path / "10.0.0.5.json").write_text("[1, 2]")
+    assert tunnel_proto("10.0.0.5") is None
 
 
 @pytest.mark.parametrize(

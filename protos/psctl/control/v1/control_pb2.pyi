@@ -100,8 +100,38 @@ class Table(_message.Message):
     bytes: int
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., admitted: _Optional[int] = ..., evicted: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class Tunnel(_message.Message):
+    __slots__ = ("address", "updated_unix_seconds", "peers", "refused")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    updated_unix_seconds: float
+    peers: _containers.RepeatedCompositeFieldContainer[TunnelPeer]
+    refused: _containers.RepeatedCompositeFieldContainer[TunnelRefusal]
+    def __init__(self, address: _Optional[str] = ..., updated_unix_seconds: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[TunnelPeer, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[TunnelRefusal, _Mapping]]] = ...) -> None: ...
+
+class TunnelPeer(_message.Message):
+    __slots__ = ("address", "handshake_unix_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    handshake_unix_seconds: float
+    def __init__(self, address: _Optional[str] = ..., handshake_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class TunnelRefusal(_message.Message):
+    __slots__ = ("source", "count", "last_unix_seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    count: int
+    last_unix_seconds: float
+    def __init__(self, source: _Optional[str] = ..., count: _Optional[int] = ..., last_unix_seconds: _Optional[float] = ...) -> None: ...
+
 class Status(_message.Message):
-    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation")
+    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation", "tunnel")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +163,7 @@ class Status(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     global_step: int
@@ -150,7 +181,8 @@ class Status(_message.Message):
     message: str
     tables: _containers.RepeatedCompositeFieldContainer[Table]
     cluster_generation: int
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ...) -> None: ...
+    tunnel: Tunnel
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ..., tunnel: _Optional[_Union[Tunnel, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
