@@ -232,7 +232,7 @@ def collision_rate(record: dict[str, Any], rows: int, args: argparse.Namespace) 
     import numpy as np
     import tensorflow as tf
 
-    from psctl.coordinator import criteo
+    from psctl.coordinator.data import criteo
     from psctl.jobs import ctr
 
     checkpoint = record.get("checkpoint")

@@ -45,7 +45,7 @@ def write_files(directory: Path, count: int) -> tuple[str, int]:
     """The mlp job's training data as ``count`` CSV files; returns (glob, examples)."""
     import numpy as np
 
-    from psctl.coordinator.data import write_csv
+    from psctl.coordinator.data.readers import write_csv
     from psctl.jobs.mlp import make_data
 
     x, y, _, _ = make_data()

@@ -25,7 +25,7 @@ from psctl.cluster.errors import (
     EXIT_USAGE,
     ConfigError,
 )
-from psctl.coordinator import bad_records
+from psctl.coordinator.data import bad_records
 
 __all__ = [
     "CALL_DECISIONS",

@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError, echo
-from psctl.coordinator.checks import FULL_CHECK_BYTES
+from psctl.coordinator.data.checks import FULL_CHECK_BYTES
 
 if TYPE_CHECKING:
     from psctl.coordinator.settings import TrainSettings
@@ -307,7 +307,7 @@ def _checked(job: Job) -> Job:
     def create_model() -> Any:
         import keras
 
-        from psctl.coordinator.dynamic import built_by_psctl
+        from psctl.coordinator.embeddings.dynamic import built_by_psctl
 
         with built_by_psctl():
             model = job.create_model()

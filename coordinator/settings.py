@@ -62,7 +62,7 @@ UPDATE_MODES = ("default", "local")
 # "async": ParameterServerStrategy driven by a coordinator (the default); "sync":
 # MultiWorkerMirroredStrategy, every worker runs the loop and all-reduces gradients.
 STRATEGIES = ("async", "sync")
-BAD_RECORDS = ("fail", "skip")  # --bad-records (coordinator/bad_records.py)
+BAD_RECORDS = ("fail", "skip")  # --bad-records (coordinator/data/bad_records.py)
 AUTO = "auto"  # --steps-per-execution auto, stored as 0
 IN_FLIGHT_PER_WORKER = 4  # --max-in-flight 0: this many scheduled calls per worker
 # The coordinator's own ports (`psctl train`, and the units `psctl deploy` writes).

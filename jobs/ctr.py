@@ -40,8 +40,8 @@ the held-out examples are other draws from its last ``CTR_EVAL_EXAMPLES`` of
 
 With ``--train-data`` / ``--eval-data`` it reads Criteo TSV files instead (label, 13
 integers, 26 hexadecimal ids, tab-separated; empty cells allowed, an empty id is its
-feature's own "missing" id; see coordinator/criteo.py). Every file is checked in full on
-the coordinator, in the first call of ``dataset_fn`` (which psctl makes there to read the
+feature's own "missing" id; see coordinator/data/criteo.py). Every file is checked in full
+on the coordinator, in the first call of ``dataset_fn`` (which psctl makes there to read the
 element spec).
 
 Settings (environment variables, read on the coordinator; unknown ``PSCTL_*`` variables are

@@ -6,8 +6,8 @@ a class boundary is dropped so that the classes are separable with a margin. Cha
 about 0.10 (the largest class is under 0.16); eval accuracy >= 0.90 means training worked.
 
 With ``--train-data`` / ``--eval-data`` it reads CSV or TFRecord files instead (see
-coordinator/data.py): 32 float features and an integer label 0-9 per example. Both globs are
-checked before training starts, in the first call of ``dataset_fn``.
+coordinator/data/readers.py): 32 float features and an integer label 0-9 per example. Both
+globs are checked before training starts, in the first call of ``dataset_fn``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ measure the training loop have ``psctl.hooks``).
 """
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import criteo, data
-from psctl.coordinator.dynamic import DynamicEmbedding
+from psctl.coordinator.data import criteo
+from psctl.coordinator.data import readers as data
+from psctl.coordinator.embeddings.dynamic import DynamicEmbedding
+from psctl.coordinator.embeddings.layers import FeatureEmbedding
 from psctl.coordinator.job import DataContext
-from psctl.coordinator.layers import FeatureEmbedding
 
 __all__ = ["ConfigError", "DataContext", "DynamicEmbedding", "FeatureEmbedding", "criteo", "data"]

@@ -1,6 +1,6 @@
 """`psctl check-data GLOB`: the coordinator's full check of input files as a command of its
-own (for data pipelines' CI), every file read in parallel processes (coordinator/checks.py).
-TensorFlow is imported only for TFRecord files."""
+own (for data pipelines' CI), every file read in parallel processes
+(coordinator/data/checks.py). TensorFlow is imported only for TFRecord files."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def add_check_data_command(sub: Any) -> dict[str, Any]:
 
 
 def cmd_check_data(args: argparse.Namespace) -> int:
-    from psctl.coordinator import checks, table_scan
+    from psctl.coordinator.data import checks, table_scan
 
     started = time.monotonic()
     if args.job == "ctr" or (not args.job and checks.criteo_named(args.glob, "check-data")):

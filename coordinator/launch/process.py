@@ -32,7 +32,7 @@ from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.signals import LAUNCHER_GONE
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
-from psctl.coordinator import bad_records
+from psctl.coordinator.data import bad_records
 from psctl.coordinator.failures import (
     EXIT_RESTART,
     Decision,

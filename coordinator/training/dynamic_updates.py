@@ -1,12 +1,12 @@
-"""Training dynamic tables (coordinator/dynamic.py): the update after each step, eviction
-while training, the counts an operator sees, and the checkpoint transfers.
+"""Training dynamic tables (coordinator/embeddings/dynamic.py): the update after each step,
+eviction while training, the counts an operator sees, and the checkpoint transfers.
 
 - **A step** (``DynamicUpdater.apply``, in the scheduled function on a worker): the ids a
   batch looked up, grouped per table (one layer called on several features counts each id
   once), go to the shard that holds them; each shard's ``meta`` counts them and stamps the
   global step; admitted ids get the job optimizer's sparse rule (sparse.py: lazy Adam,
   Adagrad, SGD with momentum/Nesterov, Ftrl; slots per key next to it) and ids that reach
-  ``admit_after`` get their first vector (the rule: ``dynamic_rows.update_rows``, which a
+  ``admit_after`` get their first vector (the rule: ``embeddings/rows.update_rows``, which a
   layer trained in one process uses too).
 - **Concurrency**: a worker reads a key's row, and writes back the result of its update
   (``insert``). Two workers updating one key at once: the last write wins (one
@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from psctl.coordinator.dynamic import (
+from psctl.coordinator.embeddings.dynamic import (
     DynamicEmbedding,
     Lookup,
     PackedShard,
@@ -41,7 +41,7 @@ from psctl.coordinator.dynamic import (
     attach_slots,
     split_by_shard,
 )
-from psctl.coordinator.dynamic_rows import LAST_SEEN, Merged, dense, to_remove, update_rows
+from psctl.coordinator.embeddings.rows import LAST_SEEN, Merged, dense, to_remove, update_rows
 from psctl.coordinator.training.sparse import SparseRule
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.dynamic import attach_slots, dynamic_layers, placed
+from psctl.coordinator.embeddings.dynamic import attach_slots, dynamic_layers, placed
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.dynamic_updates import (

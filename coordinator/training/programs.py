@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
-from psctl.coordinator.dynamic import recording
+from psctl.coordinator.embeddings.dynamic import recording
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.graph_ops import seconds_since, sum_count

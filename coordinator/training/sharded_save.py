@@ -53,8 +53,8 @@ from tensorflow.python.ops import gen_io_ops, gen_lookup_ops
 from tensorflow.python.training.saving import saveable_object_util
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.dynamic import PackedShard, shard_of
-from psctl.coordinator.dynamic_rows import ADMITTED, COUNT, LAST_SEEN
+from psctl.coordinator.embeddings.dynamic import PackedShard, shard_of
+from psctl.coordinator.embeddings.rows import ADMITTED, COUNT, LAST_SEEN
 from psctl.coordinator.failures import Failure, classify, describe
 from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable, finite_there
 from psctl.coordinator.training.model import JobModel, TrainState

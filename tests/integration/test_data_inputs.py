@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psctl.coordinator import data
+from psctl.coordinator.data import readers as data
 from psctl.jobs import mlp
 from tests import conftest
 from tests.conftest import processes_mentioning, read_json

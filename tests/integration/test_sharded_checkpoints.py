@@ -27,7 +27,7 @@ SCRIPT = """
 import sys
 import numpy as np, tensorflow as tf
 from psctl.cluster.spec import load_cluster_file
-from psctl.coordinator.dynamic import shard_of
+from psctl.coordinator.embeddings.dynamic import shard_of
 from psctl.coordinator.job import DataContext, load_job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.checkpoints import sharded_checkpoint

@@ -1,7 +1,7 @@
-"""Large inputs checked on the workers (coordinator/bad_records.py, criteo.checked_lines):
-the workers' RE2 pattern accepts exactly the lines the coordinator's full check accepts;
-a large input is checked only in its first lines; a reader's assertion becomes one line
-naming the file and line."""
+"""Large inputs checked on the workers (coordinator/data/bad_records.py,
+criteo.checked_lines): the workers' RE2 pattern accepts exactly the lines the coordinator's
+full check accepts; a large input is checked only in its first lines; a reader's assertion
+becomes one line naming the file and line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import bad_records, checks, criteo
+from psctl.coordinator.data import bad_records, checks, criteo
 from psctl.coordinator.failures import Failure, classify
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,7 +31,7 @@ lines = st.lists(cells, min_size=1, max_size=42).map("\t".join)
 
 
 def python_accepts(line: bytes) -> bool:
-    """The coordinator's full check (coordinator/checks.py) of one line."""
+    """The coordinator's full check (coordinator/data/checks.py) of one line."""
     quick = checks._QUICK_LINE.fullmatch(line) is not None and checks._LONE_MINUS not in line
     return quick or checks._trimmed(line)
 

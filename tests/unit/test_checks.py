@@ -1,6 +1,6 @@
-"""The full check of input files (coordinator/checks.py, coordinator/input_files.py): files
-cut into pieces at line starts, errors naming the line in the file whatever piece found
-them, the first bad file in sorted order, and statistics added up over pieces. In this
+"""The full check of input files (coordinator/data/checks.py, coordinator/data/files.py):
+files cut into pieces at line starts, errors naming the line in the file whatever piece
+found them, the first bad file in sorted order, and statistics added up over pieces. In this
 process (pieces of a few hundred bytes); tests/integration/test_check_data.py runs the
 processes through ``psctl check-data``."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import checks, table_scan
-from psctl.coordinator.input_files import Piece, cut, in_order, read_piece
+from psctl.coordinator.data import checks, table_scan
+from psctl.coordinator.data.files import Piece, cut, in_order, read_piece
 from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,7 +120,7 @@ def test_trimmed_lines_are_counted_over_pieces_and_the_first_is_named(tmp_path: 
 def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path):
     import tensorflow as tf
 
-    from psctl.coordinator import data
+    from psctl.coordinator.data import readers as data
     from psctl.coordinator.job import DataContext
 
     tf.io.gfile.makedirs("ram://checks/csv")
@@ -173,7 +173,7 @@ def test_a_script_without_a_main_guard_is_checked_in_its_own_process(tmp_path: P
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import multiprocessing\n"
-        "from psctl.coordinator.input_files import Piece, in_order\n"
+        "from psctl.coordinator.data.files import Piece, in_order\n"
         "def where(piece):\n"
         "    return piece.path, multiprocessing.parent_process() is None\n"
         "pieces = [Piece('a', 0), Piece('b', 1)]\n"

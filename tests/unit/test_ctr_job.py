@@ -1,6 +1,7 @@
-"""The built-in ctr job (jobs/ctr.py) and the Criteo TSV format (coordinator/criteo.py): its
-settings, the synthetic generator's determinism and distribution, parsing lines with empty
-cells, and one-line errors naming the file and line of a malformed one."""
+"""The built-in ctr job (jobs/ctr.py) and the Criteo TSV format
+(coordinator/data/criteo.py): its settings, the synthetic generator's determinism and
+distribution, parsing lines with empty cells, and one-line errors naming the file and line
+of a malformed one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import criteo
+from psctl.coordinator.data import criteo
 from psctl.coordinator.job import DataContext
 from psctl.coordinator.training.metric_objects import metric_factories
 from psctl.coordinator.training.summary import Summary, print_summary, write_summary

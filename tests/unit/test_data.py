@@ -1,5 +1,6 @@
-"""File inputs (coordinator/data.py): CSV and TFRecord readers on real files, every bad-file
-case, and per-worker sharding with a tensor worker index, as the trainer calls it."""
+"""File inputs (coordinator/data/readers.py): CSV and TFRecord readers on real files, every
+bad-file case, and per-worker sharding with a tensor worker index, as the trainer calls
+it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import data
+from psctl.coordinator.data import readers as data
 from psctl.coordinator.job import DataContext
 from psctl.jobs import mlp
 

@@ -1,7 +1,7 @@
-"""Dynamic tables (coordinator/dynamic.py, training/dynamic_updates.py) in one process, no
-cluster (shards "placed" on this process's CPU): the layer's shapes and padding, admission
-and its sketch, the optimizer's rule against the fixed tables' (the same numbers), eviction
-by ttl and by cap, several calls of one layer in a step, the bytes a row takes, and
+"""Dynamic tables (coordinator/embeddings/dynamic.py, training/dynamic_updates.py) in one
+process, no cluster (shards "placed" on this process's CPU): the layer's shapes and padding,
+admission and its sketch, the optimizer's rule against the fixed tables' (the same numbers),
+eviction by ttl and by cap, several calls of one layer in a step, the bytes a row takes, and
 checkpoints re-split over another number of shards, also from the three-table layout of
 before."""
 
@@ -14,7 +14,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_io_ops
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.dynamic import (
+from psctl.coordinator.embeddings.dynamic import (
     DynamicEmbedding,
     Lookup,
     Records,

@@ -1,7 +1,7 @@
 """A DynamicEmbedding trained by Keras itself in one process (``model.fit``, a
-``GradientTape`` loop; coordinator/dynamic.py ``OneProcess``): the optimizers' sparse rules
-give the rows psctl's fixed tables give, ids learn, admission and eviction hold, and the
-layers psctl makes get none of it."""
+``GradientTape`` loop; coordinator/embeddings/dynamic.py ``OneProcess``): the optimizers'
+sparse rules give the rows psctl's fixed tables give, ids learn, admission and eviction
+hold, and the layers psctl makes get none of it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psctl.coordinator.dynamic import DynamicEmbedding, attach_slots, built_by_psctl
+from psctl.coordinator.embeddings.dynamic import DynamicEmbedding, attach_slots, built_by_psctl
 from psctl.coordinator.training.sparse import SparseRule
 from tests.unit.test_sparse import DIM, OPTIMIZERS, ROWS, initial, run_sparse, sparse_grad
 

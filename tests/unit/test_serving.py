@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator import criteo
+from psctl.coordinator.data import criteo
 from psctl.coordinator.job import load_job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.model import JobModel

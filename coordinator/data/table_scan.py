@@ -1,11 +1,11 @@
 """Checking a CSV or TFRecord glob in full: the format told by the file names, then
-coordinator/checks.py's CSV check or coordinator/tfrecord_check.py's TFRecord check (which
-imports TensorFlow, so it is imported only for TFRecord files)."""
+coordinator/data/checks.py's CSV check or coordinator/data/tfrecord_check.py's TFRecord
+check (which imports TensorFlow, so it is imported only for TFRecord files)."""
 
 from __future__ import annotations
 
-from psctl.coordinator.checks import DataFiles, format_of, scan_csv
-from psctl.coordinator.input_files import PIECE_BYTES, expand
+from psctl.coordinator.data.checks import DataFiles, format_of, scan_csv
+from psctl.coordinator.data.files import PIECE_BYTES, expand
 
 __all__ = ["scan_table"]
 
@@ -22,7 +22,7 @@ def scan_table(
     ``jobs``: processes (None: one per core when there is enough to read)."""
     paths = expand(pattern, field)
     if format_of(paths, field) == "tfrecord":
-        from psctl.coordinator.tfrecord_check import scan_tfrecord
+        from psctl.coordinator.data.tfrecord_check import scan_tfrecord
 
         return scan_tfrecord(pattern, paths, label_column=label_column, field=field, jobs=jobs)
     return scan_csv(

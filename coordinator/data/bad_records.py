@@ -2,7 +2,7 @@
 
 An input of more than ``--full-check-mb`` is checked on the coordinator only where that is
 cheap and bounded (the first lines of its first files, every file's size:
-coordinator/checks.py); the workers check every record as they read it. With
+coordinator/data/checks.py); the workers check every record as they read it. With
 ``--bad-records fail`` (the default) a bad record ends the job: the reader's assertion
 (``assertion failed: [psctl-bad-record] [FIELD] [FORMAT] [PATH] [LINE]``, raised on a
 worker) becomes one ConfigError naming the file, the line and what is wrong with it (exit
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.input_files import open_bytes
+from psctl.coordinator.data.files import open_bytes
 
 __all__ = ["MARKER", "BadRecord", "as_config_error", "found_in"]
 
@@ -60,7 +60,7 @@ def as_config_error(err: BaseException) -> ConfigError | None:
     bad = found_in(err)
     if bad is None:
         return None
-    from psctl.coordinator import checks
+    from psctl.coordinator.data import checks
 
     skip = "or run with --bad-records skip to skip such records"
     try:

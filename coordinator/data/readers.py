@@ -13,17 +13,17 @@ Formats (told apart by the file name; one glob holds one format):
   from the first record; :func:`write_tfrecord` writes the first form.
 
 Every file is read in full once on the coordinator before training starts (cached per glob;
-coordinator/checks.py and coordinator/tfrecord_check.py, in parallel processes for large
-inputs), so a bad file is a
-:class:`~cluster.errors.ConfigError` naming the file and the line (or record): no files, an
-empty file, a missing label column, headers that differ between files, a blank line, a row
-with the wrong number of cells, a cell that is not a finite number as TensorFlow's CSV
-reader reads them (ASCII digits; lines end in \\n or \\r\\n; no byte order mark), a feature
-beyond float32, a record that does not match the schema, and (when the job says what it
-needs) the wrong feature count or a label outside the job's classes. The check reads about
-30 MB of CSV a second per core. Local paths are made absolute there: every worker must see
-the files at the same paths (one machine, or a shared file system); paths with a scheme
-(``gs://``, ``hdfs://``) are listed and read through ``tf.io.gfile`` (coordinator/input_files.py).
+coordinator/data/checks.py and coordinator/data/tfrecord_check.py, in parallel processes for
+large inputs), so a bad file is a :class:`~cluster.errors.ConfigError` naming the file and
+the line (or record): no files, an empty file, a missing label column, headers that differ
+between files, a blank line, a row with the wrong number of cells, a cell that is not a
+finite number as TensorFlow's CSV reader reads them (ASCII digits; lines end in \\n or
+\\r\\n; no byte order mark), a feature beyond float32, a record that does not match the
+schema, and (when the job says what it needs) the wrong feature count or a label outside the
+job's classes. The check reads about 30 MB of CSV a second per core. Local paths are made
+absolute there: every worker must see the files at the same paths (one machine, or a shared
+file system); paths with a scheme (``gs://``, ``hdfs://``) are listed and read through
+``tf.io.gfile`` (coordinator/data/files.py).
 
 Sharding: :func:`train_dataset` is called per worker with ``ctx.worker_index`` a scalar
 tensor. With at least as many files as workers, worker ``i`` reads files ``i, i + n, ...``
@@ -44,8 +44,8 @@ import numpy as np
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.checks import DataFiles
-from psctl.coordinator.table_scan import scan_table
+from psctl.coordinator.data.checks import DataFiles
+from psctl.coordinator.data.table_scan import scan_table
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext

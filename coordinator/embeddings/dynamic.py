@@ -37,7 +37,14 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
-from psctl.coordinator.dynamic_rows import (
+from psctl.coordinator.embeddings.layers import (
+    LayerSettingError,
+    combiner_setting,
+    count_setting,
+    pool,
+    pooled_shape,
+)
+from psctl.coordinator.embeddings.rows import (
     ABSENT,
     COUNTER_CAP,
     LAST_SEEN,
@@ -46,13 +53,6 @@ from psctl.coordinator.dynamic_rows import (
     dense,
     to_remove,
     update_rows,
-)
-from psctl.coordinator.layers import (
-    LayerSettingError,
-    combiner_setting,
-    count_setting,
-    pool,
-    pooled_shape,
 )
 from psctl.coordinator.training.sparse import SparseRule
 
@@ -240,7 +240,7 @@ class ServingTables:
     SavedModels hold, three tables keyed by the ids: ``embeddings`` (the vectors), ``meta``
     (``[count, last_seen, admitted]``) and ``slots`` (the optimizer's, side by side; once
     ``ensure_slots`` knows them). ``read``/``write``/``evict`` are a shard's
-    (dynamic_rows.py), for training in one process."""
+    (rows.py), for training in one process."""
 
     embeddings: Any
     meta: Any
@@ -384,7 +384,7 @@ def _initializer(spec: Any) -> Any:
 class OneProcess:
     """A DynamicEmbedding trained in one process by Keras itself (``model.fit``, or a
     ``GradientTape`` loop), with no psctl: the same rules as psctl's step
-    (dynamic_rows.py: admission, the optimizer's sparse rule, eviction), on the layer's
+    (rows.py: admission, the optimizer's sparse rule, eviction), on the layer's
     ``ServingTables``.
 
     A lookup in training passes through a custom gradient that applies the rule to the

@@ -1,13 +1,13 @@
-"""Checking input files in full: CSV and TFRecord (coordinator/data.py's formats) and Criteo
-TSV (coordinator/criteo.py's), the coordinator's check before training and ``psctl
-check-data``'s.
+"""Checking input files in full: CSV and TFRecord (coordinator/data/readers.py's formats)
+and Criteo TSV (coordinator/data/criteo.py's), the coordinator's check before training and
+``psctl check-data``'s.
 
 A bad file is one :class:`~cluster.errors.ConfigError` naming the first bad file and its
 line (or record) in the glob's sorted order. Files are checked in pieces (plain text cut at
-line starts, see coordinator/input_files.py), in parallel processes when there is enough to
+line starts, see coordinator/data/files.py), in parallel processes when there is enough to
 read; a piece counts its lines from 1, and the first bad piece after a file's start is
 checked again here with its true first line, so the error names the line in the file. Only
-the TFRecord check imports TensorFlow (coordinator/data.py reads the records).
+the TFRecord check imports TensorFlow (coordinator/data/readers.py reads the records).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from psctl.cluster.errors import ConfigError, echo
-from psctl.coordinator.input_files import (
+from psctl.coordinator.data.files import (
     PIECE_BYTES,
     Piece,
     absolute,
@@ -394,7 +394,7 @@ class TsvFiles:
     total_bytes: int = 0
     # False: too large to read before training (over FULL_CHECK_BYTES): only the first lines
     # of the first files were checked (records_per_file and positives count those), and the
-    # readers check every line on the workers (coordinator/bad_records.py).
+    # readers check every line on the workers (coordinator/data/bad_records.py).
     complete: bool = True
     field: str = "--data"  # the flag that named the files, for the workers' errors
 

@@ -1,13 +1,13 @@
 """Input files of ``--train-data`` / ``--eval-data`` / ``psctl check-data``: listing a glob,
 cutting files into pieces at line starts, and checking the pieces in parallel processes.
 
-One implementation for every format (CSV and TFRecord in coordinator/data.py, Criteo TSV in
-coordinator/criteo.py, their checks in coordinator/checks.py). A path with a scheme
-(``gs://``, ``hdfs://``, ``s3://`` through a plugin, ``file://``) is listed, sized and read
-through ``tf.io.gfile``, so on any file system TensorFlow reads; local paths through Python
-(measured on 2,000 local files: ``glob.glob`` 12-14 ms, ``tf.io.gfile.glob`` the same, and
-26 ms with the ``isdir`` calls that leave directories out), which keeps ``psctl check-data``
-of local CSV or Criteo files free of TensorFlow's import.
+One implementation for every format (CSV and TFRecord in coordinator/data/readers.py, Criteo
+TSV in coordinator/data/criteo.py, their checks in coordinator/data/checks.py). A path with
+a scheme (``gs://``, ``hdfs://``, ``s3://`` through a plugin, ``file://``) is listed, sized
+and read through ``tf.io.gfile``, so on any file system TensorFlow reads; local paths
+through Python (measured on 2,000 local files: ``glob.glob`` 12-14 ms, ``tf.io.gfile.glob``
+the same, and 26 ms with the ``isdir`` calls that leave directories out), which keeps
+``psctl check-data`` of local CSV or Criteo files free of TensorFlow's import.
 """
 
 from __future__ import annotations

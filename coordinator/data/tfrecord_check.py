@@ -1,9 +1,9 @@
-"""Checking TFRecord inputs in full (``tf.train.Example`` records, coordinator/data.py's
-format): the first record's features are the schema every record of every file must have,
-each file checked whole, in parallel processes when there is enough to read
-(coordinator/checks.py's pieces). TensorFlow reads the records: ``table_scan.scan_table``
-imports this module only for TFRecord files, so that checking CSV or Criteo files stays
-free of TensorFlow's import.
+"""Checking TFRecord inputs in full (``tf.train.Example`` records,
+coordinator/data/readers.py's format): the first record's features are the schema every
+record of every file must have, each file checked whole, in parallel processes when there is
+enough to read (coordinator/data/checks.py's pieces). TensorFlow reads the records:
+``table_scan.scan_table`` imports this module only for TFRecord files, so that checking CSV
+or Criteo files stays free of TensorFlow's import.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.checks import Checked, DataFiles, Labels, checked_table
-from psctl.coordinator.input_files import Piece, cut, size_of
+from psctl.coordinator.data.checks import Checked, DataFiles, Labels, checked_table
+from psctl.coordinator.data.files import Piece, cut, size_of
 
 __all__ = ["check_tfrecord_piece", "first_schema", "scan_tfrecord"]
 

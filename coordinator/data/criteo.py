@@ -6,15 +6,16 @@ Display Advertising Challenge, Criteo 1TB): the label (0 or 1), 13 integer featu
 hexadecimal ids. Any feature cell may be empty. Files may be gzipped (``*.gz``).
 
 An input of up to ``--full-check-mb`` (256 MB) is read in full on the coordinator before
-training (cached per glob; coordinator/checks.py, in parallel processes), so a bad line is
-one :class:`~cluster.errors.ConfigError` naming the file, the line and the column. A larger
-one is checked there only in its first lines, and the workers check every line as they read
-it: a bad one ends the job with the same error (exit 78; coordinator/bad_records.py), or
-with ``--bad-records skip`` is dropped and logged by the worker. The model
-input is one int64 vector of 39 per example: the 13 integers (an empty cell is 0) then the
-26 ids hashed into a table of ``rows`` rows: ``to_hash_bucket_fast("C<j>:" + id)``, so equal
-ids of different features land on different rows, and an empty cell is one "missing" id per
-feature. Sharding over workers is as for CSV files (coordinator/data.py).
+training (cached per glob; coordinator/data/checks.py, in parallel processes), so a bad line
+is one :class:`~cluster.errors.ConfigError` naming the file, the line and the column. A
+larger one is checked there only in its first lines, and the workers check every line as
+they read it: a bad one ends the job with the same error (exit 78;
+coordinator/data/bad_records.py), or with ``--bad-records skip`` is dropped and logged by
+the worker. The model input is one int64 vector of 39 per example: the 13 integers (an empty
+cell is 0) then the 26 ids hashed into a table of ``rows`` rows:
+``to_hash_bucket_fast("C<j>:" + id)``, so equal ids of different features land on different
+rows, and an empty cell is one "missing" id per feature. Sharding over workers is as for CSV
+files (coordinator/data/readers.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
-from psctl.coordinator import bad_records
-from psctl.coordinator.checks import (
+from psctl.coordinator.data import bad_records
+from psctl.coordinator.data.checks import (
     COLUMNS,
     CRITEO_FIX,
     CRITEO_LINE_RE2,
@@ -38,8 +39,8 @@ from psctl.coordinator.checks import (
     TsvFiles,
     scan_criteo,
 )
-from psctl.coordinator.data import read_batches
-from psctl.coordinator.dynamic import KEY_SPACE
+from psctl.coordinator.data.readers import read_batches
+from psctl.coordinator.embeddings.dynamic import KEY_SPACE
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import DataContext
@@ -74,7 +75,7 @@ def check_files(
     pattern: str, *, field: str = "--data", full_below: int = FULL_CHECK_BYTES
 ) -> TsvFiles:
     """Expand ``pattern`` (a glob, a file or a directory) and check its lines
-    (coordinator/checks.py): every line of an input up to ``full_below`` bytes (pass
+    (coordinator/data/checks.py): every line of an input up to ``full_below`` bytes (pass
     ``ctx.full_check_bytes``: ``--full-check-mb``), the first lines of a larger one (the
     workers check the rest as they read it, ``make_dataset``); cached per glob. Raises
     ConfigError (``field``: the flag) naming the file and line."""
@@ -114,7 +115,8 @@ def parse_lines(lines: Any, rows: int) -> tuple[Any, Any]:
     """A batch of checked lines -> (x int64 ``[batch, 39]``, label float32 ``[batch, 1]``).
 
     A line of fewer than 40 cells (trailing empty cells trimmed) reads the missing ones as
-    empty, as the check accepts it (coordinator/checks.py); more than 40 is an error."""
+    empty, as the check accepts it (coordinator/data/checks.py); more than 40 is an
+    error."""
     split = tf.strings.split(lines, "\t")
     too_many = tf.debugging.assert_less_equal(
         split.row_lengths(),
@@ -181,8 +183,8 @@ def make_dataset(
 
 def checked_lines(paths: Any, numbers: Any, lines: Any, *, field: str, skip: bool) -> Any:
     """The lines of a batch that are Criteo lines (as the full check accepts them). A bad
-    one fails the batch with the reader's assertion (coordinator/bad_records.py: the job
-    ends with one error naming its file and line, exit 78); with ``skip`` bad lines are
+    one fails the batch with the reader's assertion (coordinator/data/bad_records.py: the
+    job ends with one error naming its file and line, exit 78); with ``skip`` bad lines are
     dropped and the worker logs each (its file and line)."""
     good = tf.strings.regex_full_match(lines, CRITEO_LINE_RE2)
     if not skip:
