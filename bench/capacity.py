@@ -1,6 +1,6 @@
 """Capacity of psctl's tables: what a large model costs each process, and how long its
 checkpoints take, now that every ps saves its own shards (coordinator/training/
-sharded_save.py).
+training/saving/sharded_save.py).
 
 1. **Fixed table** (the built-in ctr job, ``CTR_ROWS`` rows x 16, Adam, 2 ps + 2 workers,
    ``--max-shards 2``): ``psctl local --steps 400 --checkpoint-every 100`` at ``--rows``

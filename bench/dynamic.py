@@ -145,7 +145,7 @@ class RssSampler(threading.Thread):
 
 def run_one(run: Run, args: argparse.Namespace, out: Path, n: int) -> dict[str, Any]:
     """One ``psctl local`` of ``run``: its summary's numbers and the ps RSS."""
-    from psctl.cluster.procs import die_with_parent
+    from psctl.cluster.processes.procs import die_with_parent
     from psctl.coordinator.launch.argv import psctl_argv
 
     label = f"run{n}-{run.name}"
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) is None:
             setattr(args, name, fast if quick else full)
-    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.cluster.processes.logs import quiet_tensorflow
 
     quiet_tensorflow()  # this process's TensorFlow (the collisions) and every run's
     out = Path(args.out or REPO / "bench" / "results" / time.strftime("dynamic-%Y%m%d-%H%M%S"))

@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import die_with_parent  # noqa: E402
+from psctl.cluster.processes.procs import die_with_parent  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "elastic: median seconds without steps"

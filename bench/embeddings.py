@@ -329,8 +329,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
     from psctl.coordinator.job import DataContext, load_job
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training.model import TrainState
-    from psctl.coordinator.training.programs import make_replica_step
+    from psctl.coordinator.training.job_model.model import TrainState
+    from psctl.coordinator.training.steps.programs import make_replica_step
 
     job = load_job(JOB)
     settings = TrainSettings(
@@ -779,7 +779,7 @@ def _run_line(record: dict[str, Any], n: int, total: int) -> str:
 
 def parent_main(args: argparse.Namespace) -> int:
     from bench.netlab import LabError
-    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.cluster.processes.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()  # inherited by the servers and every child

@@ -290,7 +290,7 @@ def lab_cluster(
     tunnel: bool = False,
 ) -> Iterator[LabCluster]:
     """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
-    from psctl.cluster.procs import spawn, stop_processes
+    from psctl.cluster.processes.procs import spawn, stop_processes
     from psctl.coordinator.launch.argv import server_argv
 
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]

@@ -71,10 +71,10 @@ sys.path.insert(0, str(REPO))
 from bench import throughput  # noqa: E402
 from bench.elastic import PROGRESS, start_job  # noqa: E402
 from bench.embeddings import memory_mb  # noqa: E402
-from psctl.cluster.files import write_json_atomic  # noqa: E402
 from psctl.cluster.health import HealthChecker  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import spawn, stop_processes  # noqa: E402
+from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
+from psctl.cluster.processes.procs import spawn, stop_processes  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "scale: largest N trained"
@@ -92,7 +92,7 @@ def host_main(args: argparse.Namespace) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     from psctl.cluster.health import HealthService
-    from psctl.cluster.logs import tensorflow_import_quietly
+    from psctl.cluster.processes.logs import tensorflow_import_quietly
 
     # Nothing to drain: a signal ends the process at once (TF servers cannot be stopped).
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -112,9 +112,9 @@ from bench.elastic import control_cli, progress, start_job  # noqa: E402
 from bench.netlab import LabError  # noqa: E402
 from bench.promserver import Prometheus  # noqa: E402
 from bench.soak_hosts import CONTROL, COORDINATOR_METRICS, SoakHosts  # noqa: E402
-from psctl.cluster.files import write_json_atomic  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.procs import command_lines, die_with_parent  # noqa: E402
+from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
+from psctl.cluster.processes.procs import command_lines, die_with_parent  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
 from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
 from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402

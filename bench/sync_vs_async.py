@@ -84,7 +84,7 @@ class Scorer:
     def __init__(self, args: argparse.Namespace) -> None:
         from psctl.coordinator.job import load_job
         from psctl.coordinator.settings import TrainSettings
-        from psctl.coordinator.training.sidecar_eval import SidecarEvaluator
+        from psctl.coordinator.training.evaluation.sidecar_eval import SidecarEvaluator
 
         settings = TrainSettings(job=args.job, checkpoint_dir="", seed=throughput.SEED)
         self.sidecar = SidecarEvaluator(load_job(args.job), settings)
@@ -98,7 +98,7 @@ class Scorer:
         return list(state.all_model_checkpoint_paths) if state else []
 
     def score(self, path: str) -> list[float] | None:
-        from psctl.coordinator.training.summary import accuracy_of
+        from psctl.coordinator.training.reporting.summary import accuracy_of
 
         if path not in self.points:
             wall = Path(path + ".index").stat().st_mtime  # when the save finished
@@ -120,7 +120,7 @@ def run_mode(
     mode: Mode, args: argparse.Namespace, scorer: Scorer, results: Path, n: int
 ) -> dict[str, Any]:
     """One ``psctl local`` run of ``mode``, stopped after the target or at --max-seconds."""
-    from psctl.cluster.procs import die_with_parent
+    from psctl.cluster.processes.procs import die_with_parent
     from psctl.coordinator.launch.argv import psctl_argv
 
     name = f"run{n:02d}-{mode.label}"
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:  # a smoke test of the whole path (the suite runs it): not a measurement
         args.repeats, args.target, args.max_seconds, args.after_target = 1, 0.5, 8.0, 1.0
-    from psctl.cluster.logs import quiet_tensorflow, tensorflow_import_quietly
+    from psctl.cluster.processes.logs import quiet_tensorflow, tensorflow_import_quietly
 
     quiet_tensorflow()
     with tensorflow_import_quietly():  # now, so that polling a run's events starts at once

@@ -702,7 +702,7 @@ def run_child(
 def run_measured(label: str, argv: list[str], out_path: Path, *, timeout: float) -> dict[str, Any]:
     """Run one measured child (this benchmark's or tta's) in its own session, killed with the
     parent; stdout to ``out_path``, stderr beside it (``.log``). Its last JSON line."""
-    from psctl.cluster.procs import die_with_parent
+    from psctl.cluster.processes.procs import die_with_parent
 
     err_path = out_path.with_suffix(".log")
     with out_path.open("wb") as out, err_path.open("wb") as err:
@@ -884,7 +884,7 @@ def print_overhead(
 
 def parent_main(args: argparse.Namespace) -> int:
     from bench.netlab import LabError
-    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.cluster.processes.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()  # inherited by the servers and every child

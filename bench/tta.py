@@ -148,7 +148,10 @@ class Probe(threading.Thread):
         import tensorflow as tf
 
         from psctl.coordinator.job import DataContext
-        from psctl.coordinator.training.metric_objects import make_eval_step, metric_factories
+        from psctl.coordinator.training.job_model.metric_objects import (
+            make_eval_step,
+            metric_factories,
+        )
 
         if job.eval_dataset_fn is None:
             raise SystemExit(f"tta: job {job.name} has no eval_dataset_fn")
@@ -363,11 +366,12 @@ def eval_rows(model: Any, inputs: list[Any]) -> dict[int, np.ndarray]:
 def plain_order(trained: Any, plain: Any) -> list[Any]:
     """The variables of psctl's model on the ps in the order of the plain Keras model built by
     the same job: where the plain model has an Embedding's ``embeddings``, psctl's table
-    (tables.py; not a Keras weight). The rest come in the same order in both (as the
-    checkpoint pairs them with the keys of the plain model, training/sharded_save.py)."""
+    (embeddings/sharded.py; not a Keras weight). The rest come in the same order in both (as
+    the checkpoint pairs them with the keys of the plain model,
+    training/saving/sharded_save.py)."""
     import keras
 
-    from psctl.coordinator.training.tables import table_of
+    from psctl.coordinator.embeddings.sharded import table_of
 
     def embeddings(model: Any) -> list[Any]:
         return [x for x in model._flatten_layers() if isinstance(x, keras.layers.Embedding)]
@@ -692,7 +696,7 @@ def plot(
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from psctl.cluster.logs import quiet_tensorflow
+    from psctl.cluster.processes.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()

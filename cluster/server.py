@@ -21,13 +21,18 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from psctl.cluster import ports, sdnotify
+from psctl.cluster import ports
 from psctl.cluster.address import canonical_host
 from psctl.cluster.dataservice import dispatcher_address, start_data_worker
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
-from psctl.cluster.logs import configure_logging, quiet_tensorflow, tensorflow_import_quietly
-from psctl.cluster.requirements import require_tensorflow
-from psctl.cluster.signals import SignalRelay
+from psctl.cluster.processes import sdnotify
+from psctl.cluster.processes.logs import (
+    configure_logging,
+    quiet_tensorflow,
+    tensorflow_import_quietly,
+)
+from psctl.cluster.processes.requirements import require_tensorflow
+from psctl.cluster.processes.signals import SignalRelay
 from psctl.cluster.spec import ClusterConfig, TaskConfig
 from psctl.cluster.tf_config import resolve_task
 

@@ -165,7 +165,8 @@ class TrainSettings:
     strategy: str = "async"  # "async": parameter servers; "sync": all-reduce over the workers
     steps: int = 1500
     batch_size: int = 64  # per worker
-    steps_per_execution: int = 0  # steps per scheduled call; 0 = "auto" (coordinator/packing.py)
+    # steps per scheduled call; 0 = "auto" (coordinator/training/steps/packing.py)
+    steps_per_execution: int = 0
     update_mode: str = "default"  # "default": the ps optimizer every step; "local": local steps
     local_steps: int = 50  # --update-mode local: steps per call between variable round trips
     local_scale: float = 1.0  # --update-mode local: factor on each call's pushed change

@@ -6,7 +6,7 @@ feature owns its own rows), the 13 counts go through ``log1p`` and a bottom MLP 
 the pairwise dot products of those 27 vectors (351) and the bottom vector feed a top MLP
 (128 -> 64 -> 1 logit). Adam (or Adagrad: ``CTR_OPTIMIZER``). With ``--max-shards`` above 1,
 psctl splits the table over the ps tasks and updates only the rows a batch touched
-(coordinator/training/tables.py). With ``CTR_TABLE=dynamic`` the table is one shared
+(coordinator/embeddings/sharded.py). With ``CTR_TABLE=dynamic`` the table is one shared
 ``DynamicEmbedding(16)`` instead, keyed by the raw (feature, id) pairs: no size, no
 collisions, a row per id seen ``CTR_ADMIT_AFTER`` times, one shard per ps.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from psctl.cluster.procs import command_lines
+from psctl.cluster.processes.procs import command_lines
 from psctl.coordinator.launch import argv as launch_argv
 
 REPO = Path(__file__).resolve().parent.parent

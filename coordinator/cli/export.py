@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from psctl.cluster.requirements import require_tensorflow
+from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.settings import default_help, flag_values
 
 # Run settings shared with training (flags > PSCTL_* environment > --config [train] table),

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
-from psctl.cluster.logs import configure_logging, quiet_tensorflow
-from psctl.cluster.requirements import require_tensorflow
+from psctl.cluster.processes.logs import configure_logging, quiet_tensorflow
+from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.cli.check_data import add_check_data_command
 from psctl.coordinator.cli.client import add_client_commands, add_control_security
 from psctl.coordinator.cli.deploy import add_deploy_commands

@@ -118,8 +118,8 @@ def check_checkpoint_dir(cluster: Any, directory: str) -> None:
     the running job is not touched."""
     import tensorflow as tf
 
-    from psctl.coordinator.training.checkpoint_files import require_writable_dir
-    from psctl.coordinator.training.sharded_save import check_shared
+    from psctl.coordinator.training.saving.checkpoint_files import require_writable_dir
+    from psctl.coordinator.training.saving.sharded_save import check_shared
 
     require_writable_dir(directory, field="--checkpoint-dir")
     addresses = list(cluster.as_dict().get("ps", []))

@@ -41,8 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from psctl.cluster import sdnotify
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.processes import sdnotify
 from psctl.coordinator.deploy.tunnel_state import UP_WITHIN, TunnelState, state_path
 
 NETNS_DIR = Path("/run/netns")

@@ -47,7 +47,8 @@ _NAMES = {
     "final_statuses": " ".join(str(s) for s in FINAL_EXIT_STATUSES),
 }
 _PRIVATE_DEVICES = "PrivateDevices=yes"
-# A ps writes its own shards of every checkpoint (coordinator/training/sharded_save.py).
+# A ps writes its own shards of every checkpoint
+# (coordinator/training/saving/sharded_save.py).
 _PS_STATE = (
     "# Every ps saves its own shards of each checkpoint into the job's checkpoint directory\n"
     "# (@state_dir@/checkpoints by default: on several hosts, a file system they share).\n"

@@ -15,7 +15,7 @@ layout checkpoints and SavedModels hold, three tables keyed by the ids (``embedd
 vectors; ``meta``: ``[count, last_seen, admitted]``; ``slots``: the optimizer's, side by
 side). Checkpoints hold each as the one-shard table's (keys, values),
 saved in slices by the ps tasks and re-split over however many there are when they are
-restored (training/sharded_save.py).
+restored (training/saving/sharded_save.py).
 
 Strings are keyed by their 63-bit fingerprint (``tf.strings.to_hash_bucket_fast`` over
 2**63 - 1 buckets: stable across processes, and with 10^9 distinct strings two of them
@@ -54,7 +54,7 @@ from psctl.coordinator.embeddings.rows import (
     to_remove,
     update_rows,
 )
-from psctl.coordinator.training.sparse import SparseRule
+from psctl.coordinator.embeddings.sparse import SparseRule
 
 log = logging.getLogger(__name__)
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
@@ -540,7 +540,7 @@ class DynamicEmbedding(keras.layers.Layer):
         devices = _CONTEXT.devices
         if devices:
             # Not tracked by the layer: checkpoints save the shards in the serving layout
-            # (training/sharded_save.py).
+            # (training/saving/sharded_save.py).
             shards: list[Any] = [self._packed(device) for device in devices]
         else:
             tables = self._serving_tables()

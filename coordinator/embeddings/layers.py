@@ -5,8 +5,8 @@ models put around it: raw ids or strings hashed into the table's rows, several v
 feature pooled into one vector (a combiner), and one table shared by several features (call
 the same layer on each). Its table is a plain ``keras.layers.Embedding``: with
 ``--max-shards`` above 1 psctl shards it over the ps tasks and updates it sparsely like any
-other (tables.py), checkpoints hold it in the plain layout, and ``psctl export`` writes the
-hashing and pooling into the SavedModel with it.
+other (embeddings/sharded.py), checkpoints hold it in the plain layout, and ``psctl export``
+writes the hashing and pooling into the SavedModel with it.
 """
 
 from __future__ import annotations

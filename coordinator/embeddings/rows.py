@@ -1,9 +1,9 @@
 """A dynamic table's rows (coordinator/embeddings/dynamic.py) and the rules that change
-them, for a shard on a ps (training/dynamic_updates.py) and for a layer trained in one
+them, for a shard on a ps (embeddings/dynamic_updates.py) and for a layer trained in one
 process by Keras' own ``fit`` or a ``GradientTape`` loop (dynamic.py): one rule for both.
 
 - **The update after a step** (``update_rows``): each id counted and stamped with the
-  step; admitted ids get the optimizer's sparse rule (training/sparse.py), ids that reach
+  step; admitted ids get the optimizer's sparse rule (embeddings/sparse.py), ids that reach
   ``admit_after`` their first vector.
 - **Eviction** (``to_remove``): ids not seen for ``ttl_steps`` steps, then the least
   recently seen beyond the cap on rows.

@@ -26,9 +26,9 @@ from typing import Any
 from psctl.cluster import ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
-from psctl.cluster.files import write_json_atomic
 from psctl.cluster.health import HealthChecker
-from psctl.cluster.procs import spawn, spawn_training, stop_processes
+from psctl.cluster.processes.files import write_json_atomic
+from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare, shape_of
@@ -50,10 +50,10 @@ log = logging.getLogger("psctl.local")
 # TensorFlow's many busy threads in every server would starve the coordinator and the
 # operator's shell on a small machine (seen: `psctl status` took 2-4 s on 2 cores). Each
 # server is a session, so an autogroup, of its own: spawn sets the group's nice too
-# (cluster/procs.py), without which a process's nice does not count against other groups
-# (`psctl status` with the default job training: median 0.35-0.44 s before, 0.15 s after;
-# same steps/s). 10, not 19: at 19 a server group gets 1/70 of a core against one busy
-# process of the operator's, and two such (a build, another job) kept the servers from
+# (cluster/processes/procs.py), without which a process's nice does not count against other
+# groups (`psctl status` with the default job training: median 0.35-0.44 s before, 0.15 s
+# after; same steps/s). 10, not 19: at 19 a server group gets 1/70 of a core against one
+# busy process of the operator's, and two such (a build, another job) kept the servers from
 # starting in 120 s; at 10, 47 s, and `psctl status` stays at 0.2 s median.
 SERVER_NICE = 10
 # A server whose health service has not answered for this long is frozen (SIGSTOP, a

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.procs import TrainingProcess, die_with_parent
+from psctl.cluster.processes.procs import TrainingProcess, die_with_parent
+from psctl.cluster.processes.signals import LAUNCHER_GONE
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
-from psctl.cluster.signals import LAUNCHER_GONE
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.data import bad_records
@@ -61,7 +61,12 @@ from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.summary import Summary, accuracy_of, print_summary, write_summary
+from psctl.coordinator.training.reporting.summary import (
+    Summary,
+    accuracy_of,
+    print_summary,
+    write_summary,
+)
 
 if TYPE_CHECKING:
     from psctl.cluster.metrics import ProcessMetrics
@@ -247,7 +252,7 @@ def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
     """The summary of a job that ends on its latest checkpoint, with no final evaluation
     (stopped while a lost ps stayed down): what that checkpoint holds, and the training
     values last published. Written, so that --summary-json is never an earlier run's."""
-    from psctl.coordinator.training.checkpoint_files import checkpoints_in
+    from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
 
     view = control.view()
     board = view.board

@@ -26,8 +26,8 @@ from typing import Any
 
 from psctl.cluster import health
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.files import write_json_atomic
 from psctl.cluster.ports import HealthAddresses
+from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.spec import ClusterConfig, parse_cluster_json
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.launch.supervisor import TrainingSupervisor

@@ -19,7 +19,7 @@ def export_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             "--checkpoint-dir", "is required", "give the training run's checkpoint directory"
         )
     from psctl.coordinator.job import load_job
-    from psctl.coordinator.training.saved_model import export
+    from psctl.coordinator.training.saving.saved_model import export
 
     target = export(load_job(settings.job), settings, checkpoint=args.checkpoint, out=args.out)
     print(f"exported {target.checkpoint} to {target.path}", flush=True)

@@ -1,8 +1,8 @@
 """`psctl evaluate`: the sidecar evaluator's process, following a training run's checkpoints.
 
-One local process, no cluster: it builds a ``SidecarEvaluator`` (training/sidecar_eval.py) and
-each time a new checkpoint appears in ``--checkpoint-dir`` has it evaluate that one,
-printing one line::
+One local process, no cluster: it builds a ``SidecarEvaluator``
+(training/evaluation/sidecar_eval.py) and each time a new checkpoint appears in
+``--checkpoint-dir`` has it evaluate that one, printing one line::
 
     eval | step:    600 | loss: 0.1234 | accuracy: 0.9650 | 10000 examples in 0.41s
 
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
-from psctl.cluster.files import write_json_atomic
-from psctl.cluster.signals import SignalRelay
+from psctl.cluster.processes.files import write_json_atomic
+from psctl.cluster.processes.signals import SignalRelay
 from psctl.coordinator.settings import ENV_PREFIX, TrainSettings, load_toml, resolve_settings
-from psctl.coordinator.training.report import eval_line
-from psctl.coordinator.training.sidecar_eval import Evaluation, SidecarEvaluator
+from psctl.coordinator.training.evaluation.report import eval_line
+from psctl.coordinator.training.evaluation.sidecar_eval import Evaluation, SidecarEvaluator
 
 log = logging.getLogger("psctl.evaluate")
 
@@ -159,7 +159,7 @@ def _chosen_checkpoints(args: argparse.Namespace, directory: str) -> list[str] |
     """``--checkpoint PATH``: that one; ``--all``: every checkpoint in ``directory``, oldest
     first; else None (watch the directory). A path or directory with no checkpoint is one
     line, exit 78, at once."""
-    from psctl.coordinator.training.checkpoint_files import checkpoints_in
+    from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
 
     chosen = getattr(args, "checkpoint", None)
     if chosen:

@@ -20,7 +20,7 @@ from psctl.coordinator.launch.local import local_ps_main, prepare_local
 from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
 from psctl.coordinator.launch.train import check_job_main, ps_train_main
 from psctl.coordinator.settings import TrainSettings, env_switch, resolve_settings
-from psctl.coordinator.training.checkpoint_files import check_output_dirs
+from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
 
 log = logging.getLogger(__name__)
 

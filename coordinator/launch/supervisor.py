@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from psctl.cluster.files import write_json_atomic
-from psctl.cluster.signals import RESIZE_SIGNAL
+from psctl.cluster.processes.files import write_json_atomic
+from psctl.cluster.processes.signals import RESIZE_SIGNAL
 from psctl.coordinator.failures import (
     EXIT_RESTART,
     JOIN_DEADLINE,
@@ -433,7 +433,7 @@ class TrainingSupervisor:
         return self.stopping
 
     def control_stop(self, forwarded: bool) -> None:
-        """A Stop over the control API (control/front.py): the training process took it
+        """A Stop over the control API (operations/front.py): the training process took it
         (``forwarded``) and will checkpoint and exit: start no other after it. None took
         it (none running, or not answering yet): stop as on SIGTERM."""
         if forwarded:

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from psctl.cluster import netns, ports
 from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.files import write_json_atomic
 from psctl.cluster.health import TLS_CERT_ENV as HEALTH_TLS_CERT_ENV
 from psctl.cluster.health import TLS_KEY_ENV as HEALTH_TLS_KEY_ENV
 from psctl.cluster.health import HealthService
-from psctl.cluster.logs import tensorflow_import_quietly
 from psctl.cluster.metrics import ProcessMetrics
-from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.processes.files import write_json_atomic
+from psctl.cluster.processes.logs import tensorflow_import_quietly
+from psctl.cluster.processes.procs import spawn, stop_processes
 from psctl.cluster.server import bind_host
 from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.cluster.tf_config import resolve_training_task
@@ -51,8 +51,8 @@ from psctl.coordinator.operations.front import launch_control
 from psctl.coordinator.operations.job_state import JobControl, TaskInfo
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
-from psctl.coordinator.training.checkpoint_files import check_output_dirs
-from psctl.coordinator.training.summary import Summary
+from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
     from psctl.coordinator.operations.metrics import CoordinatorMetrics

@@ -16,8 +16,8 @@ from psctl.cluster import netns, ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.health import TASK_TYPES, served_task_types
-from psctl.cluster.logs import tensorflow_import_quietly
-from psctl.cluster.signals import EarlyStops
+from psctl.cluster.processes.logs import tensorflow_import_quietly
+from psctl.cluster.processes.signals import EarlyStops
 from psctl.cluster.spec import SYNC_REQUIRED, ClusterConfig, load_cluster_file, require_chief
 from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
@@ -41,8 +41,8 @@ from psctl.coordinator.settings import (
     TrainSettings,
     show_steps_per_execution,
 )
-from psctl.coordinator.training.checkpoint_files import check_output_dirs
-from psctl.coordinator.training.summary import Summary
+from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import Job
@@ -134,7 +134,7 @@ def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 
     workers = load_cluster_file(args.cluster, required=SYNC_REQUIRED).num_workers
     with tensorflow_import_quietly():
-        from psctl.coordinator.training.job_check import check_job
+        from psctl.coordinator.training.job_model.job_check import check_job
     for warning in check_job(load_job(settings.job), settings, num_workers=workers):
         print(f"{WARNING}{warning}", file=sys.stderr, flush=True)
     return 0

@@ -36,7 +36,7 @@ HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
 # A task's place in the cluster (the proto's TaskState names, TASK_STATE_ left off). The
 # training process knows SERVING, DRAINING and LEFT for the tasks of its own cluster; the
 # launcher adds JOINING (and DRAINING) during a resize, and the tasks of earlier generations
-# that LEFT (launch/membership.py).
+# that LEFT (launch/resize.py).
 JOINING, DRAINING, LEFT = "JOINING", "DRAINING", "LEFT"
 TASK_STATES = (JOINING, SERVING, DRAINING, LEFT)
 

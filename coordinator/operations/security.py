@@ -102,7 +102,7 @@ def is_loopback(host: str) -> bool:
 
 def is_private_socket(address: str) -> bool:
     """A ``unix:PATH`` control address: a training process behind its launcher's front
-    (control/front.py), in a directory only the job's user can open."""
+    (operations/front.py), in a directory only the job's user can open."""
     return address.startswith("unix:")
 
 

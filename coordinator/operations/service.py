@@ -238,7 +238,7 @@ class ControlServer:
     ) -> None:
         """Serve ``servicer`` (default: ``ControlServicer(control)``, and ``control``'s task
         health is polled while the server runs) on ``address``: HOST:PORT, or
-        ``unix:PATH`` for a launcher's private socket (see control/front.py)."""
+        ``unix:PATH`` for a launcher's private socket (see operations/front.py)."""
         if servicer is None:
             if control is None:
                 raise ValueError("ControlServer needs a JobControl or a servicer")

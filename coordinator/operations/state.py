@@ -9,7 +9,7 @@ job already has is not a transition and is always allowed.
 
 CHECKPOINTING is never set: a checkpoint is an activity that runs beside training, and
 CHECKPOINTING is the state *reported* while it runs beside one of ``ACTIVITY_HOST_STATES``
-(``JobControl.activity("checkpointing")``, training/checkpoints.py).
+(``JobControl.activity("checkpointing")``, training/saving/checkpoints.py).
 """
 
 from __future__ import annotations

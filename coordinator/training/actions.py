@@ -10,11 +10,11 @@ from typing import Protocol
 
 from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoints import Checkpointer
-from psctl.coordinator.training.inline_eval import InlineEval
-from psctl.coordinator.training.model import TrainState
-from psctl.coordinator.training.progress import Progress
-from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.evaluation.inline_eval import InlineEval
+from psctl.coordinator.training.job_model.model import TrainState
+from psctl.coordinator.training.reporting.progress import Progress
+from psctl.coordinator.training.reporting.publish import Publisher
+from psctl.coordinator.training.saving.checkpoints import Checkpointer
 
 STATUS_EVERY = 1.0  # seconds between status/metrics updates
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.signals import LAUNCHER_GONE, RESIZE_SIGNAL, EarlyStops, SignalRelay
+from psctl.cluster.processes.signals import LAUNCHER_GONE, RESIZE_SIGNAL, EarlyStops, SignalRelay
 from psctl.coordinator.failures import (
     Failure,
     ResizeRequested,
@@ -44,12 +44,12 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.operations.job_state import table_counts
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.actions import Action, PublishStatus, status_and_checkpoints
-from psctl.coordinator.training.checkpoints import Checkpointer
-from psctl.coordinator.training.final_eval import evaluate_final
-from psctl.coordinator.training.packing import Packer, packer_for
-from psctl.coordinator.training.programs import Runtime
-from psctl.coordinator.training.publish import Publisher
-from psctl.coordinator.training.summary import Summary, accuracy_of
+from psctl.coordinator.training.evaluation.final_eval import evaluate_final
+from psctl.coordinator.training.reporting.publish import Publisher
+from psctl.coordinator.training.reporting.summary import Summary, accuracy_of
+from psctl.coordinator.training.saving.checkpoints import Checkpointer
+from psctl.coordinator.training.steps.packing import Packer, packer_for
+from psctl.coordinator.training.steps.programs import Runtime
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from psctl.coordinator.operations.job_state import JobControl
     from psctl.coordinator.operations.metrics import CoordinatorMetrics
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training.model import TrainState
+    from psctl.coordinator.training.job_model.model import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,8 @@ def run_training(
     """A run of ``trainer`` with ``runner``, the same in both strategies: the loop (with
     the status action and checkpoint-every before the strategy's own ``actions``, on the
     chief), then the end of the run to its ``Summary`` (``evaluate(step, checkpoint)`` on
-    the chief; by default every eval example once on this process, final_eval.py)."""
+    the chief; by default every eval example once on this process,
+    training/evaluation/final_eval.py)."""
     if evaluate is None:
 
         def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
 from psctl.coordinator.training.inflight import CallTracker, InFlight, StallWatchdog
 from psctl.coordinator.training.loop import RunnerBase, Turn
-from psctl.coordinator.training.packing import Packer
-from psctl.coordinator.training.programs import StepProgram
+from psctl.coordinator.training.steps.packing import Packer
+from psctl.coordinator.training.steps.programs import StepProgram
 
 if TYPE_CHECKING:
     pass
@@ -107,7 +107,7 @@ class ScheduledRunner(RunnerBase):
     def _schedule(self, steps: int) -> None:
         num = self.steps_tensor(steps)
         self.hooks.before_schedule(steps)
-        # program.iterator: --epochs may start a new one (make-up passes, epochs.py)
+        # program.iterator: --epochs may start a new one (make-up passes: steps/epochs.py)
         remote = self.coordinator.schedule(self.program.function, args=(self.program.iterator, num))
         self.hooks.after_schedule(steps)
         self.calls.add(remote, steps)

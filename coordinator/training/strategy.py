@@ -7,8 +7,8 @@ from typing import Any
 import tensorflow as tf
 
 from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.embeddings.sharded import partitioner
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.tables import partitioner
 
 
 def cluster_resolver(cluster: ClusterConfig) -> Any:
@@ -21,7 +21,7 @@ def cluster_resolver(cluster: ClusterConfig) -> Any:
 def connect(cluster: ClusterConfig, settings: TrainSettings) -> tuple[Any, Any]:
     """(strategy, ClusterCoordinator) for ``cluster``; with ``--max-shards`` above 1,
     embedding tables of at least ``--min-shard-bytes`` are split over the ps tasks
-    (tables.py)."""
+    (embeddings/sharded.py)."""
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         cluster_resolver(cluster), variable_partitioner=partitioner(settings)
     )

@@ -40,13 +40,13 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
-from psctl.coordinator.training.checkpoint_files import finite_there
-from psctl.coordinator.training.final_eval import evaluate_final
+from psctl.coordinator.training.evaluation.final_eval import evaluate_final
+from psctl.coordinator.training.job_model.model import TrainState, scalar
 from psctl.coordinator.training.loop import RunnerBase, TrainerBase, Turn, run_training
-from psctl.coordinator.training.model import TrainState, scalar
-from psctl.coordinator.training.programs import DefaultProgram, Runtime, shard_for
-from psctl.coordinator.training.publish import Publisher
-from psctl.coordinator.training.summary import Summary
+from psctl.coordinator.training.reporting.publish import Publisher
+from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.saving.checkpoint_files import finite_there
+from psctl.coordinator.training.steps.programs import DefaultProgram, Runtime, shard_for
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:

@@ -1,10 +1,11 @@
 """The training process's core: builds the strategy, the state on the ps, the step program,
 checkpoints and evaluation, and runs the controller to a ``Summary``.
 
-The outer loop (controller.py: progress, checkpoints, evaluation, failures) is kept apart
-from the step that gets scheduled (programs.py, epochs.py, local_step.py): one scheduled
-function runs K packed steps on a worker, updates loss and metric objects that live on the
-ps tasks, and the loop reads those at a cadence instead of fetching values every step.
+The outer loop (training/loop.py: progress, checkpoints, evaluation, failures) is kept apart
+from the step that gets scheduled (training/steps/programs.py, training/steps/epochs.py,
+training/steps/local_step.py): one scheduled function runs K packed steps on a worker,
+updates loss and metric objects that live on the ps tasks, and the loop reads those at a
+cadence instead of fetching values every step.
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.embeddings.dynamic_updates import Evict
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, EvalEvery
-from psctl.coordinator.training.dynamic_updates import Evict
-from psctl.coordinator.training.epochs import EpochProgram
-from psctl.coordinator.training.final_eval import evaluate_elsewhere, evaluate_final
-from psctl.coordinator.training.inline_eval import InlineEval
+from psctl.coordinator.training.evaluation.final_eval import evaluate_elsewhere, evaluate_final
+from psctl.coordinator.training.evaluation.inline_eval import InlineEval
+from psctl.coordinator.training.job_model.model import TrainState
 from psctl.coordinator.training.loop import TrainerBase, run_training
-from psctl.coordinator.training.model import TrainState
-from psctl.coordinator.training.programs import (
+from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.scheduled import ScheduledRunner
+from psctl.coordinator.training.steps.epochs import EpochProgram
+from psctl.coordinator.training.steps.programs import (
     DefaultProgram,
     LocalStepProgram,
     StepProgram,
 )
-from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.coordinator.training.strategy import connect
-from psctl.coordinator.training.summary import Summary
 from psctl.hooks import LoopHooks
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster.procs import die_with_parent
+from psctl.cluster.processes.procs import die_with_parent
 from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
 from tests.conftest import child_env, cpu_seconds, kill_if_running
 from tests.integration.netns_hosts import (

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psctl.cluster.procs import die_with_parent
+from psctl.cluster.processes.procs import die_with_parent
 
 PREFIX = "psctl-mh"  # namespace names: psctl-mh<pid>-<host>
 ETC_NETNS = Path("/etc/netns")

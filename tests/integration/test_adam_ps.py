@@ -15,7 +15,7 @@ import sys
 import keras, numpy as np, tensorflow as tf
 from psctl.cluster.spec import load_cluster_file
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.model import apply_adam_atomically
+from psctl.coordinator.training.job_model.model import apply_adam_atomically
 from psctl.coordinator.training.strategy import connect
 
 strategy, coordinator = connect(load_cluster_file(sys.argv[1]), TrainSettings(job="mlp"))

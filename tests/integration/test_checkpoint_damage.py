@@ -1,5 +1,5 @@
 """Damaged checkpoints through real `psctl local` runs: a scrambled newest data file, a
-garbage state file, an unwritable --checkpoint-dir (checkpoint_files.py)."""
+garbage state file, an unwritable --checkpoint-dir (training/saving/checkpoint_files.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.ports import free_ports
-from psctl.cluster.procs import command_lines
+from psctl.cluster.processes.procs import command_lines
 from tests.conftest import (
     child_env,
     control_cli,

@@ -52,7 +52,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 from psctl.coordinator.job import DataContext, load_job
-from psctl.coordinator.training.model import JobModel
+from psctl.coordinator.training.job_model.model import JobModel
 
 serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
 job = load_job(sys.argv[3])

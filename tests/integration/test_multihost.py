@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster import netns as cluster_netns
-from psctl.cluster.procs import die_with_parent
+from psctl.cluster.processes.procs import die_with_parent
 from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT, TUNNEL_UNIT
 from psctl.coordinator.deploy.tunnel import (
     LISTEN_PORT,

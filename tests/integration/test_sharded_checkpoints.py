@@ -1,7 +1,7 @@
-"""Checkpoints saved and restored by shard on real clusters (training/sharded_save.py): a
-fixed and a dynamic table with Adam saved from 2 ps and restored into 3 and then 1, value
-for value; a checkpoint written while a worker is frozen; the coordinator's memory the
-same with a small and a large table."""
+"""Checkpoints saved and restored by shard on real clusters
+(training/saving/sharded_save.py): a fixed and a dynamic table with Adam saved from 2 ps and
+restored into 3 and then 1, value for value; a checkpoint written while a worker is frozen;
+the coordinator's memory the same with a small and a large table."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from psctl.cluster.spec import load_cluster_file
 from psctl.coordinator.embeddings.dynamic import shard_of
 from psctl.coordinator.job import DataContext, load_job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoints import sharded_checkpoint
-from psctl.coordinator.training.model import TrainState
+from psctl.coordinator.training.saving.checkpoints import sharded_checkpoint
+from psctl.coordinator.training.job_model.model import TrainState
 from psctl.coordinator.training.strategy import connect
 
 mode, cluster_file, prefix, job_file = sys.argv[1:5]

@@ -14,7 +14,7 @@ from psctl.coordinator.failures import Failure, RestartFromCheckpoint, classify
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from psctl.coordinator.training.actions import PublishStatus
-from psctl.coordinator.training.publish import Publisher
+from psctl.coordinator.training.reporting.publish import Publisher
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psctl.coordinator.training.model import apply_adam_atomically
+from psctl.coordinator.training.job_model.model import apply_adam_atomically
 
 pytestmark = pytest.mark.timeout(120)
 

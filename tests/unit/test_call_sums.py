@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from psctl.coordinator.training.programs import CallSums
+from psctl.coordinator.training.steps.programs import CallSums
 
 
 def _state(metrics: list) -> SimpleNamespace:

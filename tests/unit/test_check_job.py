@@ -12,7 +12,7 @@ import pytest
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import load_job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.job_check import check_job
+from psctl.coordinator.training.job_model.job_check import check_job
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,6 @@
 """Damaged checkpoints on disk: real tf.train.Checkpoint files of a few variables, damaged as
-a disk or an operator does it, and the newest usable one found (checkpoint_files.py)."""
+a disk or an operator does it, and the newest usable one found
+(training/saving/checkpoint_files.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import tensorflow as tf
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.coordinator.failures import Decision, Failure, FailurePolicy, Scope, classify
 from psctl.coordinator.failures import exit_status as decision_status
-from psctl.coordinator.training.checkpoint_files import (
+from psctl.coordinator.training.saving.checkpoint_files import (
     STATE_FILE,
     ModelDoesNotMatch,
     NoUsableCheckpoint,
@@ -318,7 +319,7 @@ def test_psctl_train_checks_the_directories_before_anything_else(tmp_path, once)
 
 def test_a_long_reason_is_cut_between_words():
     """The final line cut TensorFlow's message mid-word ('... and name de); give ...')."""
-    from psctl.coordinator.training.checkpoint_files import WHY_CHARS, cut_reason
+    from psctl.coordinator.training.saving.checkpoint_files import WHY_CHARS, cut_reason
 
     why = "Expected shape [500,8] for value, got [500,16] " + "word " * 60
     cut = cut_reason(why)

@@ -12,9 +12,9 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, load_job
-from psctl.coordinator.training.metric_objects import metric_factories
-from psctl.coordinator.training.model import JobModel
-from psctl.coordinator.training.summary import accuracy_of
+from psctl.coordinator.training.job_model.metric_objects import metric_factories
+from psctl.coordinator.training.job_model.model import JobModel
+from psctl.coordinator.training.reporting.summary import accuracy_of
 from tests.conftest import REPO
 
 HEAD = """
@@ -227,7 +227,7 @@ def test_a_training_auc_is_read_from_one_snapshot_of_its_counts():
     them: result() read the true positives for a denominator and again for the numerator,
     and a call landing between gave a training AUC of 1.05-1.07. consistent_result reads
     each variable once, so every ratio is of counts read together."""
-    from psctl.coordinator.training.metric_objects import consistent_result
+    from psctl.coordinator.training.job_model.metric_objects import consistent_result
 
     auc = keras.metrics.AUC(name="auc")
     y = np.array([0, 1, 1, 0, 1, 0, 0, 1], np.float32)

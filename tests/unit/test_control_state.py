@@ -1,4 +1,4 @@
-"""The job-state table (control/state.py) and JobControl's enforcement of it, activities
+"""The job-state table (operations/state.py) and JobControl's enforcement of it, activities
 included: no gRPC, no TensorFlow."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.loop import TrainingLoop
-from psctl.coordinator.training.packing import Packer
 from psctl.coordinator.training.scheduled import ScheduledRunner
+from psctl.coordinator.training.steps.packing import Packer
 from psctl.hooks import LoopHooks
 from tests.fakes import FakeOpError
 

@@ -18,8 +18,8 @@ import tensorflow as tf
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import criteo
 from psctl.coordinator.job import DataContext
-from psctl.coordinator.training.metric_objects import metric_factories
-from psctl.coordinator.training.summary import Summary, print_summary, write_summary
+from psctl.coordinator.training.job_model.metric_objects import metric_factories
+from psctl.coordinator.training.reporting.summary import Summary, print_summary, write_summary
 from psctl.jobs import ctr
 
 pytestmark = pytest.mark.timeout(120)
@@ -396,7 +396,7 @@ def test_the_dynamic_table_model(monkeypatch):
 def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatch):
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training.saved_model import export
+    from psctl.coordinator.training.saving.saved_model import export
     from tests.unit.test_serving import export_model
 
     monkeypatch.setenv("CTR_TABLE", "dynamic")

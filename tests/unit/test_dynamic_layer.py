@@ -1,4 +1,4 @@
-"""Dynamic tables (coordinator/embeddings/dynamic.py, training/dynamic_updates.py) in one
+"""Dynamic tables (coordinator/embeddings/dynamic.py, embeddings/dynamic_updates.py) in one
 process, no cluster (shards "placed" on this process's CPU): the layer's shapes and padding,
 admission and its sketch, the optimizer's rule against the fixed tables' (the same numbers),
 eviction by ttl and by cap, several calls of one layer in a step, the bytes a row takes, and
@@ -22,12 +22,12 @@ from psctl.coordinator.embeddings.dynamic import (
     recording,
     shard_of,
 )
-from psctl.coordinator.training.dynamic_updates import (
+from psctl.coordinator.embeddings.dynamic_updates import (
     DynamicUpdater,
     Evictor,
     table_stats,
 )
-from psctl.coordinator.training.sharded_save import Column, Hashed, ShardedCheckpoint
+from psctl.coordinator.training.saving.sharded_save import Column, Hashed, ShardedCheckpoint
 from tests.unit.test_sparse import DIM, OPTIMIZERS, ROWS, initial, run_sparse, sparse_grad
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,7 +185,8 @@ COLUMNS = [Column("embeddings", "e-keys", "e-values", (DIM,)),
 
 
 def checkpoint_of(layer: DynamicEmbedding) -> ShardedCheckpoint:
-    """The layer's tables as the training state's checkpoint holds them (sharded_save.py)."""
+    """The layer's tables as the training state's checkpoint holds them
+    (training/saving/sharded_save.py)."""
     return ShardedCheckpoint(
         dense=[], rows=[], hashed=[Hashed(layer.name, COLUMNS, layer.packed)], summed=[],
         step_key="step", saved_step=tf.Variable(0, dtype=tf.int64), object_graph=b"",
@@ -291,7 +292,7 @@ def test_bad_arguments_are_one_line_naming_the_layer_and_exit_78(kwargs, said):
 
 
 def test_a_subclassed_model_builds_its_tables_outside_the_symbolic_trace():
-    from psctl.coordinator.training.features import build_model
+    from psctl.coordinator.training.job_model.features import build_model
 
     class Model(keras.Model):
         def __init__(self) -> None:

@@ -1,6 +1,6 @@
-"""Features of any structure (coordinator/training/features.py): a dict of named inputs of
-three dtypes checked against the model before training, models of every kind built for it,
-and the exported signature's inputs under the keras.Input names."""
+"""Features of any structure (coordinator/training/job_model/features.py): a dict of named
+inputs of three dtypes checked against the model before training, models of every kind built
+for it, and the exported signature's inputs under the keras.Input names."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.coordinator.job import DataContext, load_job
-from psctl.coordinator.training.features import check_features, feature_names
-from psctl.coordinator.training.model import JobModel
-from psctl.coordinator.training.saved_model import serving_module
+from psctl.coordinator.training.job_model.features import check_features, feature_names
+from psctl.coordinator.training.job_model.model import JobModel
+from psctl.coordinator.training.saving.saved_model import serving_module
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from psctl.cluster.files import write_json_atomic
+from psctl.cluster.processes.files import write_json_atomic
 
 
 def test_writes_the_callers_format(tmp_path: Path) -> None:

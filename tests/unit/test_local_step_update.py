@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from psctl.coordinator.embeddings.sharded import Table, building, table_of
+from psctl.coordinator.embeddings.sparse import SparseUpdater
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.local_step import make_local_train_fn
-from psctl.coordinator.training.sparse import SparseUpdater
-from psctl.coordinator.training.tables import Table, building, table_of
+from psctl.coordinator.training.steps.local_step import make_local_train_fn
 
 
 def loss_fn(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:

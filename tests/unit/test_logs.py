@@ -1,4 +1,4 @@
-"""cluster/logs.py: TensorFlow's per-closure failure reports go to DEBUG, the known
+"""cluster/processes/logs.py: TensorFlow's per-closure failure reports go to DEBUG, the known
 ``Executor.__del__`` noise too; everything else is logged and printed as before."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from psctl.cluster.logs import configure_logging
+from psctl.cluster.processes.logs import configure_logging
 from tests.conftest import child_env
 from tests.fakes import UNAVAILABLE, FakeOpError
 
@@ -117,7 +117,7 @@ def test_other_unraisable_exceptions_are_printed_as_python_does(
 
 IMPORT_OUTPUT = r"""
 import os
-from psctl.cluster.logs import tensorflow_import_quietly
+from psctl.cluster.processes.logs import tensorflow_import_quietly
 with tensorflow_import_quietly():
     os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called are written"
                 b" to STDERR\n")
@@ -168,13 +168,13 @@ CHILD_STDERR = (
     "calling /tensorflow.eager.EagerService/Enqueue:\n"
     "E0000 00:00:1796099420.805358   25609 other.cc:1] an error psctl does not know\n"
     "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while\n"
-    "04:30:20 psctl INFO psctl.coordinator.training.checkpoints: checkpoint ckpt-514\n"
+    "04:30:20 psctl INFO psctl.coordinator.training.saving.checkpoints: checkpoint ckpt-514\n"
 )
 KEPT = [
     "04:30:19 psctl INFO psctl.coordinator.training.controller: steps per call: 9",
     "E0000 00:00:1796099420.805358   25609 other.cc:1] an error psctl does not know",
     "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while",
-    "04:30:20 psctl INFO psctl.coordinator.training.checkpoints: checkpoint ckpt-514",
+    "04:30:20 psctl INFO psctl.coordinator.training.saving.checkpoints: checkpoint ckpt-514",
 ]
 
 
@@ -182,7 +182,7 @@ KEPT = [
 def test_training_process_stderr_less_tensorflows_reports_of_a_lost_task(
     capfd: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    from psctl.cluster.procs import TrainingProcess
+    from psctl.cluster.processes.procs import TrainingProcess
 
     code = f"import sys; sys.stderr.write({CHILD_STDERR!r}); sys.exit(3)"
     child = TrainingProcess([sys.executable, "-c", code], verbose=verbose)

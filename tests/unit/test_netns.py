@@ -13,7 +13,7 @@ import pytest
 
 from psctl.cluster import netns
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.processes.procs import spawn, stop_processes
 from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(60)

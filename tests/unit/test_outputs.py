@@ -1,7 +1,8 @@
 """Models of several outputs (a dict or a list of them) and a subclassed model over a dict:
 the outputs' names, metrics per output, evaluation over structured labels, the exported
 signature's outputs, and the eval features checked against the training features' keys
-(coordinator/training/outputs.py, metric_objects.py, final_eval.py, model.py)."""
+(coordinator/training/job_model/outputs.py, metric_objects.py and model.py,
+training/evaluation/final_eval.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import tensorflow as tf
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.coordinator.job import DataContext, load_job
-from psctl.coordinator.training.features import feature_names
-from psctl.coordinator.training.final_eval import DatasetEvaluator
-from psctl.coordinator.training.metric_objects import metric_kind, structured_metric_factories
-from psctl.coordinator.training.model import JobModel
-from psctl.coordinator.training.outputs import named_outputs, output_keys
-from psctl.coordinator.training.saved_model import serving_module
+from psctl.coordinator.training.evaluation.final_eval import DatasetEvaluator
+from psctl.coordinator.training.job_model.features import feature_names
+from psctl.coordinator.training.job_model.metric_objects import (
+    metric_kind,
+    structured_metric_factories,
+)
+from psctl.coordinator.training.job_model.model import JobModel
+from psctl.coordinator.training.job_model.outputs import named_outputs, output_keys
+from psctl.coordinator.training.saving.saved_model import serving_module
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The pure logic of --steps-per-execution auto (coordinator/packing.py)."""
+"""The pure logic of --steps-per-execution auto (coordinator/training/steps/packing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.settings import TrainSettings, resolve_settings
-from psctl.coordinator.training.packing import MAX_K, Packer, choose_k, packer_for
+from psctl.coordinator.training.steps.packing import MAX_K, Packer, choose_k, packer_for
 
 
 def test_choose_k_keeps_overhead_under_target():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster.procs import spawn, stop_processes
+from psctl.cluster.processes.procs import spawn, stop_processes
 from tests.conftest import REPO, child_env
 
 pytestmark = pytest.mark.timeout(30)
@@ -39,7 +39,7 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
 def test_child_dies_with_its_launcher_even_by_sigkill() -> None:
     launcher_code = (
         "import sys, time\n"
-        "from psctl.cluster.procs import spawn\n"
+        "from psctl.cluster.processes.procs import spawn\n"
         f"child = spawn({SLEEP!r})\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"

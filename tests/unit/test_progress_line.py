@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from psctl.coordinator.training.progress import Progress, format_line
+from psctl.coordinator.training.reporting.progress import Progress, format_line
 
 
 def test_the_line_carries_each_tables_rows_and_evictions():

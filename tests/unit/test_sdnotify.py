@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster import sdnotify
+from psctl.cluster.processes import sdnotify
 
 
 @pytest.mark.parametrize(

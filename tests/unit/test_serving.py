@@ -18,8 +18,8 @@ from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import criteo
 from psctl.coordinator.job import load_job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.model import JobModel
-from psctl.coordinator.training.saved_model import export
+from psctl.coordinator.training.job_model.model import JobModel
+from psctl.coordinator.training.saving.saved_model import export
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(180)
@@ -142,7 +142,7 @@ def test_a_job_with_one_of_the_serving_functions_is_refused(tmp_path: Path):
 def test_a_job_reading_eval_files_exports_with_the_training_files_alone(tmp_path: Path):
     """`psctl export --train-data F` for a job whose eval_dataset_fn reads --eval-data:
     the training files' features give the signature (was: --eval-data is required)."""
-    from psctl.coordinator.training.saved_model import features_spec
+    from psctl.coordinator.training.saving.saved_model import features_spec
 
     (tmp_path / "train.csv").write_text(
         "a,b,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(32))

@@ -1,7 +1,7 @@
-"""Checkpoints saved and restored by shard (training/sharded_save.py), in one process: a
-fixed table split in 2 shards restored into 3 and into 1 row for row, in blocks smaller
-than a shard; what TensorFlow's own reader sees; a checkpoint written whole (before psctl
-saved by shard) restored; damage found (a data file cut short, one missing, bytes
+"""Checkpoints saved and restored by shard (training/saving/sharded_save.py), in one
+process: a fixed table split in 2 shards restored into 3 and into 1 row for row, in blocks
+smaller than a shard; what TensorFlow's own reader sees; a checkpoint written whole (before
+psctl saved by shard) restored; damage found (a data file cut short, one missing, bytes
 changed); a value that is not finite refused with nothing written. The same on a real
 cluster: tests/integration/test_sharded_checkpoints.py."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from psctl.coordinator.training import sharded_save
-from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable
-from psctl.coordinator.training.sharded_save import Dense, NotFinite, Rows, ShardedCheckpoint
+from psctl.coordinator.training.saving import sharded_save
+from psctl.coordinator.training.saving.checkpoint_files import ModelMismatch, Unusable
+from psctl.coordinator.training.saving.sharded_save import Dense, NotFinite, Rows, ShardedCheckpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,7 +139,7 @@ def test_the_parts_of_an_unfinished_save_are_removed_before_the_next_save(tmp_pa
     """A coordinator killed between the ps tasks' writes and its join leaves their parts:
     as big as the model, every time. The next training process removes them; nothing
     else."""
-    from psctl.coordinator.training.checkpoint_files import remove_unfinished_saves
+    from psctl.coordinator.training.saving.checkpoint_files import remove_unfinished_saves
 
     prefix = saved(tmp_path)
     parts = tmp_path / "ckpt-9_temp_0123abcd"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from psctl.cluster.signals import SignalRelay
+from psctl.cluster.processes.signals import SignalRelay
 from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(30)
@@ -68,7 +68,7 @@ def test_early_stops_counts_the_first_and_dies_of_the_second():
     second one ends it as the default action would."""
     code = (
         "import os, signal, sys\n"
-        "from psctl.cluster.signals import EarlyStops\n"
+        "from psctl.cluster.processes.signals import EarlyStops\n"
         "early = EarlyStops()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "early.die() if sys.argv[1] == 'die' else None\n"

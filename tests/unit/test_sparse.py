@@ -1,4 +1,4 @@
-"""Sparse table updates (training/sparse.py) against Keras 3's own dense updates: for a
+"""Sparse table updates (embeddings/sparse.py) against Keras 3's own dense updates: for a
 batch that touches every row they are the same; rows a batch does not touch stay as they
 were ("lazy"). One process, no cluster."""
 
@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.training.sparse import SparseUpdater, slot_kinds
-from psctl.coordinator.training.tables import Table, lookup_rows
+from psctl.coordinator.embeddings.sharded import Table, lookup_rows
+from psctl.coordinator.embeddings.sparse import SparseUpdater, slot_kinds
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from psctl.cluster.signals import RESIZE_SIGNAL
+from psctl.cluster.processes.signals import RESIZE_SIGNAL
 from psctl.coordinator.failures import EXIT_RESTART
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 

@@ -13,7 +13,7 @@ from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.training.loop import TrainingLoop
-from psctl.coordinator.training.packing import Packer
+from psctl.coordinator.training.steps.packing import Packer
 from psctl.coordinator.training.sync import CollectiveRunner
 
 

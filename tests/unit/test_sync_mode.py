@@ -115,7 +115,7 @@ def test_peer_lost_tells_a_lost_peer_from_the_jobs_own_errors():
 def test_auto_shard_policy_data_shards_the_batches():
     import tensorflow as tf
 
-    from psctl.coordinator.training.programs import shard_for
+    from psctl.coordinator.training.steps.programs import shard_for
     from psctl.coordinator.training.sync import count_batches
 
     batches = tf.data.Dataset.range(10).batch(2)

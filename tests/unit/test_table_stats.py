@@ -18,8 +18,8 @@ from psctl.coordinator.operations.job_state import JobControl, TaskInfo, table_c
 from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from psctl.coordinator.operations.service import status_proto
 from psctl.coordinator.training.loop import end_run
-from psctl.coordinator.training.publish import Publisher
-from psctl.coordinator.training.summary import Summary, write_summary
+from psctl.coordinator.training.reporting.publish import Publisher
+from psctl.coordinator.training.reporting.summary import Summary, write_summary
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from psctl.cluster.files import write_json_atomic
+from psctl.cluster.processes.files import write_json_atomic
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoint_files import checkpoints_in, is_model_mismatch
+from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in, is_model_mismatch
 
 if TYPE_CHECKING:
     from psctl.coordinator.job import Job
@@ -44,9 +44,9 @@ class SidecarEvaluator:
         import tensorflow as tf
 
         from psctl.coordinator.job import DataContext
-        from psctl.coordinator.training.final_eval import DatasetEvaluator
-        from psctl.coordinator.training.model import JobModel
-        from psctl.coordinator.training.tensorboard import ScalarWriter
+        from psctl.coordinator.training.evaluation.final_eval import DatasetEvaluator
+        from psctl.coordinator.training.job_model.model import JobModel
+        from psctl.coordinator.training.reporting.tensorboard import ScalarWriter
 
         self.job = job
         self.settings = settings

@@ -16,10 +16,10 @@ import tensorflow as tf
 from psctl.coordinator.embeddings.dynamic import recording
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.graph_ops import seconds_since, sum_count
-from psctl.coordinator.training.local_step import make_local_train_fn
-from psctl.coordinator.training.metric_objects import metric_kind
-from psctl.coordinator.training.model import TrainState
+from psctl.coordinator.training.job_model.metric_objects import metric_kind
+from psctl.coordinator.training.job_model.model import TrainState
+from psctl.coordinator.training.steps.graph_ops import seconds_since, sum_count
+from psctl.coordinator.training.steps.local_step import make_local_train_fn
 
 
 @dataclass(frozen=True)

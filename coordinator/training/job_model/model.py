@@ -13,24 +13,24 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.embeddings.dynamic import attach_slots, dynamic_layers, placed
-from psctl.coordinator.job import DataContext, Job
-from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.dynamic_updates import (
+from psctl.coordinator.embeddings.dynamic_updates import (
     DynamicUpdater,
     table_stats,
 )
-from psctl.coordinator.training.features import (
+from psctl.coordinator.embeddings.sharded import building
+from psctl.coordinator.embeddings.sparse import SparseRule, SparseUpdater
+from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.settings import TrainSettings
+from psctl.coordinator.training.job_model.features import (
     build_model,
     check_features,
     model_inputs,
     symbolic,
 )
-from psctl.coordinator.training.metric_objects import (
+from psctl.coordinator.training.job_model.metric_objects import (
     consistent_result,
     structured_metric_factories,
 )
-from psctl.coordinator.training.sparse import SparseRule, SparseUpdater
-from psctl.coordinator.training.tables import building
 
 
 def scalar(value: Any) -> float:
@@ -98,9 +98,10 @@ class TrainState(JobModel):
     windows are exact. Other metrics stay Keras objects on the ps. Build it under the
     strategy's scope.
 
-    With ``--max-shards`` above 1, large Embedding tables are psctl tables (tables.py): not
-    Keras weights, updated by ``sparse`` with the job optimizer's rule. DynamicEmbedding
-    tables get one shard on every ps task, updated by ``dynamic`` (dynamic_updates.py).
+    With ``--max-shards`` above 1, large Embedding tables are psctl tables
+    (embeddings/sharded.py): not Keras weights, updated by ``sparse`` with the job
+    optimizer's rule. DynamicEmbedding tables get one shard on every ps task, updated by
+    ``dynamic`` (embeddings/dynamic_updates.py).
     """
 
     def __init__(

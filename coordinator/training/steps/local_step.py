@@ -19,9 +19,9 @@ Policies (see docs/performance.md, "Local-step mode"):
   the same statistics several times.
 - Loss and mean metrics are summed over the K steps on the worker and added to the ps
   rows once per call; other (non-mean) metrics update on the ps every step.
-- Embedding tables sharded over the ps (tables.py) are never copied to the worker: each
-  local step looks up the rows its batch needs on the ps and updates those rows there with
-  ``SparseUpdater`` (the job optimizer's sparse rule, step count ``iterations + i + 1``),
+- Embedding tables sharded over the ps (embeddings/sharded.py) are never copied to the
+  worker: each local step looks up the rows its batch needs on the ps and updates those rows
+  there with ``SparseUpdater`` (the job optimizer's sparse rule, step count ``iterations + i + 1``),
   as the default mode does. ``scale`` applies to the dense variables only.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from psctl.coordinator.training.graph_ops import seconds_since, sum_count
+from psctl.coordinator.training.steps.graph_ops import seconds_since, sum_count
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.failures import Decision, FailurePolicy, classify
-from psctl.coordinator.training.graph_ops import sum_count
+from psctl.coordinator.training.evaluation.report import eval_line
 from psctl.coordinator.training.inflight import remote_done
-from psctl.coordinator.training.programs import Runtime
-from psctl.coordinator.training.publish import Publisher
-from psctl.coordinator.training.report import eval_line
+from psctl.coordinator.training.reporting.publish import Publisher
+from psctl.coordinator.training.steps.graph_ops import sum_count
+from psctl.coordinator.training.steps.programs import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -20,22 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from psctl.coordinator.embeddings.sharded import skeleton
 from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoint_files import (
+from psctl.coordinator.training.job_model.model import JobModel, TrainState, ps_devices
+from psctl.coordinator.training.saving.checkpoint_files import (
     remove_unfinished_saves,
     restore_newest,
     set_aside_unreadable_state,
 )
-from psctl.coordinator.training.model import JobModel, TrainState, ps_devices
-from psctl.coordinator.training.sharded_save import (
+from psctl.coordinator.training.saving.sharded_save import (
     NotFinite,
     ShardedCheckpoint,
     check_shared,
     plan,
 )
-from psctl.coordinator.training.tables import skeleton
 
 if TYPE_CHECKING:
     from psctl.coordinator.operations.job_state import JobControl

@@ -21,9 +21,9 @@ import tensorflow as tf
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.metric_objects import make_eval_step
-from psctl.coordinator.training.model import scalar
-from psctl.coordinator.training.report import eval_line
+from psctl.coordinator.training.evaluation.report import eval_line
+from psctl.coordinator.training.job_model.metric_objects import make_eval_step
+from psctl.coordinator.training.job_model.model import scalar
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ is partitioned: Keras 3 variables over a ``ShardedVariable`` break ``tape.gradie
   rows only (see sparse.py for the math, "lazy" Adam included).
 - Checkpoints hold each table in the layout of the same model without psctl
   (``embeddings`` and the optimizer's slots for it), written as row slices by the ps that
-  hold them (sharded_save.py): they restore into any number of ps tasks, and
+  hold them (training/saving/sharded_save.py): they restore into any number of ps tasks, and
   ``psctl evaluate`` or a plain Keras model read them as they are.
 
 psctl intercepts ``Embedding.build``/``call`` while it builds the job's model on the
@@ -222,7 +222,7 @@ def _build_table(layer: Any, plan: TablePlan) -> None:
         _BUILDING.table = False
     table = Table(layer=layer, variable=variable)
     # Not a Keras weight and not tracked by the layer: checkpoints save it in the layout of
-    # the plain model (training/sharded_save.py).
+    # the plain model (training/saving/sharded_save.py).
     object.__setattr__(layer, "_psctl_table", table)
     layer.built = True
     plan.tables.append(table)

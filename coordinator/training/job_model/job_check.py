@@ -15,12 +15,12 @@ from keras.src.backend.common import global_state  # no public way to drop defer
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.features import (
+from psctl.coordinator.training.job_model.features import (
     check_features,
     model_inputs,
     symbolic,
 )
-from psctl.coordinator.training.programs import shard_for
+from psctl.coordinator.training.steps.programs import shard_for
 
 UNINITIALIZED = "uninitialized_variables"  # Keras' list (keras/src/backend/common/variables.py)
 

@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.training.tables import Table
+from psctl.coordinator.embeddings.sharded import Table
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def initial_slot_value(optimizer: Any, kind: str) -> float:
 
 class SparseRule:
     """The job optimizer's update rule on some rows of a table, on tensors: used for the
-    fixed tables here and for the dynamic tables (training/dynamic_updates.py)."""
+    fixed tables here and for the dynamic tables (embeddings/dynamic_updates.py)."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer

@@ -16,9 +16,9 @@ eviction while training, the counts an operator sees, and the checkpoint transfe
 - **Eviction** (``Evict``, every ``EVICT_EVERY`` seconds from the coordinator, run on each
   ps by a function placed there: nothing leaves the ps but the counts): ids not seen for
   ``ttl_steps`` global steps, then the least recently seen beyond ``max_rows_per_shard``.
-- **Checkpoints** (sharded_save.py): each shard's ``export()`` is saved by its ps as a row
-  slice of the one-shard table's (keys, values); restoring, each shard takes the keys that
-  ``shard_of`` gives it, over the shards there are now.
+- **Checkpoints** (training/saving/sharded_save.py): each shard's ``export()`` is saved by
+  its ps as a row slice of the one-shard table's (keys, values); restoring, each shard takes
+  the keys that ``shard_of`` gives it, over the shards there are now.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from psctl.coordinator.embeddings.dynamic import (
     split_by_shard,
 )
 from psctl.coordinator.embeddings.rows import LAST_SEEN, Merged, dense, to_remove, update_rows
-from psctl.coordinator.training.sparse import SparseRule
+from psctl.coordinator.embeddings.sparse import SparseRule
 
 log = logging.getLogger(__name__)
 

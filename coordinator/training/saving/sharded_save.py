@@ -56,8 +56,8 @@ from psctl.cluster.errors import ConfigError
 from psctl.coordinator.embeddings.dynamic import PackedShard, shard_of
 from psctl.coordinator.embeddings.rows import ADMITTED, COUNT, LAST_SEEN
 from psctl.coordinator.failures import Failure, classify, describe
-from psctl.coordinator.training.checkpoint_files import ModelMismatch, Unusable, finite_there
-from psctl.coordinator.training.model import JobModel, TrainState
+from psctl.coordinator.training.job_model.model import JobModel, TrainState
+from psctl.coordinator.training.saving.checkpoint_files import ModelMismatch, Unusable, finite_there
 
 log = logging.getLogger(__name__)
 

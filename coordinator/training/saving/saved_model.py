@@ -1,13 +1,13 @@
 """A training run's checkpoint as a TensorFlow SavedModel for serving (`psctl export`).
 
 The job's model is built in this process (no cluster) and restored from the checkpoint:
-checkpoints hold sharded tables whole (tables.py), so the exported model looks every id
-up in one table inside the graph. The SavedModel is written to ``OUT/<global step>/``, the
-versioned layout TensorFlow Serving watches, with a ``serving_default`` signature whose
-inputs are what the job's dataset yields as features (one input, ``features``, for one
-tensor; one per feature, under the ``keras.Input`` names, for named inputs) and whose
-outputs are ``outputs`` for a model of one output, else one per output (outputs.py: a dict's
-keys, ``output_0``, ``output_1``, ... for a list).
+checkpoints hold sharded tables whole (embeddings/sharded.py), so the exported model looks
+every id up in one table inside the graph. The SavedModel is written to ``OUT/<global
+step>/``, the versioned layout TensorFlow Serving watches, with a ``serving_default``
+signature whose inputs are what the job's dataset yields as features (one input,
+``features``, for one tensor; one per feature, under the ``keras.Input`` names, for named
+inputs) and whose outputs are ``outputs`` for a model of one output, else one per output
+(training/job_model/outputs.py: a dict's keys, ``output_0``, ``output_1``, ... for a list).
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ import tensorflow as tf
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.job import DataContext, Job
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.checkpoint_files import Unusable, load_checked, restore_newest
-from psctl.coordinator.training.features import feature_names
-from psctl.coordinator.training.model import JobModel
-from psctl.coordinator.training.outputs import named_outputs
+from psctl.coordinator.training.job_model.features import feature_names
+from psctl.coordinator.training.job_model.model import JobModel
+from psctl.coordinator.training.job_model.outputs import named_outputs
+from psctl.coordinator.training.saving.checkpoint_files import (
+    Unusable,
+    load_checked,
+    restore_newest,
+)
 
 log = logging.getLogger(__name__)
 

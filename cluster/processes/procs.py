@@ -72,7 +72,7 @@ class TrainingProcess(subprocess.Popen[bytes]):
     Popen's arguments (``spawn``'s session and parent-death signal)."""
 
     def __init__(self, argv: Sequence[str], *, verbose: bool, **popen: Any) -> None:
-        from psctl.cluster.logs import forward_stderr
+        from psctl.cluster.processes.logs import forward_stderr
 
         super().__init__(argv, stderr=subprocess.PIPE, **popen)
         assert self.stderr is not None

@@ -36,9 +36,9 @@ from psctl.cluster import ports
 from psctl.cluster.address import split_host_port
 from psctl.cluster.dataservice import require_dispatcher
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.training.graph_ops import seconds_since
 from psctl.coordinator.training.loop import OPEN_TARGET
-from psctl.coordinator.training.programs import Runtime, make_replica_step
+from psctl.coordinator.training.steps.graph_ops import seconds_since
+from psctl.coordinator.training.steps.programs import Runtime, make_replica_step
 
 log = logging.getLogger(__name__)
 

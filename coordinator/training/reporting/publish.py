@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from psctl.coordinator.operations.job_state import table_counts
-from psctl.coordinator.training.tensorboard import ScalarWriter
+from psctl.coordinator.training.reporting.tensorboard import ScalarWriter
 
 if TYPE_CHECKING:
     from psctl.coordinator.operations.job_state import JobControl

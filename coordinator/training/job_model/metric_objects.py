@@ -11,8 +11,8 @@ import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError, echo
-from psctl.coordinator.training.features import leaf_shape, structure_of
-from psctl.coordinator.training.outputs import batch_size, output_keys
+from psctl.coordinator.training.job_model.features import leaf_shape, structure_of
+from psctl.coordinator.training.job_model.outputs import batch_size, output_keys
 
 # Names a misspelling is matched against (keras.metrics.get takes these and class names).
 _METRIC_NAMES = (
