@@ -5,7 +5,7 @@ by a veth pair; the direct network, or with ``rtt_ms`` its relay, which delays e
 connection to a server's TF, health and /metrics ports by half of it each way): the ps and
 worker servers as the systemd units run them (``ps-server`` / ``worker-server --cluster
 FILE --index I``, restarted on failure one second later by
-tests/integration/netns_hosts.py's stand-in for systemd's Restart=on-failure), the
+bench/netns_hosts.py's stand-in for systemd's Restart=on-failure), the
 coordinator (``psctl train --cluster FILE``) on host ``chief``.
 Its control API listens on that host's loopback: the soak reaches it, and Prometheus runs
 there too, through ``ip netns exec``. A ``cut-link`` sets the router's end of a host's link
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.netlab import TF_PORT, NetLab
+from bench.netns_hosts import NotifySocket, RestartPolicy, Service
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.coordinator.launch.argv import server_argv
-from tests.integration.netns_hosts import NotifySocket, RestartPolicy, Service
 
 REPO = Path(__file__).resolve().parent.parent
 CONTROL = "127.0.0.1:7070"  # psctl train's control API, on host "chief"

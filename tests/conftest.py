@@ -9,12 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.netns_hosts import NetnsLab, remove_stale_labs
 from psctl.cluster.processes.procs import command_lines
 from psctl.coordinator.launch import argv as launch_argv
 
@@ -155,3 +156,27 @@ def run_cli():
         )
 
     return run
+
+
+@contextlib.contextmanager
+def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterator[NetnsLab]:
+    """A fresh lab of network-namespace hosts for a test (bench/netns_hosts.py; skipped
+    without root); stale labs of killed runs go first.
+
+    The /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each
+    host's /etc/netns/NS/psctl over it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    require_tool("ip", "tools/ensure-systemd-tools.sh (iproute2)")
+    bin_dir = Path(sys.executable).parent
+    for script in scripts:
+        if not (bin_dir / script).exists():
+            pytest.fail(f"{bin_dir / script} is missing: run make install", pytrace=False)
+    remove_stale_labs()
+    Path("/etc/psctl").mkdir(mode=0o755, exist_ok=True)
+    lab = NetnsLab(hosts)
+    try:
+        lab.create()
+        yield lab
+    finally:
+        lab.destroy()

@@ -28,18 +28,17 @@ from pathlib import Path
 
 import pytest
 
-from psctl.cluster.processes.procs import die_with_parent
-from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
-from tests.conftest import child_env, cpu_seconds, kill_if_running
-from tests.integration.netns_hosts import (
+from bench.netns_hosts import (
     SERVERS,
     NetnsLab,
     NotifySocket,
     RestartPolicy,
     Service,
-    open_lab,
     write_cluster,
 )
+from psctl.cluster.processes.procs import die_with_parent
+from tests.chaos.conftest import Sampler, before_fault, full_speed_after, record
+from tests.conftest import child_env, cpu_seconds, kill_if_running, open_lab
 
 pytestmark = pytest.mark.chaos
 

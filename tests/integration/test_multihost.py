@@ -7,7 +7,7 @@ namespace on the host, WireGuard to the others) with its side ports carried out 
 the psctl-proxy@ units. Every server starts from the exact ExecStart= line and environment
 of its rendered unit (instance substituted, as systemd would; NetworkNamespacePath= by
 nsenter), with a NOTIFY_SOCKET that must receive READY=1, under the unit's sandbox as far
-as tests/integration/sandbox.py applies it (a dynamic user, no capabilities, the system call
+as bench/sandbox.py applies it (a dynamic user, no capabilities, the system call
 filter, a read-only file system, private /tmp, no /home: its docstring lists what is
 applied and what is not). `psctl deploy check` on the coordinator host sees every server
 SERVING through the tunnel; the fifth host, with no keys and then with keys of its own, and
@@ -48,6 +48,24 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns_hosts import (
+    SERVERS,
+    TF_PORT,
+    NetnsLab,
+    NotifySocket,
+    RestartPolicy,
+    Service,
+    Unit,
+    exec_argv,
+    parse_unit,
+    sandboxed,
+    service_env,
+    unescape_instance,
+    value,
+    values,
+    write_cluster,
+)
+from bench.sandbox import NOBODY
 from psctl.cluster import netns as cluster_netns
 from psctl.cluster.processes.procs import die_with_parent
 from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT, TUNNEL_UNIT
@@ -61,26 +79,7 @@ from psctl.coordinator.deploy.tunnel import (
 )
 from psctl.coordinator.deploy.units import PROXYD
 from psctl.coordinator.operations.security import ENV as CONTROL_CREDENTIALS
-from tests.conftest import cpu_seconds, kill_if_running, require_tool
-from tests.integration.netns_hosts import (
-    SERVERS,
-    TF_PORT,
-    NetnsLab,
-    NotifySocket,
-    RestartPolicy,
-    Service,
-    Unit,
-    exec_argv,
-    open_lab,
-    parse_unit,
-    sandboxed,
-    service_env,
-    unescape_instance,
-    value,
-    values,
-    write_cluster,
-)
-from tests.integration.sandbox import NOBODY
+from tests.conftest import cpu_seconds, kill_if_running, open_lab, require_tool
 
 pytestmark = pytest.mark.integration
 

@@ -16,6 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns_hosts import (
+    Unit,
+    exec_argv,
+    parse_unit,
+    read_env_file,
+    service_env,
+    unescape_instance,
+    value,
+    values,
+)
 from psctl.cluster import server as server_cli
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
@@ -31,16 +41,6 @@ from psctl.coordinator.deploy.tunnel import Keys, netns_name, read_peers
 from psctl.coordinator.deploy.units import PLACEHOLDER, PROXYD, fill, reference_files
 from psctl.coordinator.failures import EXIT_RESTART, EXIT_STATUS, EXIT_USAGE, FINAL_EXIT_STATUSES
 from tests.conftest import REPO, require_tool
-from tests.integration.netns_hosts import (
-    Unit,
-    exec_argv,
-    parse_unit,
-    read_env_file,
-    service_env,
-    unescape_instance,
-    value,
-    values,
-)
 
 BIN_DIR = str(Path(sys.executable).parent)  # real psctl, ps-server, worker-server
 SYSTEMD_DIR = REPO / "deploy" / "systemd"
@@ -280,10 +280,10 @@ def test_systemd_analyze_verify_passes_on_every_rendered_unit(rendered: Path):
 
 
 def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
-    """tests/integration/sandbox.py applies the units' sandbox to the multi-host test's
+    """bench/sandbox.py applies the units' sandbox to the multi-host test's
     processes, or lists a setting as not applied (docs/deploy.md says which): a new
     setting in the units must be one or the other."""
-    from tests.integration.sandbox import APPLIED, NOT_APPLIED
+    from bench.sandbox import APPLIED, NOT_APPLIED
 
     other = {"Type", "NotifyAccess", "EnvironmentFile", "Environment", "ExecStart", "Restart"}
     other |= {"RestartSec", "RestartPreventExitStatus", "TimeoutStartSec", "TimeoutStopSec"}

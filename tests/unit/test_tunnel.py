@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from bench.netns_hosts import unescape_instance
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.deploy import tunnel, tunnel_state
@@ -15,7 +16,6 @@ from psctl.coordinator.deploy.plan import escape_instance
 from psctl.coordinator.deploy.tunnel_state import TunnelState
 from psctl.coordinator.operations.client import format_status, status_dict
 from psctl.coordinator.operations.service import tunnel_proto
-from tests.integration.netns_hosts import unescape_instance
 
 WIREGUARD_GO_OUTPUT = """\
 +------------------------------------------------------+

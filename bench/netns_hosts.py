@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +155,7 @@ def sandboxed(
     """``argv`` under the unit's sandbox settings, as far as sandbox.py applies them
     (``writable``: this run's stand-ins for StateDirectory=; ``exposed``: directories under
     /root that must stay readable, as this checkout's Python lives there)."""
-    from tests.integration.sandbox import APPLIED
+    from bench.sandbox import APPLIED
 
     settings: dict[str, object] = {}
     for section, key, val in unit:
@@ -433,33 +433,6 @@ class NetnsLab:
         are dropped silently, as on a dead link (no reset, no ICMP)."""
         port = f"p{list(self.hosts).index(host)}"
         ip("-n", self.switch, "link", "set", port, "up" if up else "down")
-
-
-@contextlib.contextmanager
-def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterator[NetnsLab]:
-    """A fresh lab for a test (skipped without root); stale labs of killed runs go first.
-
-    The /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each
-    host's /etc/netns/NS/psctl over it."""
-    import pytest
-
-    from tests.conftest import require_tool
-
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    require_tool("ip", "tools/ensure-systemd-tools.sh (iproute2)")
-    bin_dir = Path(sys.executable).parent
-    for script in scripts:
-        if not (bin_dir / script).exists():
-            pytest.fail(f"{bin_dir / script} is missing: run make install", pytrace=False)
-    remove_stale_labs()
-    Path("/etc/psctl").mkdir(mode=0o755, exist_ok=True)
-    lab = NetnsLab(hosts)
-    try:
-        lab.create()
-        yield lab
-    finally:
-        lab.destroy()
 
 
 # ---------------------------------------------------------------- the tests' cluster
