@@ -33,7 +33,7 @@ import grpc
 
 from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.launch.argv import psctl_argv
+from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.operations.client import ControlError, Target, call
 from psctl.coordinator.operations.stubs import control_stub
 

@@ -146,7 +146,7 @@ class RssSampler(threading.Thread):
 def run_one(run: Run, args: argparse.Namespace, out: Path, n: int) -> dict[str, Any]:
     """One ``psctl local`` of ``run``: its summary's numbers and the ps RSS."""
     from psctl.cluster.processes.procs import die_with_parent
-    from psctl.coordinator.launch.argv import psctl_argv
+    from psctl.coordinator.argv import psctl_argv
 
     label = f"run{n}-{run.name}"
     workdir, summary_path, log_path = out / label, out / f"{label}.json", out / f"{label}.log"

@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO))
 
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.procs import die_with_parent  # noqa: E402
-from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+from psctl.coordinator.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "elastic: median seconds without steps"
 LOG_EVERY = 0.2  # seconds between the job's progress lines: the resolution of the gaps

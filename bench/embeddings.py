@@ -35,7 +35,8 @@ Writes ``table.md`` and ``results.json`` under ``--results`` (default
 The last line is ``psctl/raw_keras steps/s at 1M rows (adam) = R.RR``; without that
 configuration, the same line for the one nearest to it, said so the line before.
 
-    .venv/bin/python bench/embeddings.py             # 3 sizes x 2 optimizers x 2 modes
+    .venv/bin/python bench/embeddings.py             # 1M rows, adam, psctl and raw (minutes)
+    .venv/bin/python bench/embeddings.py --full      # 3 sizes x 2 optimizers x 4 modes (24 runs)
     .venv/bin/python bench/embeddings.py --rows 1M --optimizers adam
     .venv/bin/python bench/embeddings.py --rows 10M --modes psctl  # one mode only
     .venv/bin/python bench/embeddings.py --quick     # smoke test: 10k rows, adam, 100 steps
@@ -68,6 +69,8 @@ JOB = "ctr"
 REPO = throughput.REPO
 MODES = ("psctl", "raw", "tf_keras", "local")
 QUICK_MODES = "psctl,raw"
+DEFAULT_ROWS, FULL_ROWS = "1M", "10k,1M,10M"
+DEFAULT_OPTIMIZERS, FULL_OPTIMIZERS = "adam", "adam,adagrad"
 TF_KERAS_ENV = REPO / ".venv-tfkeras"  # tf-keras pulls in its own TensorFlow wheel
 TF_KERAS_PINS = ("tensorflow==2.21.0", "tf-keras==2.21.0")  # the TF psctl runs on
 LOOPBACK = "loopback"  # no --rtt: LocalCluster on 127.0.0.1, as before
@@ -839,15 +842,22 @@ def parent_main(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--rows", default="10k,1M,10M", help="table sizes, comma-separated (default 10k,1M,10M)"
+        "--rows", help=f"table sizes, comma-separated (default {DEFAULT_ROWS}; --full: {FULL_ROWS})"
     )
     parser.add_argument(
-        "--optimizers", default="adam,adagrad", help="ctr optimizers (default adam,adagrad)"
+        "--optimizers",
+        help=f"ctr optimizers (default {DEFAULT_OPTIMIZERS}; --full: {FULL_OPTIMIZERS})",
     )
     parser.add_argument(
         "--modes",
-        help="what to run, comma-separated, of psctl, raw, tf_keras and local (default all "
-        f"four; --quick: {QUICK_MODES})",
+        help="what to run, comma-separated, of psctl, raw, tf_keras and local (default and "
+        f"--quick: {QUICK_MODES}; --full: all four)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the whole grid: {FULL_ROWS} rows x {FULL_OPTIMIZERS} x all four modes (24 "
+        "runs: more than 30 minutes on 2 cores); --rows, --optimizers and --modes still apply",
     )
     parser.add_argument(
         "--rtt",
@@ -915,7 +925,10 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick and not args.run_mode
     if quick:  # a smoke test of the whole path (the suite runs it): not a measurement
         args.rows, args.optimizers = "10k", "adam"
-        args.modes = args.modes or QUICK_MODES
+    full = args.full and not quick
+    args.rows = args.rows or (FULL_ROWS if full else DEFAULT_ROWS)
+    args.optimizers = args.optimizers or (FULL_OPTIMIZERS if full else DEFAULT_OPTIMIZERS)
+    args.modes = args.modes or (",".join(MODES) if full else QUICK_MODES)
     for name, default, fast in (
         ("steps", 2000, 100),
         ("max_seconds", 60.0, 30.0),
@@ -954,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(f"--rows: {err}")
     args.optimizer_list = parse_names(parser, "--optimizers", args.optimizers, SLOTS)
-    args.mode_list = parse_names(parser, "--modes", args.modes or ",".join(MODES), MODES)
+    args.mode_list = parse_names(parser, "--modes", args.modes, MODES)
     return parent_main(args)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+from psctl.coordinator.argv import psctl_argv  # noqa: E402
 
 MODES = ("memory", "files", "service-files", "service-memory")
 

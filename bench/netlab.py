@@ -291,7 +291,7 @@ def lab_cluster(
 ) -> Iterator[LabCluster]:
     """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
     from psctl.cluster.processes.procs import spawn, stop_processes
-    from psctl.coordinator.launch.argv import server_argv
+    from psctl.coordinator.argv import server_argv
 
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
     lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work, tunnel=tunnel)

@@ -75,7 +75,7 @@ from psctl.cluster.health import HealthChecker  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
 from psctl.cluster.processes.procs import spawn, stop_processes  # noqa: E402
-from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+from psctl.coordinator.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "scale: largest N trained"
 DOWN = r"worker:{} is (UNREACHABLE|NOT_SERVING|UNKNOWN)"  # .format(the killed one's index)

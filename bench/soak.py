@@ -116,7 +116,7 @@ from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
 from psctl.cluster.processes.procs import command_lines, die_with_parent  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
-from psctl.coordinator.launch.argv import psctl_argv  # noqa: E402
+from psctl.coordinator.argv import psctl_argv  # noqa: E402
 from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402
 
 LAST_LINE = "soak: "

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.netlab import TF_PORT, NetLab
 from bench.netns_hosts import NotifySocket, RestartPolicy, Service
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
-from psctl.coordinator.launch.argv import server_argv
+from psctl.coordinator.argv import server_argv
 
 REPO = Path(__file__).resolve().parent.parent
 CONTROL = "127.0.0.1:7070"  # psctl train's control API, on host "chief"

@@ -121,7 +121,7 @@ def run_mode(
 ) -> dict[str, Any]:
     """One ``psctl local`` run of ``mode``, stopped after the target or at --max-seconds."""
     from psctl.cluster.processes.procs import die_with_parent
-    from psctl.coordinator.launch.argv import psctl_argv
+    from psctl.coordinator.argv import psctl_argv
 
     name = f"run{n:02d}-{mode.label}"
     workdir, summary_path = results / name, results / f"{name}.json"
@@ -203,7 +203,7 @@ def _watch(
 ) -> float | None:
     """Score the run's newest checkpoint every half second; ``psctl stop`` it --after-target s
     after one reached the target, or --max-seconds after its first. When it sent the stop."""
-    from psctl.coordinator.launch.argv import psctl_argv
+    from psctl.coordinator.argv import psctl_argv
 
     launched = time.monotonic()
     first: float | None = None

@@ -17,7 +17,7 @@ import pytest
 
 from bench.netns_hosts import NetnsLab, remove_stale_labs
 from psctl.cluster.processes.procs import command_lines
-from psctl.coordinator.launch import argv as launch_argv
+from psctl.coordinator import argv as launch_argv
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ from psctl.cluster.health import HealthChecker
 from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
-from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv, server_argv
+from psctl.coordinator.argv import psctl_argv, run_settings_argv, server_argv
 from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,

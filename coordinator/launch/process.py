@@ -32,6 +32,7 @@ from psctl.cluster.processes.signals import LAUNCHER_GONE
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
 from psctl.control.v1 import control_pb2
+from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.data import bad_records
 from psctl.coordinator.failures import (
     EXIT_RESTART,
@@ -47,7 +48,6 @@ from psctl.coordinator.failures import (
     tasks_named,
     unstaged,
 )
-from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.launch.resize import ClusterFile, Membership, Rejoins, Resizer, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,

@@ -36,8 +36,8 @@ from psctl.cluster.processes.procs import spawn, stop_processes
 from psctl.cluster.server import bind_host
 from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.cluster.tf_config import resolve_training_task
+from psctl.coordinator.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.failures import FailurePolicy
-from psctl.coordinator.launch.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.launch.process import (
     complete,
     load_tasks,

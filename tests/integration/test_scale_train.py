@@ -23,7 +23,7 @@ from psctl.cluster.health import wait_serving
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET, free_ports
 from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn
-from psctl.coordinator.launch import argv as launch_argv
+from psctl.coordinator import argv as launch_argv
 from tests.conftest import (
     child_env,
     control_cli,

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.netns_hosts import NotifySocket
 from psctl.cluster.health import wait_serving
 from psctl.cluster.ports import free_ports
-from psctl.coordinator.launch import argv as launch_argv
+from psctl.coordinator import argv as launch_argv
 from tests.conftest import child_env, kill_if_running
 
 pytestmark = pytest.mark.integration

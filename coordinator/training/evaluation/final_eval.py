@@ -18,8 +18,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.job import DataContext, Job
-from psctl.coordinator.launch.argv import psctl_argv
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.evaluation.report import eval_line
 from psctl.coordinator.training.job_model.metric_objects import make_eval_step
