@@ -801,3 +801,69 @@ def test_keys_rotated_and_reloaded_host_by_host(lab: NetnsLab, tmp_path: Path):
         for tunnel in tunnels.values():
             tunnel.stop()
         shutil.rmtree(notify_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_host_joins_behind_the_tunnels_without_restarting_them(lab: NetnsLab, tmp_path: Path):
+    """docs/deploy.md's new host: the cluster file gains it, `psctl deploy keys` gives it a
+    key (the others' kept), render, install each running host's new tunnel.conf and reload
+    (SIGHUP), start the new host's tunnel: it reaches a TF port through the tunnels, and the
+    hosts already there keep theirs up, never restarted."""
+    cluster_file = tmp_path / "cluster.json"
+    first = {"chief": [f"{HOSTS['coord']}:{TF_PORT}"], "ps": [f"{HOSTS['ps0']}:{TF_PORT}"],
+             "worker": [f"{HOSTS['ps0']}:{TF_PORT + 1}"]}  # fmt: skip
+    cluster_file.write_text(json.dumps({"cluster": first}))
+    out = tmp_path / "rendered"
+    keys = render_protected(cluster_file, out)
+    assert sorted(p.name for p in keys.glob("*.key")) == sorted(
+        f"{HOSTS[h]}.key" for h in ("coord", "ps0"))  # fmt: skip
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
+    tunnels: dict[str, Service] = {}
+    listener: subprocess.Popen[bytes] | None = None
+    target = [f"{HOSTS['ps0']}:{TF_PORT}"]
+    try:
+        for host in ("coord", "ps0"):
+            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
+            tunnels[host] = start_tunnel(lab, host, out, tmp_path, notify_dir)
+        listener = subprocess.Popen(
+            ["ip", "netns", "exec", netns_name(HOSTS["ps0"]), SYSTEM_PYTHON, "-m", "http.server",
+             "--bind", HOSTS["ps0"], str(TF_PORT)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )  # fmt: skip
+        from_coord = ["ip", "netns", "exec", netns_name(HOSTS["coord"])]
+        deadline = time.monotonic() + 20
+        while connect_all(from_coord, target, 2) != dict.fromkeys(target, "open"):
+            assert time.monotonic() < deadline, "no connection between the first two hosts"
+        # w1 joins as a second worker.
+        before = {p.name: p.read_text() for p in keys.glob("*.key")}
+        joined = {**first, "worker": [*first["worker"], f"{HOSTS['w1']}:{TF_PORT}"]}
+        cluster_file.write_text(json.dumps({"cluster": joined}))
+        render_protected(cluster_file, out, "--force")
+        assert {p.name: p.read_text() for p in keys.glob("*.key")} == {
+            **before, f"{HOSTS['w1']}.key": (keys / f"{HOSTS['w1']}.key").read_text()}  # fmt: skip
+        for host in ("coord", "ps0"):
+            shutil.copyfile(
+                out / HOSTS[host] / "tunnel.conf", lab.etc(host) / "psctl" / "tunnel.conf"
+            )
+            proc = tunnels[host].proc
+            assert proc is not None
+            os.kill(proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while "reloaded" not in tunnels[host].log_tail(3):
+                assert time.monotonic() < deadline, tunnels[host].log_tail()
+                time.sleep(0.1)
+            assert "2 peers" in tunnels[host].log_tail(3), tunnels[host].log_tail()
+        shutil.copytree(out / HOSTS["w1"], lab.etc("w1") / "psctl")
+        tunnels["w1"] = start_tunnel(lab, "w1", out, tmp_path, notify_dir)
+        from_w1 = ["ip", "netns", "exec", netns_name(HOSTS["w1"])]
+        deadline = time.monotonic() + 20
+        while connect_all(from_w1, target, 2) != dict.fromkeys(target, "open"):
+            assert time.monotonic() < deadline, tunnels["w1"].log_tail()
+        assert connect_all(from_coord, target, 2) == dict.fromkeys(target, "open")
+        assert tunnels["coord"].starts == tunnels["ps0"].starts == 1
+    finally:
+        kill_if_running(listener, 5)
+        for tunnel in tunnels.values():
+            tunnel.stop()
+        shutil.rmtree(notify_dir, ignore_errors=True)
