@@ -43,10 +43,12 @@ __all__ = [
     "COLUMNS",
     "DataFiles",
     "Extreme",
+    "TableFormat",
     "TsvFiles",
+    "checked_table",
+    "csv_format",
     "describe_bad_criteo_line",
     "scan_criteo",
-    "scan_csv",
 ]
 
 
@@ -588,64 +590,59 @@ def describe_bad_criteo_line(line: bytes, path: str, line_no: int) -> str:
 # -- CSV and TFRecord --------------------------------------------------------------------------
 
 
-def scan_csv(
-    pattern: str,
-    paths: Sequence[str],
-    *,
-    label_column: str,
-    field: str,
-    jobs: int | None = None,
-    piece_bytes: int = PIECE_BYTES,
-) -> DataFiles:
-    """Check every line of every CSV file (``paths``, ``pattern``'s) against the first
-    file's header; ``jobs``: processes (None: one per core when there is enough to read)."""
+@dataclass(frozen=True)
+class TableFormat:
+    """What checks the files of one table format (CSV, TFRecord): the check of one piece,
+    the pieces (``cut``'s, and their bytes), what a file without a record is (and the fix),
+    and the format's own DataFiles fields."""
+
+    check: Callable[..., Checked]
+    pieces: tuple[Sequence[Piece], int]
+    empty: tuple[str, str]
+    fields: dict[str, Any]
+
+
+def csv_format(
+    paths: Sequence[str], *, label_column: str, field: str, piece_bytes: int = PIECE_BYTES
+) -> TableFormat:
+    """CSV files (``paths``): every line checked against the first file's header."""
     header = _first_header(paths[0], label_column, field)
-    pieces, total = cut(paths, splittable=True, piece_bytes=piece_bytes)
     features = tuple(c for c in header if c != label_column)
-    return checked_table(
-        functools.partial(
-            check_csv_piece,
-            header=tuple(header),
-            first_path=paths[0],
-            label_column=label_column,
-            field=field,
-        ),
-        pieces,
-        pattern=pattern,
-        paths=paths,
-        total_bytes=total,
-        jobs=jobs,
-        empty=lambda path: ConfigError(
-            field, f"{path} has a header but no data rows", "add examples or remove the file"
-        ),
-        format="csv",
+    check = functools.partial(
+        check_csv_piece,
+        header=tuple(header),
+        first_path=paths[0],
         label_column=label_column,
-        feature_names=features,
-        feature_lengths=tuple(1 for _ in features),
-        columns=tuple(header),
+        field=field,
+    )
+    return TableFormat(
+        check,
+        cut(paths, splittable=True, piece_bytes=piece_bytes),
+        ("has a header but no data rows", "add examples or remove the file"),
+        {
+            "format": "csv",
+            "label_column": label_column,
+            "feature_names": features,
+            "feature_lengths": tuple(1 for _ in features),
+            "columns": tuple(header),
+        },
     )
 
 
 def checked_table(
-    check: Callable[..., Checked],
-    pieces: Sequence[Piece],
-    *,
-    pattern: str,
-    paths: Sequence[str],
-    total_bytes: int,
-    jobs: int | None,
-    empty: Callable[[str], ConfigError],
-    format: str,
-    label_column: str,
-    feature_names: tuple[str, ...],
-    feature_lengths: tuple[int, ...],
-    **extra: Any,
+    table: TableFormat, paths: Sequence[str], *, pattern: str, field: str, jobs: int | None
 ) -> DataFiles:
-    """Check the pieces of a CSV or TFRecord glob (``check(piece)``, in parallel when worth
-    it; the first error in file order raised) and describe it (``extra``: the format's own
-    DataFiles fields)."""
+    """Check the pieces of a CSV or TFRecord glob (``pattern``: its ``paths``) with
+    ``table.check``, in parallel when worth it (``jobs``: processes, None: one per core when
+    there is enough to read; the first error in file order raised), and describe it."""
+    problem, fix = table.empty
+    pieces, total_bytes = table.pieces
     records, results, _ = _check_pieces(
-        check, pieces, jobs=jobs, total_bytes=total_bytes, empty=empty
+        table.check,
+        pieces,
+        jobs=jobs,
+        total_bytes=total_bytes,
+        empty=lambda path: ConfigError(field, f"{path} {problem}", fix),
     )
     labels = _merged_labels(results)
     assert labels.low is not None and labels.high is not None
@@ -653,17 +650,13 @@ def checked_table(
         pattern=pattern,
         paths=tuple(paths),
         files=tuple(absolute(p) for p in paths),
-        format=format,
-        label_column=label_column,
-        feature_names=feature_names,
-        feature_lengths=feature_lengths,
         num_records=sum(records),
         records_per_file=tuple(records),
         integer_labels=labels.integer,
         label_min=labels.low,
         label_max=labels.high,
         total_bytes=total_bytes,
-        **extra,
+        **table.fields,
     )
 
 

@@ -4,7 +4,7 @@ check (which imports TensorFlow, so it is imported only for TFRecord files)."""
 
 from __future__ import annotations
 
-from psctl.coordinator.data.checks import DataFiles, format_of, scan_csv
+from psctl.coordinator.data.checks import DataFiles, checked_table, csv_format, format_of
 from psctl.coordinator.data.files import PIECE_BYTES, expand
 
 __all__ = ["scan_table"]
@@ -22,9 +22,9 @@ def scan_table(
     ``jobs``: processes (None: one per core when there is enough to read)."""
     paths = expand(pattern, field)
     if format_of(paths, field) == "tfrecord":
-        from psctl.coordinator.data.tfrecord_check import scan_tfrecord
+        from psctl.coordinator.data.tfrecord_check import tfrecord_format
 
-        return scan_tfrecord(pattern, paths, label_column=label_column, field=field, jobs=jobs)
-    return scan_csv(
-        pattern, paths, label_column=label_column, field=field, jobs=jobs, piece_bytes=piece_bytes
-    )
+        table = tfrecord_format(paths, label_column=label_column, field=field)
+    else:
+        table = csv_format(paths, label_column=label_column, field=field, piece_bytes=piece_bytes)
+    return checked_table(table, paths, pattern=pattern, field=field, jobs=jobs)

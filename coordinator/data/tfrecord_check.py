@@ -16,42 +16,36 @@ from typing import Any
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.data.checks import Checked, DataFiles, Labels, checked_table
+from psctl.coordinator.data.checks import Checked, Labels, TableFormat
 from psctl.coordinator.data.files import Piece, cut, size_of
 
-__all__ = ["check_tfrecord_piece", "first_schema", "scan_tfrecord"]
+__all__ = ["check_tfrecord_piece", "first_schema", "tfrecord_format"]
 
 
-def scan_tfrecord(
-    pattern: str, paths: list[str], *, label_column: str, field: str, jobs: int | None
-) -> DataFiles:
-    """Check every record of every file (``paths``, ``pattern``'s) against the first
-    record's features; ``jobs`` as for ``table_scan.scan_table``."""
+def tfrecord_format(paths: list[str], *, label_column: str, field: str) -> TableFormat:
+    """TFRecord files (``paths``): every record checked against the first record's
+    features."""
     schema = first_schema(paths[0], label_column, field)
-    pieces, total = cut(paths, splittable=False)
     features = tuple(sorted(name for name in schema if name != label_column))
-    return checked_table(
-        functools.partial(
-            check_tfrecord_piece,
-            schema=schema,
-            schema_where=f"{paths[0]} record 1",
-            label_column=label_column,
-            field=field,
-        ),
-        pieces,
-        pattern=pattern,
-        paths=paths,
-        total_bytes=total,
-        jobs=jobs,
-        empty=lambda path: ConfigError(
-            field, f"{path} holds no records", "add examples or remove it"
-        ),
-        format="tfrecord",
+    check = functools.partial(
+        check_tfrecord_piece,
+        schema=schema,
+        schema_where=f"{paths[0]} record 1",
         label_column=label_column,
-        feature_names=features,
-        feature_lengths=tuple(schema[n][1] for n in features),
-        feature_kinds=tuple(schema[n][0] for n in features),
-        label_kind=schema[label_column][0],
+        field=field,
+    )
+    return TableFormat(
+        check,
+        cut(paths, splittable=False),
+        ("holds no records", "add examples or remove it"),
+        {
+            "format": "tfrecord",
+            "label_column": label_column,
+            "feature_names": features,
+            "feature_lengths": tuple(schema[n][1] for n in features),
+            "feature_kinds": tuple(schema[n][0] for n in features),
+            "label_kind": schema[label_column][0],
+        },
     )
 
 
