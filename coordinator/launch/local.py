@@ -31,7 +31,7 @@ from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.argv import psctl_argv, run_settings_argv, server_argv
-from psctl.coordinator.launch.resize import Membership, Resizer, local_prepare, shape_of
+from psctl.coordinator.launch.resize import elastic, local_prepare, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
@@ -740,20 +740,15 @@ def local_ps_main(
                 supervisor.depart([(server.task_type, server.index, server.address)])
 
             local.on_left = left
-            membership = Membership(supervisor)
-            front.membership = membership.apply
-
-            def take_out(tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
-                membership.left(tasks)
-                return local.mark_left([address for _, _, address in tasks])
-
-            supervisor.on_left = take_out
-            front.on_scale = Resizer(
+            elastic(
+                front,
                 supervisor,
-                local_prepare(local, timeout=args.start_timeout, epochs=settings.epochs > 0),
-                checkpoints=bool(settings.checkpoint_dir),
+                prepare=local_prepare(
+                    local, timeout=args.start_timeout, epochs=settings.epochs > 0
+                ),
                 cluster=lambda: local.cluster,
-                membership=membership,
+                without=lambda tasks: local.mark_left([address for _, _, address in tasks]),
+                checkpoints=bool(settings.checkpoint_dir),
             )
             try:
                 with forward_stop_signals(supervisor):

@@ -48,7 +48,7 @@ from psctl.coordinator.failures import (
     tasks_named,
     unstaged,
 )
-from psctl.coordinator.launch.resize import ClusterFile, Membership, Rejoins, Resizer, shape_of
+from psctl.coordinator.launch.resize import ClusterFile, Rejoins, Resizer, elastic, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartPolicy,
@@ -461,22 +461,14 @@ def supervise_train(
         if serve_control:
             front.on_stop = supervisor.control_stop
         if cluster_file is not None:
-            membership = Membership(supervisor)
-            front.membership = membership.apply
-            resizer = Resizer(
+            resizer = elastic(
+                front,
                 supervisor,
-                cluster_file.prepare,
-                checkpoints=bool(settings.checkpoint_dir),
+                prepare=cluster_file.prepare,
                 cluster=lambda: cluster_file.cluster,
-                membership=membership,
+                without=cluster_file.without,
+                checkpoints=bool(settings.checkpoint_dir),
             )
-            front.on_scale = resizer
-
-            def take_out(tasks: list[tuple[str, int, str]]) -> tuple[str, str]:
-                membership.left(tasks)
-                return cluster_file.without(tasks)
-
-            supervisor.on_left = take_out
             stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
             stack.enter_context(Rejoins(cluster_file, resizer, supervisor))
         with forward_stop_signals(supervisor):

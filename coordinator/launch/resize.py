@@ -31,7 +31,7 @@ from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.spec import ClusterConfig, parse_cluster_json
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.launch.supervisor import TrainingSupervisor
-from psctl.coordinator.operations.front import Refused
+from psctl.coordinator.operations.front import ControlFront, Refused
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,35 @@ class Resizer:
             )
         finally:
             self._lock.release()
+
+
+def elastic(
+    front: ControlFront,
+    supervisor: TrainingSupervisor,
+    *,
+    prepare: Callable[[Any, float | None], tuple[str, str]],
+    cluster: Callable[[], ClusterConfig],
+    without: Callable[[list[Member]], tuple[str, str]],
+    checkpoints: bool,
+) -> Resizer:
+    """A launcher's resizing, wired in one place for ``psctl local`` and ``psctl train``:
+    the front shows the membership in every status and takes ``psctl scale`` (``prepare``:
+    the launcher's way to a new cluster; ``cluster``: its cluster now), and tasks that leave
+    are taken out (``without(tasks)``: the launcher's cluster without them, as (old shape,
+    new shape)). Returns the resizer (SIGHUP and rejoins call it too)."""
+    membership = Membership(supervisor)
+    front.membership = membership.apply
+    resizer = Resizer(
+        supervisor, prepare, checkpoints=checkpoints, cluster=cluster, membership=membership
+    )
+    front.on_scale = resizer
+
+    def take_out(tasks: list[Member]) -> tuple[str, str]:
+        membership.left(tasks)
+        return without(tasks)
+
+    supervisor.on_left = take_out
+    return resizer
 
 
 def local_prepare(
