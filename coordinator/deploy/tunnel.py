@@ -43,7 +43,7 @@ from pathlib import Path
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.processes import sdnotify
-from psctl.coordinator.deploy.tunnel_state import UP_WITHIN, TunnelState, state_path
+from psctl.cluster.tunnel_state import UP_WITHIN, TunnelState, state_path
 
 NETNS_DIR = Path("/run/netns")
 LISTEN_PORT = 51820  # WireGuard's UDP port on every host

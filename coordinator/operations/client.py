@@ -17,8 +17,8 @@ import grpc
 from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HealthAddresses
 from psctl.cluster.tf_config import resolve_cluster
+from psctl.cluster.tunnel_state import STALE_AFTER, UP_WITHIN
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.deploy.tunnel_state import STALE_AFTER, UP_WITHIN
 from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,
     ControlSecurity,

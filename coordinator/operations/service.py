@@ -22,8 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from psctl.cluster import ports
 from psctl.cluster.address import split_host_port
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.tunnel_state import read_state
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.deploy.tunnel_state import read_state
 from psctl.coordinator.operations.health_poll import poll_health_forever
 from psctl.coordinator.operations.job_state import SERVING, UNKNOWN, JobControl, Rejected
 from psctl.coordinator.operations.security import (

@@ -9,11 +9,12 @@ import time
 import pytest
 
 from bench.netns_hosts import unescape_instance
+from psctl.cluster import tunnel_state
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.tunnel_state import TunnelState
 from psctl.control.v1 import control_pb2
-from psctl.coordinator.deploy import tunnel, tunnel_state
+from psctl.coordinator.deploy import tunnel
 from psctl.coordinator.deploy.plan import escape_instance
-from psctl.coordinator.deploy.tunnel_state import TunnelState
 from psctl.coordinator.operations.client import format_status, status_dict
 from psctl.coordinator.operations.service import tunnel_proto
 
