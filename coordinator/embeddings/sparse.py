@@ -6,7 +6,7 @@ the update is Keras 3's dense update for that optimizer (same hyper-parameters, 
 count ``optimizer.iterations + 1``), with one deliberate difference for optimizers with
 moments: rows a batch does not touch are left alone, so their moments do not decay
 ("lazy" Adam, momentum SGD). For a batch that touches every row the update equals the
-dense one (tests/unit/test_sparse.py).
+dense one (tests/unit/embeddings/test_sparse.py).
 
 Supported: Adam, Adagrad, SGD (with or without momentum, Nesterov), Ftrl. Slots are
 created next to each shard (same ps) under the names Keras gives them ("momentum",

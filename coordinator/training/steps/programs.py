@@ -176,7 +176,7 @@ def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
     with warnings.catch_warnings():
         # In the parameter-server mode this runs while the per-worker function is traced:
         # TensorFlow warns that options() is read the legacy way there, which is right for
-        # a dataset made in the same function (tests/unit/test_sync_mode.py).
+        # a dataset made in the same function (tests/unit/training/test_sync_mode.py).
         warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data")
         policy = dataset.options().experimental_distribute.auto_shard_policy
     if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:

@@ -12,7 +12,14 @@ import tensorflow as tf
 
 from psctl.coordinator.embeddings.dynamic import DynamicEmbedding, attach_slots, built_by_psctl
 from psctl.coordinator.embeddings.sparse import SparseRule
-from tests.unit.test_sparse import DIM, OPTIMIZERS, ROWS, initial, run_sparse, sparse_grad
+from tests.unit.embeddings.test_sparse import (
+    DIM,
+    OPTIMIZERS,
+    ROWS,
+    initial,
+    run_sparse,
+    sparse_grad,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,7 +28,14 @@ from psctl.coordinator.embeddings.dynamic_updates import (
     table_stats,
 )
 from psctl.coordinator.training.saving.sharded_save import Column, Hashed, ShardedCheckpoint
-from tests.unit.test_sparse import DIM, OPTIMIZERS, ROWS, initial, run_sparse, sparse_grad
+from tests.unit.embeddings.test_sparse import (
+    DIM,
+    OPTIMIZERS,
+    ROWS,
+    initial,
+    run_sparse,
+    sparse_grad,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.metrics import serve_metrics
 from psctl.cluster.ports import free_ports
 from psctl.cluster.server import bind_host
-from tests.unit.test_control_auth import make_certs
+from tests.unit.operations.test_control_auth import make_certs
 
 pytestmark = pytest.mark.timeout(60)
 
