@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.table_memory import cluster_run, count
 
 REPO = Path(__file__).resolve().parent.parent
-CHECKPOINT = re.compile(r"training\.checkpoints: checkpoint (\S+) \((\d+\.\d+)s")
+CHECKPOINT = re.compile(r"training\.saving\.checkpoints: checkpoint (\S+) \((\d+\.\d+)s")
 
 
 def peak_kb(pid: int) -> int | None:
@@ -114,7 +114,8 @@ def fixed_run(rows: str, steps: int, every: int, work: Path, code: Path) -> dict
         for path, _ in saves
     }
     skipped = proc.stderr.count("checkpoint skipped")
-    lines = [ln for ln in proc.stderr.splitlines() if "training.checkpoints: checkpoint" in ln]
+    said = "training.saving.checkpoints: checkpoint"
+    lines = [ln for ln in proc.stderr.splitlines() if said in ln]
     return {
         "rows": rows,
         "code": str(code),
@@ -140,7 +141,7 @@ def show(run: dict[str, Any], label: str) -> None:
     print(f"{label:<28} coordinator {coordinator} | {ps} | checkpoints {seconds} s "
           f"(skipped {skipped})", flush=True)  # fmt: skip
     for line in run["checkpoint_lines"][-1:]:
-        print(f"{'':<28} {line.split('training.checkpoints: ')[-1]}", flush=True)
+        print(f"{'':<28} {line.split('training.saving.checkpoints: ')[-1]}", flush=True)
 
 
 def worktree(rev: str, work: Path) -> Path:

@@ -228,7 +228,7 @@ def test_coordinator_killed_during_checkpoints(job):
     # A process's first save is its slowest: killed there every time, no checkpoint would
     # ever be complete and nothing to restore would be tested (seen). Start after one.
     deadline = time.monotonic() + 150
-    while not re.search(r"training\.checkpoints: checkpoint \S+ \(", j.log()):
+    while not re.search(r"training\.saving\.checkpoints: checkpoint \S+ \(", j.log()):
         assert time.monotonic() < deadline, "no checkpoint completed:\n" + j.log()[-3000:]
         time.sleep(0.1)
     deadline = time.monotonic() + 240
@@ -258,7 +258,7 @@ def restores_follow_complete_checkpoints(log: str) -> int:
     complete = False  # a checkpoint save has finished ("checkpoint PATH (0.12s)")
     expecting = restored = 0
     for line in log.splitlines():
-        if re.search(r"training\.checkpoints: checkpoint \S+ \(", line):
+        if re.search(r"training\.saving\.checkpoints: checkpoint \S+ \(", line):
             complete = True
         elif "restarting it in" in line:
             assert not expecting, "a restart after a complete checkpoint did not restore it"
