@@ -747,6 +747,65 @@ def test_sync_training_across_namespace_hosts(lab: NetnsLab, tmp_path: Path):
             shutil.rmtree(state, ignore_errors=True)
 
 
+TARGET = [f"{HOSTS['ps0']}:{TF_PORT}"]  # a listener on ps0, in its job namespace
+
+
+def from_job_netns(host: str) -> list[str]:
+    return ["ip", "netns", "exec", netns_name(HOSTS[host])]
+
+
+def wait_open(host: str, why: Callable[[], str]) -> None:
+    """Until ``host``'s job namespace connects to TARGET through the tunnels (20 s)."""
+    deadline = time.monotonic() + 20
+    while connect_all(from_job_netns(host), TARGET, 2) != dict.fromkeys(TARGET, "open"):
+        assert time.monotonic() < deadline, why()
+
+
+@contextlib.contextmanager
+def coord_and_ps0(
+    lab: NetnsLab, out: Path, tmp_path: Path
+) -> Iterator[tuple[dict[str, Service], Path]]:
+    """coord's and ps0's tunnels from ``out`` (rendered), a listener at TARGET, and coord
+    connected to it: the tunnels by host (a test may add more) and their notify directory,
+    all stopped and removed after."""
+    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
+    tunnels: dict[str, Service] = {}
+    listener: subprocess.Popen[bytes] | None = None
+    try:
+        for host in ("coord", "ps0"):
+            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
+            tunnels[host] = start_tunnel(lab, host, out, tmp_path, notify_dir)
+        listener = subprocess.Popen(
+            [*from_job_netns("ps0"), SYSTEM_PYTHON, "-m", "http.server", "--bind", HOSTS["ps0"],
+             str(TF_PORT)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )  # fmt: skip
+        wait_open("coord", lambda: "no connection from coord to ps0 through the tunnels")
+        yield tunnels, notify_dir
+    finally:
+        kill_if_running(listener, 5)
+        for tunnel in tunnels.values():
+            tunnel.stop()
+        shutil.rmtree(notify_dir, ignore_errors=True)
+
+
+def install_and_reload(lab: NetnsLab, host: str, out: Path, tunnel: Service) -> str:
+    """``systemctl reload psctl-tunnel`` after installing the host's new tunnel.conf: SIGHUP,
+    then its log's "reloaded" line; the log's tail."""
+    conf = lab.etc(host) / "psctl" / "tunnel.conf"
+    old = conf.read_text()
+    shutil.copyfile(out / HOSTS[host] / "tunnel.conf", conf)
+    assert conf.read_text() != old
+    assert tunnel.proc is not None
+    os.kill(tunnel.proc.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "reloaded" not in tunnel.log_tail(3):
+        assert time.monotonic() < deadline, tunnel.log_tail()
+        time.sleep(0.1)
+    return tunnel.log_tail(3)
+
+
 @pytest.mark.timeout(120)
 def test_keys_rotated_and_reloaded_host_by_host(lab: NetnsLab, tmp_path: Path):
     """docs/deploy.md's rotation: `psctl deploy keys --rotate`, render, install each host's
@@ -757,50 +816,20 @@ def test_keys_rotated_and_reloaded_host_by_host(lab: NetnsLab, tmp_path: Path):
     write_cluster(cluster_file, HOSTS)
     out = tmp_path / "rendered"
     render_protected(cluster_file, out)
-    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
-    tunnels: dict[str, Service] = {}
-    listener: subprocess.Popen[bytes] | None = None
-    target = [f"{HOSTS['ps0']}:{TF_PORT}"]
-    from_coord = ["ip", "netns", "exec", netns_name(HOSTS["coord"])]
-    try:
-        for host in ("coord", "ps0"):
-            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
-            tunnels[host] = start_tunnel(lab, host, out, tmp_path, notify_dir)
-        listener = subprocess.Popen(
-            ["ip", "netns", "exec", netns_name(HOSTS["ps0"]), SYSTEM_PYTHON, "-m", "http.server",
-             "--bind", HOSTS["ps0"], str(TF_PORT)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while connect_all(from_coord, target, 2) != dict.fromkeys(target, "open"):
-            assert time.monotonic() < deadline, "no connection through the first keys"
+    with coord_and_ps0(lab, out, tmp_path) as (tunnels, _):
         rotate = [str(BIN_DIR / "psctl"), "deploy", "keys", "--cluster", str(cluster_file)]
         done = run([*rotate, "--out", str(out.with_name("keys")), "--rotate"], timeout=60)
         assert done.returncode == 0, done.stderr
         render_protected(cluster_file, out, "--force")
         states = []
         for host in ("coord", "ps0"):
-            conf = lab.etc(host) / "psctl" / "tunnel.conf"
-            old = conf.read_text()
-            shutil.copyfile(out / HOSTS[host] / "tunnel.conf", conf)
-            assert conf.read_text() != old
-            pid = tunnels[host].proc.pid if tunnels[host].proc else 0
-            os.kill(pid, signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while "reloaded" not in tunnels[host].log_tail(3):
-                assert time.monotonic() < deadline, tunnels[host].log_tail()
-                time.sleep(0.1)
+            install_and_reload(lab, host, out, tunnels[host])
             # A fresh connection each time: only the handshake tells old keys from new (a
             # retried handshake may wait WireGuard's 5 s rekey timeout: 15 s to connect).
-            states.append(connect_all(from_coord, target, 6 if host == "coord" else 15)[target[0]])
+            timeout = 6 if host == "coord" else 15
+            states.append(connect_all(from_job_netns("coord"), TARGET, timeout)[TARGET[0]])
             assert tunnels[host].starts == 1
         assert states == ["TimeoutError", "open"], states
-    finally:
-        kill_if_running(listener, 5)
-        for tunnel in tunnels.values():
-            tunnel.stop()
-        shutil.rmtree(notify_dir, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)
@@ -817,24 +846,7 @@ def test_a_host_joins_behind_the_tunnels_without_restarting_them(lab: NetnsLab, 
     keys = render_protected(cluster_file, out)
     assert sorted(p.name for p in keys.glob("*.key")) == sorted(
         f"{HOSTS[h]}.key" for h in ("coord", "ps0"))  # fmt: skip
-    notify_dir = Path(tempfile.mkdtemp(prefix="psctl-n", dir="/run"))
-    tunnels: dict[str, Service] = {}
-    listener: subprocess.Popen[bytes] | None = None
-    target = [f"{HOSTS['ps0']}:{TF_PORT}"]
-    try:
-        for host in ("coord", "ps0"):
-            shutil.copytree(out / HOSTS[host], lab.etc(host) / "psctl")
-            tunnels[host] = start_tunnel(lab, host, out, tmp_path, notify_dir)
-        listener = subprocess.Popen(
-            ["ip", "netns", "exec", netns_name(HOSTS["ps0"]), SYSTEM_PYTHON, "-m", "http.server",
-             "--bind", HOSTS["ps0"], str(TF_PORT)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )  # fmt: skip
-        from_coord = ["ip", "netns", "exec", netns_name(HOSTS["coord"])]
-        deadline = time.monotonic() + 20
-        while connect_all(from_coord, target, 2) != dict.fromkeys(target, "open"):
-            assert time.monotonic() < deadline, "no connection between the first two hosts"
+    with coord_and_ps0(lab, out, tmp_path) as (tunnels, notify):
         # w1 joins as a second worker.
         before = {p.name: p.read_text() for p in keys.glob("*.key")}
         joined = {**first, "worker": [*first["worker"], f"{HOSTS['w1']}:{TF_PORT}"]}
@@ -843,27 +855,10 @@ def test_a_host_joins_behind_the_tunnels_without_restarting_them(lab: NetnsLab, 
         assert {p.name: p.read_text() for p in keys.glob("*.key")} == {
             **before, f"{HOSTS['w1']}.key": (keys / f"{HOSTS['w1']}.key").read_text()}  # fmt: skip
         for host in ("coord", "ps0"):
-            shutil.copyfile(
-                out / HOSTS[host] / "tunnel.conf", lab.etc(host) / "psctl" / "tunnel.conf"
-            )
-            proc = tunnels[host].proc
-            assert proc is not None
-            os.kill(proc.pid, signal.SIGHUP)
-            deadline = time.monotonic() + 10
-            while "reloaded" not in tunnels[host].log_tail(3):
-                assert time.monotonic() < deadline, tunnels[host].log_tail()
-                time.sleep(0.1)
-            assert "2 peers" in tunnels[host].log_tail(3), tunnels[host].log_tail()
+            said = install_and_reload(lab, host, out, tunnels[host])
+            assert "2 peers" in said, said
         shutil.copytree(out / HOSTS["w1"], lab.etc("w1") / "psctl")
-        tunnels["w1"] = start_tunnel(lab, "w1", out, tmp_path, notify_dir)
-        from_w1 = ["ip", "netns", "exec", netns_name(HOSTS["w1"])]
-        deadline = time.monotonic() + 20
-        while connect_all(from_w1, target, 2) != dict.fromkeys(target, "open"):
-            assert time.monotonic() < deadline, tunnels["w1"].log_tail()
-        assert connect_all(from_coord, target, 2) == dict.fromkeys(target, "open")
+        tunnels["w1"] = start_tunnel(lab, "w1", out, tmp_path, notify)
+        wait_open("w1", tunnels["w1"].log_tail)
+        wait_open("coord", tunnels["coord"].log_tail)
         assert tunnels["coord"].starts == tunnels["ps0"].starts == 1
-    finally:
-        kill_if_running(listener, 5)
-        for tunnel in tunnels.values():
-            tunnel.stop()
-        shutil.rmtree(notify_dir, ignore_errors=True)
