@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from psctl.cluster.errors import ConfigError
 from psctl.coordinator.embeddings.layers import (
     LayerSettingError,
     combiner_setting,
@@ -54,7 +55,7 @@ from psctl.coordinator.embeddings.rows import (
     to_remove,
     update_rows,
 )
-from psctl.coordinator.embeddings.sparse import SparseRule
+from psctl.coordinator.embeddings.sparse import SUPPORTED, SparseRule
 
 log = logging.getLogger(__name__)
 KEY_SPACE = 2**63 - 1  # string fingerprints: [0, 2**63 - 1)
@@ -434,7 +435,13 @@ class OneProcess:
             )
         rule = self.rules.get(id(optimizer))
         if rule is None:
-            rule = self.rules[id(optimizer)] = SparseRule(optimizer)
+            try:
+                rule = self.rules[id(optimizer)] = SparseRule(optimizer)
+            except ConfigError:
+                raise ValueError(
+                    f"DynamicEmbedding {self.layer.name!r}: {type(optimizer).__name__} has no "
+                    f"sparse form for its rows; compile the model with one of {SUPPORTED}"
+                ) from None
             attach_slots([self.layer], rule)
         step = tf.cast(optimizer.iterations, tf.int64) + 1
         vectors, meta, slots = self.tables.read(keys)  # now: an earlier call may have moved them
@@ -671,7 +678,10 @@ class DynamicEmbedding(keras.layers.Layer):
         where = tf.where(flat_valid)
         distinct, index, counts = tf.unique_with_counts(tf.gather_nd(flat_keys, where))
         records = _CONTEXT.records
-        if records is None and training and self.one_process is not None:
+        # Keras itself trains it (not psctl): the lookup takes the step's gradient, unless
+        # the call says it is not training. A subclassed model whose call() takes no
+        # ``training`` passes None to its layers, in fit too.
+        if records is None and self.one_process is not None and training is not False:
             vectors = self.one_process.vectors(distinct, tf.cast(counts, tf.int64))
         else:
             vectors, meta, slots = self._lookup(distinct, with_state=records is not None)

@@ -121,6 +121,33 @@ def test_admission_and_eviction_by_ttl_and_cap_in_one_process():
     assert set(table_rows(capped)) == {97, 98, 99}  # at step 100: the 3 seen last
 
 
+def test_a_subclassed_model_whose_call_takes_no_training_flag_learns_too():
+    """Keras passes training=None to the layers of such a model, in fit too."""
+
+    class Model(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = DynamicEmbedding(4, combiner="sum")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, ids: tf.Tensor) -> tf.Tensor:
+            return self.out(self.table(ids))
+
+    model = Model()
+    model.compile(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))  # fmt: skip
+    x = (np.arange(400) % 50).reshape(-1, 1).astype(np.int64)
+    model.fit(x, (x % 2).astype(np.float32), epochs=20, batch_size=20, verbose=0)
+    assert model.evaluate(x, x % 2, verbose=0, return_dict=True)["accuracy"] > 0.95
+    rows = int(model.table.embeddings_table.size())
+    model.predict(x + 1000, verbose=0)  # not training: reads, admits nothing
+    assert int(model.table.embeddings_table.size()) == rows == 50
+    unsupported = Model()
+    unsupported.compile(optimizer="rmsprop", loss="mse")
+    with pytest.raises(ValueError, match=r"RMSprop has no sparse form.*compile the model"):
+        unsupported.fit(x, x % 2, epochs=1, verbose=0)
+
+
 def test_a_loop_without_a_compiled_optimizer_is_told_to_compile():
     ids = keras.Input((), dtype="int64")
     model = keras.Model(ids, DynamicEmbedding(DIM, name="users")(ids))
