@@ -25,10 +25,45 @@ import time
 from collections.abc import Iterable, Iterator
 from itertools import pairwise
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from psctl.cluster.metrics import ProcessMetrics, StateGauge
+from psctl.coordinator.operations.catalogue import (
+    ALLREDUCE_SECONDS,
+    BATCH_SIZE,
+    CHECKPOINT_DURATION_SECONDS,
+    CHECKPOINTS_TOTAL,
+    CLOSURES_IN_FLIGHT,
+    CLOSURES_QUEUED,
+    CLUSTER_TASKS,
+    EVALUATIONS_TOTAL,
+    GLOBAL_STEP,
+    LAST_CHECKPOINT_STEP,
+    LAST_CHECKPOINT_TIMESTAMP_SECONDS,
+    LAST_EVAL_STEP,
+    NONFINITE_LOSS_TOTAL,
+    PS,
+    PS_FAILURES_TOTAL,
+    RECOVERIES_TOTAL,
+    RESIZE_SECONDS,
+    RESIZES,
+    RESTARTS_TOTAL,
+    SCHEDULED_FUNCTION_DURATION_SECONDS,
+    STALLED,
+    STALLS,
+    STEP_DURATION_SECONDS,
+    STEPS_PER_EXECUTION,
+    TABLE_ADMITTED_TOTAL,
+    TABLE_BYTES,
+    TABLE_EVICTED_TOTAL,
+    TABLE_ROWS,
+    TARGET_STEPS,
+    TRAIN_EXAMPLES_TOTAL,
+    TRAIN_STEPS_TOTAL,
+    WORKER_FAILURES_TOTAL,
+    WORKERS,
+)
 
 STATES = [
     "starting",
@@ -48,65 +83,6 @@ _HEALTH_OF_STATE = {
     "done": "not_serving",
     "failed": "not_serving",
 }
-
-# Per step: 1 step per call costs ~2-10 ms, packed steps ~5-15 ms each (2 cores, seed MLP);
-# the tail reaches seconds for big models or a slow ps.
-STEP_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
-# One scheduled function of 20 steps: ~0.1-0.3 s here; 1 step: a few ms; stalls: minutes.
-CALL_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    300.0,
-)
-# Checkpoints: 0.1-0.7 s for the seed model, minutes for big ones.
-CHECKPOINT_BUCKETS = (
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1800.0,
-)
 
 
 class _LatestValues:
@@ -215,107 +191,30 @@ class CoordinatorMetrics:
         )
         # "name", not "job": Prometheus owns the job label (it names the scrape job).
         Info("psctl_job", "The training job this coordinator runs.", registry=r).info({"name": job})
-        Gauge("psctl_workers", "Worker tasks in the cluster.", registry=r).set(num_workers)
-        Gauge("psctl_ps", "Parameter server (ps) tasks in the cluster.", registry=r).set(num_ps)
-        tasks = Gauge(
-            "psctl_cluster_tasks",
-            "Tasks in the cluster this training process trains on (label type: ps, worker); "
-            "changes with a resize (psctl scale).",
-            # Not "task_type": the scrape target's own label (the chief's) would take it.
-            ["type"],
-            registry=r,
-        )
+        WORKERS.make(r).set(num_workers)
+        PS.make(r).set(num_ps)
+        tasks = CLUSTER_TASKS.make(r)
         tasks.labels("ps").set(num_ps)
         tasks.labels("worker").set(num_workers)
         self._cluster_tasks = tasks
-        self._resizes = Counter(
-            "psctl_resizes",
-            "Resizes of the job's cluster (psctl scale, SIGHUP); carried across restarts.",
-            registry=r,
-        )
-        self._resize_seconds = Histogram(
-            "psctl_resize_seconds",
-            "Seconds from a resize's request until the training process on the new cluster "
-            "started.",
-            buckets=(1, 2, 5, 10, 15, 20, 30, 60, 120, 300),
-            registry=r,
-        )
-        Gauge(
-            "psctl_batch_size",
-            "Examples per step per worker.",
-            registry=r,
-        ).set(batch_size)
-        self._steps_per_execution = Gauge(
-            "psctl_steps_per_execution",
-            "Train steps packed into one scheduled function.",
-            registry=r,
-        )
+        self._resizes = RESIZES.make(r)
+        self._resize_seconds = RESIZE_SECONDS.make(r)
+        BATCH_SIZE.make(r).set(batch_size)
+        self._steps_per_execution = STEPS_PER_EXECUTION.make(r)
 
         # -- progress ------------------------------------------------------------------
-        self._steps = Counter(
-            "psctl_train_steps_total",
-            "Train steps finished on workers, counted when their scheduled function "
-            "returns. A closure retried after a worker failure counts once.",
-            registry=r,
-        )
-        self._examples = Counter(
-            "psctl_train_examples_total",
-            "Training examples consumed (finished steps x per-worker batch size).",
-            registry=r,
-        )
-        self._step_seconds = Histogram(
-            "psctl_step_duration_seconds",
-            "Seconds per train step on a worker: each scheduled function's duration "
-            "(tf.timestamp on the worker) divided by its step count, observed once per step.",
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
-        self._call_seconds = Histogram(
-            "psctl_scheduled_function_duration_seconds",
-            "Seconds one scheduled function (steps_per_execution steps) ran on a worker, "
-            "measured with tf.timestamp on the worker.",
-            buckets=CALL_BUCKETS,
-            registry=r,
-        )
-        self._global_step = Gauge(
-            "psctl_global_step", "Global step (the step variable on the ps).", registry=r
-        )
-        self._target_steps = Gauge(
-            "psctl_target_steps", "Global step the run trains to (--steps).", registry=r
-        )
-        self._in_flight = Gauge(
-            "psctl_closures_in_flight",
-            "Scheduled functions handed to ClusterCoordinator and not yet finished.",
-            registry=r,
-        )
-        self._queued = Gauge(
-            "psctl_closures_queued",
-            "Scheduled functions waiting in ClusterCoordinator's queue for a worker.",
-            registry=r,
-        )
+        self._steps = TRAIN_STEPS_TOTAL.make(r)
+        self._examples = TRAIN_EXAMPLES_TOTAL.make(r)
+        self._step_seconds = STEP_DURATION_SECONDS.make(r)
+        self._call_seconds = SCHEDULED_FUNCTION_DURATION_SECONDS.make(r)
+        self._global_step = GLOBAL_STEP.make(r)
+        self._target_steps = TARGET_STEPS.make(r)
+        self._in_flight = CLOSURES_IN_FLIGHT.make(r)
+        self._queued = CLOSURES_QUEUED.make(r)
 
-        self._stalled = Gauge(
-            "psctl_stalled",
-            "1 while the stall watchdog sees no step finish for --stall-timeout, else 0.",
-            registry=r,
-        )
-        self._allreduce_seconds = (
-            Histogram(
-                "psctl_allreduce_seconds",
-                "Sync mode (--strategy sync) only: seconds the all-reduce that starts each "
-                "call took on the chief; it waits for the slowest worker, so it is the "
-                "workers' skew plus one all-reduce's latency. Observed once per call.",
-                buckets=STEP_BUCKETS,
-                registry=r,
-            )
-            if sync
-            else None
-        )
-        self._stalls = Counter(
-            "psctl_stalls",
-            "Stalls the watchdog reported (no step finished for --stall-timeout).",
-            registry=r,
-        )
+        self._stalled = STALLED.make(r)
+        self._allreduce_seconds = ALLREDUCE_SECONDS.make(r) if sync else None
+        self._stalls = STALLS.make(r)
 
         # -- values ----------------------------------------------------------------------
         self._train_values = _LatestValues(
@@ -332,93 +231,29 @@ class CoordinatorMetrics:
         )
         r.register(self._train_values)
         r.register(self._eval_values)
-        self._last_eval_step = Gauge(
-            "psctl_last_eval_step", "Global step of the latest evaluation.", registry=r
-        )
-        self._evaluations = Counter("psctl_evaluations_total", "Evaluations finished.", registry=r)
+        self._last_eval_step = LAST_EVAL_STEP.make(r)
+        self._evaluations = EVALUATIONS_TOTAL.make(r)
 
         # -- failures --------------------------------------------------------------------
-        self._worker_failures = Counter(
-            "psctl_worker_failures_total",
-            "Worker failures the coordinator saw (closures rescheduled elsewhere).",
-            registry=r,
-        )
-        self._ps_failures = Counter(
-            "psctl_ps_failures_total",
-            "Parameter server failures (training must restore from a checkpoint).",
-            registry=r,
-        )
-        self._recoveries = Counter(
-            "psctl_recoveries_total",
-            "Recoveries finished: a new coordinator restored the latest checkpoint.",
-            registry=r,
-        )
-        self._restarts = Counter(
-            "psctl_restarts_total",
-            "Training processes of this job its supervisor started again (a ps failure, a "
-            "non-finite loss, a crash); carried across restarts.",
-            registry=r,
-        )
-        self._nonfinite = Counter(
-            "psctl_nonfinite_loss_total",
-            "Times the training loss (or the model, checked before each checkpoint) was NaN or "
-            "infinite, each ending its training process for a restart from the latest "
-            "checkpoint; carried across restarts.",
-            registry=r,
-        )
+        self._worker_failures = WORKER_FAILURES_TOTAL.make(r)
+        self._ps_failures = PS_FAILURES_TOTAL.make(r)
+        self._recoveries = RECOVERIES_TOTAL.make(r)
+        self._restarts = RESTARTS_TOTAL.make(r)
+        self._nonfinite = NONFINITE_LOSS_TOTAL.make(r)
 
         # -- checkpoints -----------------------------------------------------------------
-        self._checkpoint_seconds = Histogram(
-            "psctl_checkpoint_duration_seconds",
-            "Seconds to write one checkpoint.",
-            buckets=CHECKPOINT_BUCKETS,
-            registry=r,
-        )
-        self._last_checkpoint_time = Gauge(
-            "psctl_last_checkpoint_timestamp_seconds",
-            "Unix time the latest checkpoint was written by this process (0: none yet).",
-            registry=r,
-        )
-        self._last_checkpoint_step = Gauge(
-            "psctl_last_checkpoint_step",
-            "Global step of the latest checkpoint written by this process.",
-            registry=r,
-        )
-        self._checkpoints = Counter(
-            "psctl_checkpoints_total", "Checkpoints written by this process.", registry=r
-        )
+        self._checkpoint_seconds = CHECKPOINT_DURATION_SECONDS.make(r)
+        self._last_checkpoint_time = LAST_CHECKPOINT_TIMESTAMP_SECONDS.make(r)
+        self._last_checkpoint_step = LAST_CHECKPOINT_STEP.make(r)
+        self._checkpoints = CHECKPOINTS_TOTAL.make(r)
 
         # -- dynamic embedding tables ----------------------------------------------------
         # Labelled by table: nothing is exported until the first report, and a job without
         # dynamic tables exports none of these.
-        self._table_rows = Gauge(
-            "psctl_table_rows",
-            "Live rows of a dynamic embedding table (label table), as last reported.",
-            ["table"],
-            registry=r,
-        )
-        self._table_admitted = Counter(
-            "psctl_table_admitted_total",
-            "Ids a dynamic embedding table (label table) admitted, as this process saw them "
-            "(from 0 with the tables at step 0, else from the restored totals on).",
-            ["table"],
-            registry=r,
-        )
-        self._table_evicted = Counter(
-            "psctl_table_evicted_total",
-            "Rows a dynamic embedding table (label table) evicted, as this process saw them "
-            "(from 0 with the tables at step 0, else from the restored totals on).",
-            ["table"],
-            registry=r,
-        )
-        self._table_bytes = Gauge(
-            "psctl_table_bytes",
-            "Memory of a dynamic embedding table's shard (label table) on a ps task (label "
-            "ps): its rows with their optimizer slots and counts, and its admission sketch, "
-            "as last reported.",
-            ["table", "ps"],
-            registry=r,
-        )
+        self._table_rows = TABLE_ROWS.make(r)
+        self._table_admitted = TABLE_ADMITTED_TOTAL.make(r)
+        self._table_evicted = TABLE_EVICTED_TOTAL.make(r)
+        self._table_bytes = TABLE_BYTES.make(r)
         self._table_lock = threading.Lock()
         self._table_last: dict[str, tuple[int, int]] = {}  # table -> (admitted, evicted)
         self._first_step: int | None = None  # the first global step this process reported
