@@ -56,10 +56,11 @@ from psctl.coordinator.launch.supervisor import (
     forward_stop_signals,
 )
 from psctl.coordinator.operations.front import Refused, launch_control
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
 from psctl.coordinator.operations.state import State
+from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.reporting.summary import (
     Summary,

@@ -48,8 +48,9 @@ from psctl.coordinator.launch.process import (
 )
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from psctl.coordinator.operations.front import launch_control
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.security import ControlSecurity
+from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.reporting.summary import Summary
 from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs

@@ -35,7 +35,8 @@ from psctl.coordinator.launch.process import (
     supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,

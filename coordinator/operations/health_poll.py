@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 
 from psctl.cluster.health import HealthChecker
-from psctl.coordinator.operations.job_state import HEALTH, SERVING, UNKNOWN, JobControl
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.task_book import HEALTH, SERVING, UNKNOWN
 
 HEALTH_POLL_SECONDS = 2.0
 

@@ -1,8 +1,8 @@
 """The job's state in one plain object: its life-cycle state and the transitions allowed
-(state.py), the progress board, the tasks and their health, and the operators' pending
-requests. The training loop writes it and polls it; the Control service (service.py) only
-reads its view and files requests, translating both to and from the protos; the health
-checks (health_poll.py) report into it. No gRPC here.
+(state.py), the progress board, the tasks and their health (task_book.py), and the
+operators' pending requests. The training loop writes it and polls it; the Control service
+(service.py) only reads its view and files requests, translating both to and from the
+protos; the health checks (health_poll.py) report into it. No gRPC here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -26,19 +26,9 @@ from psctl.coordinator.operations.state import (
     State,
     check_transition,
 )
+from psctl.coordinator.operations.task_book import TaskBook, TaskInfo
 
 log = logging.getLogger(__name__)
-
-# A task's health as its checks see it (the proto's TaskHealth names, TASK_HEALTH_ left off).
-SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN = "SERVING", "NOT_SERVING", "UNREACHABLE", "UNKNOWN"
-HEALTH = (SERVING, NOT_SERVING, UNREACHABLE, UNKNOWN)
-
-# A task's place in the cluster (the proto's TaskState names, TASK_STATE_ left off). The
-# training process knows SERVING, DRAINING and LEFT for the tasks of its own cluster; the
-# launcher adds JOINING (and DRAINING) during a resize, and the tasks of earlier generations
-# that LEFT (launch/resize.py).
-JOINING, DRAINING, LEFT = "JOINING", "DRAINING", "LEFT"
-TASK_STATES = (JOINING, SERVING, DRAINING, LEFT)
 
 # What the training side counts of each dynamic embedding table: its live rows, the ids
 # admitted and rows evicted in total (restored with each checkpoint, so a restarted process
@@ -57,17 +47,6 @@ def table_counts(stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 
 class Rejected(Exception):
     """A request that does not fit the job's state (FAILED_PRECONDITION)."""
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    type: str
-    index: int
-    address: str
-    health_address: str = ""
-    metrics_url: str = ""
-    pid: int = 0
-    left: bool = False  # psctl local's tasks file: its server left (exit 0 after SIGTERM)
 
 
 @dataclass
@@ -96,8 +75,9 @@ class CheckpointRequest:
         self.future: futures.Future[tuple[str, int]] = futures.Future()
 
 
-class JobControl:
-    """The job's state, progress board, task health and pending operator requests.
+class JobControl(TaskBook):
+    """The job's state, progress board, task health (``TaskBook``, task_book.py) and pending
+    operator requests.
 
     ``state`` is the life-cycle state (``set_state`` moves it along ``TRANSITIONS``);
     ``reported_state`` is what GetStatus and the ``on_state`` callback see: the state, or
@@ -118,16 +98,12 @@ class JobControl:
         self.target_steps = target_steps
         self.steps_per_execution = steps_per_execution
         self.can_checkpoint = can_checkpoint
-        self.tasks = tasks  # replaced whole (set_tasks), never changed in place
         self.started = time.monotonic()
         self._lock = threading.Lock()
+        TaskBook.__init__(self, tasks, self._lock, fresh_start=self._fresh_start)
         self._state = State.STARTING
         self._activities: dict[str, int] = {}
         self._board = Board()
-        self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
-        self._failures: dict[tuple[str, int], int] = {}
-        # Earlier training processes' counts by address (carry_failures), shown, not summed.
-        self._failures_before: dict[str, int] = {}
         self._pause_requested = False
         self._checkpoints: list[CheckpointRequest] = []
         self.stop_requested = threading.Event()
@@ -142,17 +118,7 @@ class JobControl:
         self._on_state = on_state  # e.g. the coordinator_state metric
         # Held while the callback runs, so that the last call reports the latest state.
         self._notify_lock = threading.Lock()
-        self.on_task_failure: Callable[[str], None] | None = None
-        # Asked whether a worker that stops (or is lost for drop_after) may leave: True
-        # takes it out (no failure counted for it from then on), False keeps it a member.
-        self.on_task_leaving: Callable[[TaskInfo], bool] | None = None
-        self._leaving: set[tuple[str, int]] = set()  # (type, index) of tasks that left
-        self.drop_after = 0.0  # --drop-after: seconds a worker may be down; 0: forever
-        self.clock = time.monotonic
-        self._down_since: dict[tuple[str, int], float] = {}  # (type, index) -> since when
-        self.on_recovery: Callable[[], None] | None = None
         self.on_start: Callable[[int], None] | None = None  # the loop's start step, once
-        self.recoveries = 0
 
     # -- the training loop's side --------------------------------------------------------
 
@@ -262,31 +228,6 @@ class JobControl:
         last ones whole."""
         self.update(tables=table_counts(stats))
 
-    def task_failed(self, task_type: str, index: int) -> None:
-        with self._lock:
-            key = (task_type, index)
-            self._failures[key] = self._failures.get(key, 0) + 1
-
-    def failed_by_error(self, task_type: str, index: int) -> None:
-        """TensorFlow's error named a task its health checks still see SERVING: it failed
-        and came back between two checks (a restarted ps server: seen in bench/soak.py
-        --netns), or no check ran since. A failure of it, counted once: its health reads
-        UNKNOWN until the next check, which then counts no new failure, and a recovery once
-        it sees it SERVING."""
-        key = (task_type, index)
-        with self._lock:
-            if self._health.get(key) != SERVING:
-                return  # down already: the checks counted it (or it never served)
-            self._health[key] = UNKNOWN
-            self._failures[key] = self._failures.get(key, 0) + 1
-        if self.on_task_failure is not None:
-            self.on_task_failure(task_type)
-
-    def unhealthy_tasks(self) -> list[str]:
-        """Tasks whose last health check was not SERVING, as "type:index"."""
-        with self._lock:
-            return [f"{t}:{i}" for (t, i), h in sorted(self._health.items()) if h != SERVING]
-
     def take_checkpoint_requests(self) -> list[CheckpointRequest]:
         with self._lock:
             taken, self._checkpoints = self._checkpoints, []
@@ -371,6 +312,12 @@ class JobControl:
             self.resize_requested.set()
             self.stop_requested.set()
 
+    def _fresh_start(self) -> None:
+        """The calls in flight given up, and a fresh start on the new cluster (TaskBook's
+        worker failure after others left)."""
+        self.abandon_in_flight.set()
+        self.request_resize()
+
     def request_checkpoint(self) -> CheckpointRequest:
         with self._lock:
             if not self.can_checkpoint:
@@ -404,143 +351,6 @@ class JobControl:
                     (t.type, t.index): self._task_state(t, self._health.get((t.type, t.index)))
                     for t in self.tasks
                 },
-            )
-
-    def _task_state(self, task: TaskInfo, health: str | None) -> str:  # under self._lock
-        if (task.type, task.index) not in self._leaving and not task.left:
-            return SERVING
-        # Stopping while its health still answers (NOT_SERVING, its drain), gone after.
-        return DRAINING if health in (SERVING, NOT_SERVING) else LEFT
-
-    # -- health of the cluster's tasks -----------------------------------------------------
-
-    def set_tasks(self, tasks: list[TaskInfo]) -> None:
-        """The job's tasks as now (a restarted task's new pid): status and the health
-        checks read the new list from their next look. A task newly marked ``left`` (psctl
-        local saw its server exit 0) leaves as if its checks had seen it stop."""
-        self.tasks = list(tasks)
-        for task in tasks:
-            with self._lock:
-                known = (task.type, task.index) in self._leaving
-            if task.left and not known:
-                self._leave(task)
-
-    def set_health(self, task: TaskInfo, health: str) -> None:
-        """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py). A task
-        going from SERVING to anything else counts as a failure of that task; its return to
-        SERVING after a failure counts as a recovery (SERVING for the first time, a task
-        starting, does not). A worker going NOT_SERVING is stopping, and one down for longer
-        than ``drop_after`` is lost: either leaves (``on_task_leaving``), and from then on
-        its checks count nothing: the job goes on without it. So does a task the launcher
-        marked ``left`` (psctl local saw its server exit 0)."""
-        key = (task.type, task.index)
-        now = self.clock()
-        with self._lock:
-            before = self._health.get(key)
-            self._health[key] = health
-            if task.left or key in self._leaving:
-                self._down_since.pop(key, None)
-                return
-            failed_before = self._failures.get(key, 0) > 0
-            if health == SERVING:
-                self._down_since.pop(key, None)
-            elif before == SERVING:
-                self._down_since[key] = now
-            down = now - self._down_since.get(key, now)
-        if task.type == "worker" and self.drop_after and down > self.drop_after:
-            # Unreachable for longer than --drop-after: a lost host, taken out (once).
-            with self._lock:
-                self._down_since.pop(key, None)
-            log.warning(
-                "%s:%d has not been SERVING for %.0fs (--drop-after): it leaves the cluster",
-                task.type,
-                task.index,
-                down,
-            )
-            if self._leave(task):
-                return
-        if before == SERVING and health == NOT_SERVING and task.type == "worker":
-            # A worker server says NOT_SERVING only while it stops (SIGTERM: a preemption
-            # notice, cluster/server.py): it is leaving, not failing.
-            log.warning("%s:%d is NOT_SERVING: it is stopping and leaves", task.type, task.index)
-            if self._leave(task):
-                return
-        if before == SERVING and health != SERVING:
-            log.warning("%s:%d is %s", task.type, task.index, health)
-            self.task_failed(task.type, task.index)
-            if self.on_task_failure is not None:
-                self.on_task_failure(task.type)
-            if task.type == "worker":
-                self._fresh_start_if_departed(task)
-        elif before is not None and before != SERVING and health == SERVING and failed_before:
-            log.info("%s:%d is SERVING again", task.type, task.index)
-            with self._lock:
-                self.recoveries += 1
-            if self.on_recovery is not None:
-                self.on_recovery()
-
-    def _fresh_start_if_departed(self, failed: TaskInfo) -> None:
-        """A worker failed while others have left this process's cluster. TensorFlow
-        recovers a failed worker by reconnecting to every task of the cluster, those that
-        left included, so it never does: every call waits (seen in bench/soak.py: no step
-        for 140 s, until the process was killed). Checkpoint, give up the calls in flight,
-        and a fresh start on the cluster without them, as a resize does."""
-        with self._lock:
-            gone = sorted(f"{t}:{i}" for t, i in self._leaving)
-        if not gone:
-            return
-        log.warning(
-            "%s:%d failed after %s left this process's cluster: TensorFlow cannot recover it "
-            "in this process; checkpoint, then a fresh start on the new cluster",
-            failed.type,
-            failed.index,
-            ", ".join(gone),
-        )
-        self.abandon_in_flight.set()
-        self.request_resize()
-
-    def _leave(self, task: TaskInfo) -> bool:
-        """``task`` leaves if ``on_task_leaving`` lets it (not the last worker, ...)."""
-        if self.on_task_leaving is None or not self.on_task_leaving(task):
-            return False
-        with self._lock:
-            self._leaving.add((task.type, task.index))
-        return True
-
-    def carry_failures(self, by_address: Mapping[str, int]) -> None:
-        """What the job's earlier training processes counted for each task (by address):
-        status shows it added to this process's own counts."""
-        with self._lock:
-            self._failures_before = dict(by_address)
-
-    def failures_by_address(self) -> dict[str, int]:
-        """This process's own counts, by task address (for the next training process)."""
-        with self._lock:
-            at = {(t.type, t.index): t.address for t in self.tasks}
-            return {at[key]: n for key, n in self._failures.items() if key in at}
-
-    def _failures_shown(self) -> dict[tuple[str, int], int]:  # under self._lock
-        shown = dict(self._failures)
-        for task in self.tasks:
-            carried = self._failures_before.get(task.address, 0)
-            if carried:
-                key = (task.type, task.index)
-                shown[key] = shown.get(key, 0) + carried
-        return shown
-
-    def failure_counts(self) -> dict[str, int]:
-        with self._lock:
-            counts = {"worker": 0, "ps": 0}
-            for (task_type, _), n in self._failures.items():
-                counts[task_type] = counts.get(task_type, 0) + n
-            return counts
-
-    def all_ps_serving(self) -> bool:
-        with self._lock:
-            return all(
-                self._health.get((t.type, t.index)) == SERVING
-                for t in self.tasks
-                if t.type == "ps" and t.health_address
             )
 
 

@@ -25,7 +25,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.tunnel_state import read_state
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.health_poll import poll_health_forever
-from psctl.coordinator.operations.job_state import SERVING, UNKNOWN, JobControl, Rejected
+from psctl.coordinator.operations.job_state import JobControl, Rejected
 from psctl.coordinator.operations.security import (
     MAX_STREAMS,
     UNARY_THREADS,
@@ -37,6 +37,7 @@ from psctl.coordinator.operations.security import (
 )
 from psctl.coordinator.operations.state import FINAL_STATES, State
 from psctl.coordinator.operations.stubs import add_control_servicer
+from psctl.coordinator.operations.task_book import SERVING, UNKNOWN
 
 __all__ = [
     "ControlServer",

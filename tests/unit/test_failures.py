@@ -48,8 +48,8 @@ from psctl.coordinator.launch.supervisor import (
     RestartPolicy,
     TrainingSupervisor,
 )
-from psctl.coordinator.operations.job_state import TaskInfo
 from psctl.coordinator.operations.state import State
+from psctl.coordinator.operations.task_book import TaskInfo
 from tests.conftest import child_env, psctl_argv
 from tests.fakes import FakeOpError
 

@@ -78,7 +78,7 @@ def test_servers_name_their_task_type_and_a_swapped_cluster_is_refused() -> None
     server is one line, exit 78 (TensorFlow itself would train on it)."""
     from psctl.cluster.errors import ConfigError
     from psctl.coordinator.launch.train import check_server_types
-    from psctl.coordinator.operations.job_state import TaskInfo
+    from psctl.coordinator.operations.task_book import TaskInfo
 
     ps = HealthService(host="127.0.0.1", port=0, task_type="ps")
     worker = HealthService(host="127.0.0.1", port=0, task_type="worker")

@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.client import format_status, status_dict
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo, table_counts
+from psctl.coordinator.operations.job_state import JobControl, table_counts
 from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from psctl.coordinator.operations.service import status_proto
+from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.training.loop import end_run
 from psctl.coordinator.training.reporting.publish import Publisher
 from psctl.coordinator.training.reporting.summary import Summary, write_summary

@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 
 from psctl.coordinator.launch.process import recover
-from psctl.coordinator.operations.job_state import (
-    SERVING,
-    UNREACHABLE,
-    JobControl,
-    TaskInfo,
-)
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.task_book import SERVING, UNREACHABLE, TaskInfo
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -128,7 +128,8 @@ def test_task_failures_seen_by_each_training_process_add_up_across_restarts(tmp_
 def test_each_tasks_failures_carry_over_to_the_next_process_by_address(tmp_path: Path):
     """psctl status's FAILURES column goes on from the earlier training processes' counts
     (it restarted from 0 in each), following a task by address when a resize renumbers it."""
-    from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+    from psctl.coordinator.operations.job_state import JobControl
+    from psctl.coordinator.operations.task_book import TaskInfo
 
     def control_with(tasks: list[TaskInfo], counters: Counters) -> JobControl:
         control = JobControl(

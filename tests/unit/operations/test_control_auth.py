@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psctl.cluster.errors import ConfigError
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.client import ControlError, Target, call
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.security import (
     EXIT_NOT_ALLOWED,
     MAX_STREAMS,
@@ -36,6 +36,7 @@ from psctl.coordinator.operations.service import (
     stop_control_server,
 )
 from psctl.coordinator.operations.state import State
+from psctl.coordinator.operations.task_book import TaskInfo
 from tests.conftest import child_env, psctl_argv
 
 pytestmark = pytest.mark.timeout(60)

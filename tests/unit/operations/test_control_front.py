@@ -19,7 +19,7 @@ from psctl.cluster.ports import PortInUseError
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.client import Target, cmd_watch
 from psctl.coordinator.operations.front import ControlFront, launch_control
-from psctl.coordinator.operations.job_state import JobControl, JobView, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl, JobView
 from psctl.coordinator.operations.security import ControlSecurity, Tokens, bearer
 from psctl.coordinator.operations.service import (
     ControlServer,
@@ -28,6 +28,7 @@ from psctl.coordinator.operations.service import (
 )
 from psctl.coordinator.operations.state import State
 from psctl.coordinator.operations.stubs import control_stub
+from psctl.coordinator.operations.task_book import TaskInfo
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,9 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from psctl.control.v1 import control_pb2, control_pb2_grpc
-from psctl.coordinator.operations.job_state import JobControl, TaskInfo
+from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.service import ControlServer
 from psctl.coordinator.operations.state import State
+from psctl.coordinator.operations.task_book import TaskInfo
 
 pytestmark = pytest.mark.timeout(60)
 

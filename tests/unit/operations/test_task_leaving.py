@@ -11,14 +11,14 @@ import time
 import pytest
 
 from psctl.coordinator.launch.process import follow_tasks_file
-from psctl.coordinator.operations.job_state import (
+from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.task_book import (
     DRAINING,
     LEFT,
     NOT_SERVING,
     SERVING,
     UNKNOWN,
     UNREACHABLE,
-    JobControl,
     TaskInfo,
 )
 
