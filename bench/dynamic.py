@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput
 from bench.embeddings import memory_mb
+from bench.harness import results_dir, spawn
 
 REPO = throughput.REPO
 BLOCK = 512  # the ctr job's synthetic block (jobs/ctr.py, BLOCK)
@@ -145,7 +146,6 @@ class RssSampler(threading.Thread):
 
 def run_one(run: Run, args: argparse.Namespace, out: Path, n: int) -> dict[str, Any]:
     """One ``psctl local`` of ``run``: its summary's numbers and the ps RSS."""
-    from psctl.cluster.processes.procs import die_with_parent
     from psctl.coordinator.argv import psctl_argv
 
     label = f"run{n}-{run.name}"
@@ -169,16 +169,7 @@ def run_one(run: Run, args: argparse.Namespace, out: Path, n: int) -> dict[str, 
     sampler = RssSampler(workdir / "tasks.json", args.sample_every)
     started, load = time.monotonic(), os.getloadavg()[0]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        proc = spawn(argv, stdout=log, env=env)
         sampler.start()
         try:
             code: int | None = proc.wait(timeout=args.run_timeout)
@@ -367,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     from psctl.cluster.processes.logs import quiet_tensorflow
 
     quiet_tensorflow()  # this process's TensorFlow (the collisions) and every run's
-    out = Path(args.out or REPO / "bench" / "results" / time.strftime("dynamic-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "dynamic")
     print(
         f"results {out}; ctr job, {args.steps} steps per run, {args.ps} ps + {args.workers} "
         f"workers; {throughput._load()}",

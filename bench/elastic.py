@@ -72,8 +72,8 @@ from typing import IO, Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.harness import results_dir, spawn  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
-from psctl.cluster.processes.procs import die_with_parent  # noqa: E402
 from psctl.coordinator.argv import psctl_argv  # noqa: E402
 
 LAST_LINE = "elastic: median seconds without steps"
@@ -139,16 +139,7 @@ def start_job(
     (and written to ``log``). ``env``: extra variables."""
     environ = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env={**environ, **(env or {})},
-        cwd=REPO,
-        start_new_session=True,
-        preexec_fn=die_with_parent(signal.SIGKILL),
-    )
+    proc = spawn(argv, stdout=subprocess.PIPE, env={**environ, **(env or {})})
     assert proc.stdout is not None
     return proc, Output(proc.stdout, log)
 
@@ -398,8 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.repeats < 1:
         parser.error(f"--kinds: unknown {unknown}" if unknown else "--repeats: give 1 or more")
     kinds = [k for k in KINDS if k.name in chosen]
-    out = Path(args.out or REPO / "bench" / "results" / time.strftime("elastic-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "elastic")
     print(
         f"results {out}; mlp on {START[0]} ps + {START[1]} workers, {args.repeats} x "
         f"{', '.join(k.name for k in kinds)}; {os.cpu_count()} CPUs, load average "

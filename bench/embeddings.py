@@ -64,6 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput
+from bench.harness import results_dir
 
 JOB = "ctr"
 REPO = throughput.REPO
@@ -786,8 +787,7 @@ def parent_main(args: argparse.Namespace) -> int:
     from psctl.coordinator.launch.local import ServerFailed
 
     quiet_tensorflow()  # inherited by the servers and every child
-    stamp = time.strftime("embeddings-%Y%m%d-%H%M%S")
-    results = Path(args.results or REPO / "bench" / "results" / stamp)
+    results = results_dir(args.results, "embeddings")
     work = results / "work"
     work.mkdir(parents=True, exist_ok=True)
     plan = [

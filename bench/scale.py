@@ -71,6 +71,7 @@ sys.path.insert(0, str(REPO))
 from bench import throughput  # noqa: E402
 from bench.elastic import PROGRESS, start_job  # noqa: E402
 from bench.embeddings import memory_mb  # noqa: E402
+from bench.harness import results_dir  # noqa: E402
 from psctl.cluster.health import HealthChecker  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
@@ -663,8 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = [int(n) for n in args.workers.split(",")]
     if any(n < 2 for n in ns):
         build_parser().error("--workers: each N must be >= 2 (one worker is killed)")
-    out = Path(args.out or REPO / "bench" / "results" / time.strftime("scale-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "scale")
     print(f"scale: N = {ns}, {args.steps} steps, results in {out}", flush=True)
     print(throughput._load(), flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):

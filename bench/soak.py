@@ -109,12 +109,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.elastic import control_cli, progress, start_job  # noqa: E402
+from bench.harness import results_dir, spawn  # noqa: E402
 from bench.netlab import LabError  # noqa: E402
 from bench.promserver import Prometheus  # noqa: E402
 from bench.soak_hosts import CONTROL, COORDINATOR_METRICS, SoakHosts  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
-from psctl.cluster.processes.procs import command_lines, die_with_parent  # noqa: E402
+from psctl.cluster.processes.procs import command_lines  # noqa: E402
 from psctl.control.v1 import control_pb2  # noqa: E402
 from psctl.coordinator.argv import psctl_argv  # noqa: E402
 from psctl.coordinator.operations.client import ControlError, call, status_dict  # noqa: E402
@@ -294,16 +295,13 @@ class Sampler:
     def _follow(self) -> None:
         """One long-lived feed on the coordinator's host (a psctl per poll would cost a CPU's
         worth of interpreter starts): a JSON status per line, null while it does not answer."""
-        argv = [*self.prefix, sys.executable, "-m", "tests.chaos.status_feed", self.address, "0.5"]
-        self._feed = subprocess.Popen(
+        argv = [*self.prefix, sys.executable, "-m", "bench.status_feed", self.address, "0.5"]
+        self._feed = spawn(
             argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
-            preexec_fn=die_with_parent(signal.SIGKILL),
+            text=True,
         )
         assert self._feed.stdout is not None
         for line in self._feed.stdout:
@@ -1016,8 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.examples < 1:
         parser.error("--examples: give a positive number")
     count = args.faults if args.faults is not None else max(1, round(2 * args.minutes))
-    out = Path(args.out or REPO / "bench" / "results" / time.strftime("soak-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out, "soak")
     faults = make_schedule(args.seed, args.minutes, count, only)
     data = f", {args.epochs} pass(es) of {args.examples} ids (VISIT_IDS)" if args.epochs else ""
     data += ", each task on a network-namespace host" if args.netns else ""

@@ -54,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput, tta
+from bench.harness import results_dir, spawn
 
 REPO = throughput.REPO
 
@@ -120,7 +121,6 @@ def run_mode(
     mode: Mode, args: argparse.Namespace, scorer: Scorer, results: Path, n: int
 ) -> dict[str, Any]:
     """One ``psctl local`` run of ``mode``, stopped after the target or at --max-seconds."""
-    from psctl.cluster.processes.procs import die_with_parent
     from psctl.coordinator.argv import psctl_argv
 
     name = f"run{n:02d}-{mode.label}"
@@ -148,15 +148,7 @@ def run_mode(
     workdir.mkdir(parents=True)
     log_path = results / f"{name}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            start_new_session=True,  # Ctrl-C reaches the parent only; it stops the run
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        proc = spawn(argv, stdout=log)  # Ctrl-C reaches the bench only; it stops the run
         stopped: float | None = None
         try:
             stopped = _watch(proc, scorer, checkpoints, control, args)
@@ -343,10 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         import tensorflow as tf
     tf.get_logger().setLevel("ERROR")  # summary_iterator's deprecation notice
     modes = [m for m in MODES if not args.modes or m.label in args.modes.split(",")]
-    results = Path(
-        args.results or REPO / "bench" / "results" / time.strftime("sync-vs-async-%Y%m%d-%H%M%S")
-    )
-    results.mkdir(parents=True, exist_ok=True)
+    results = results_dir(args.results, "sync-vs-async")
     print(f"results {results}; {len(modes)} modes x {args.repeats} repeat(s)", flush=True)
     print(f"{throughput._load()} (other work on this machine skews every mode)", flush=True)
     runs: list[dict[str, Any]] = []

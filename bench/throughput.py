@@ -93,6 +93,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: bench.netlab beside it
     sys.path.insert(0, str(REPO))
 
+from bench.harness import spawn  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -702,19 +704,9 @@ def run_child(
 def run_measured(label: str, argv: list[str], out_path: Path, *, timeout: float) -> dict[str, Any]:
     """Run one measured child (this benchmark's or tta's) in its own session, killed with the
     parent; stdout to ``out_path``, stderr beside it (``.log``). Its last JSON line."""
-    from psctl.cluster.processes.procs import die_with_parent
-
     err_path = out_path.with_suffix(".log")
     with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            start_new_session=True,  # Ctrl-C reaches the parent only; it kills the child
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        proc = spawn(argv, stdout=out, stderr=err)  # Ctrl-C: the bench kills the child
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

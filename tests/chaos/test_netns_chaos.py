@@ -116,7 +116,7 @@ class NetnsJob:
         # cost a CPU's worth of interpreter starts).
         with (self.tmp / "feed.log").open("wb") as feed_log:  # what a failed feed said
             self.feed = subprocess.Popen(
-                self.lab.exec("coord", [sys.executable, "-m", "tests.chaos.status_feed", CONTROL]),
+                self.lab.exec("coord", [sys.executable, "-m", "bench.status_feed", CONTROL]),
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
