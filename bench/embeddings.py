@@ -331,7 +331,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     ``tf.function`` call, like a scheduled call; timed like the others."""
     import tensorflow as tf
 
-    from psctl.coordinator.job import DataContext, load_job
+    from psctl.coordinator.data.context import DataContext
+    from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.job_model.model import TrainState
     from psctl.coordinator.training.steps.programs import make_replica_step

@@ -286,7 +286,8 @@ def build_raw(
 
     keras = tf.keras  # Keras 3, or tf-keras with TF_USE_LEGACY_KERAS=1
 
-    from psctl.coordinator.job import DataContext, load_job
+    from psctl.coordinator.data.context import DataContext
+    from psctl.coordinator.job import load_job
 
     job = load_job(job_name)
     cluster = json.loads(Path(cluster_file).read_text())["cluster"]
@@ -388,7 +389,8 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
-    from psctl.coordinator.job import DataContext, load_job
+    from psctl.coordinator.data.context import DataContext
+    from psctl.coordinator.job import load_job
 
     job = load_job(JOB)
     k = args.steps_per_execution

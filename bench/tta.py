@@ -147,7 +147,7 @@ class Probe(threading.Thread):
         import keras
         import tensorflow as tf
 
-        from psctl.coordinator.job import DataContext
+        from psctl.coordinator.data.context import DataContext
         from psctl.coordinator.training.job_model.metric_objects import (
             make_eval_step,
             metric_factories,

@@ -14,8 +14,8 @@ measure the training loop have ``psctl.hooks``).
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import criteo
 from psctl.coordinator.data import readers as data
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.embeddings.dynamic import DynamicEmbedding
 from psctl.coordinator.embeddings.layers import FeatureEmbedding
-from psctl.coordinator.job import DataContext
 
 __all__ = ["ConfigError", "DataContext", "DynamicEmbedding", "FeatureEmbedding", "criteo", "data"]

@@ -43,7 +43,7 @@ from psctl.coordinator.data.readers import read_batches
 from psctl.coordinator.embeddings.dynamic import KEY_SPACE
 
 if TYPE_CHECKING:
-    from psctl.coordinator.job import DataContext
+    from psctl.coordinator.data.context import DataContext
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from psctl.coordinator.data.checks import DataFiles
 from psctl.coordinator.data.table_scan import scan_table
 
 if TYPE_CHECKING:
-    from psctl.coordinator.job import DataContext
+    from psctl.coordinator.data.context import DataContext
 
 # What jobs use (``from psctl.job import data``): the readers, the checks, the writers.
 __all__ = [

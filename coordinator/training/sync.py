@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.failures import (
     JOIN_DEADLINE,
     PeerLost,
@@ -37,7 +38,7 @@ from psctl.coordinator.failures import (
     Unreachable,
     describe,
 )
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.actions import Action
 from psctl.coordinator.training.evaluation.final_eval import evaluate_final

@@ -15,9 +15,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.spec import ClusterConfig
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.embeddings.dynamic_updates import Evict
 from psctl.coordinator.failures import FailurePolicy
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import IN_FLIGHT_PER_WORKER, TrainSettings
 from psctl.coordinator.training.actions import Action, EvalEvery
 from psctl.coordinator.training.evaluation.final_eval import evaluate_elsewhere, evaluate_final

@@ -19,7 +19,8 @@ COMPARE = """
 import sys
 import numpy as np
 import tensorflow as tf
-from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.job import load_job
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.training.job_model.model import JobModel
 
 serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]

@@ -28,7 +28,8 @@ import sys
 import numpy as np, tensorflow as tf
 from psctl.cluster.spec import load_cluster_file
 from psctl.coordinator.embeddings.dynamic import shard_of
-from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.job import load_job
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.saving.checkpoints import sharded_checkpoint
 from psctl.coordinator.training.job_model.model import TrainState

@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import load_job
 from psctl.coordinator.training.job_model.metric_objects import metric_factories
 from psctl.coordinator.training.job_model.model import JobModel
 from psctl.coordinator.training.reporting.summary import accuracy_of

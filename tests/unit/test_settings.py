@@ -14,7 +14,7 @@ import pytest
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.cli.main import TRAIN_FLAGS, build_parser
-from psctl.coordinator.job import DataContext
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.settings import (
     DEFAULTS,
     INT32_MAX,

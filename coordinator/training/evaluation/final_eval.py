@@ -19,7 +19,8 @@ import keras
 import tensorflow as tf
 
 from psctl.coordinator.argv import psctl_argv
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.evaluation.report import eval_line
 from psctl.coordinator.training.job_model.metric_objects import make_eval_step

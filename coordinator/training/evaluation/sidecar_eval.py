@@ -43,7 +43,7 @@ class SidecarEvaluator:
     def __init__(self, job: Job, settings: TrainSettings, *, logdir: str = "") -> None:
         import tensorflow as tf
 
-        from psctl.coordinator.job import DataContext
+        from psctl.coordinator.data.context import DataContext
         from psctl.coordinator.training.evaluation.final_eval import DatasetEvaluator
         from psctl.coordinator.training.job_model.model import JobModel
         from psctl.coordinator.training.reporting.tensorboard import ScalarWriter

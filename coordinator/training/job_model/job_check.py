@@ -13,7 +13,8 @@ import tensorflow as tf
 from keras.src.backend.common import global_state  # no public way to drop deferred variables
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.features import (
     check_features,

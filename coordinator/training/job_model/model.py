@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.embeddings.dynamic import attach_slots, dynamic_layers, placed
 from psctl.coordinator.embeddings.dynamic_updates import (
     DynamicUpdater,
@@ -19,7 +20,7 @@ from psctl.coordinator.embeddings.dynamic_updates import (
 )
 from psctl.coordinator.embeddings.sharded import building
 from psctl.coordinator.embeddings.sparse import SparseRule, SparseUpdater
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.features import (
     build_model,

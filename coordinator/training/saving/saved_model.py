@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.features import feature_names
 from psctl.coordinator.training.job_model.model import JobModel

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.embeddings.dynamic import recording
-from psctl.coordinator.job import DataContext, Job
+from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.metric_objects import metric_kind
 from psctl.coordinator.training.job_model.model import TrainState

@@ -121,7 +121,7 @@ def test_paths_with_a_scheme_go_through_tensorflows_file_systems(tmp_path: Path)
     import tensorflow as tf
 
     from psctl.coordinator.data import readers as data
-    from psctl.coordinator.job import DataContext
+    from psctl.coordinator.data.context import DataContext
 
     tf.io.gfile.makedirs("ram://checks/csv")
     text = csv_text(range(50))

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import criteo
-from psctl.coordinator.job import DataContext
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.training.job_model.metric_objects import metric_factories
 from psctl.coordinator.training.reporting.summary import Summary, print_summary, write_summary
 from psctl.jobs import ctr

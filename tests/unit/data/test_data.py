@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data import readers as data
-from psctl.coordinator.job import DataContext
+from psctl.coordinator.data.context import DataContext
 from psctl.jobs import mlp
 
 

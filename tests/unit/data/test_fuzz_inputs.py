@@ -25,8 +25,8 @@ from psctl.cluster.spec import TASK_TYPES, ClusterConfig, parse_cluster, parse_c
 from psctl.cluster.tf_config import check_config
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.data import readers as data
+from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.deploy.render import render
-from psctl.coordinator.job import DataContext
 from psctl.coordinator.settings import TrainSettings, env_name, resolve_settings
 
 pytestmark = pytest.mark.timeout(120)

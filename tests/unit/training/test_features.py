@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
-from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import load_job
 from psctl.coordinator.training.job_model.features import check_features, feature_names
 from psctl.coordinator.training.job_model.model import JobModel
 from psctl.coordinator.training.saving.saved_model import serving_module

@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
-from psctl.coordinator.job import DataContext, load_job
+from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.job import load_job
 from psctl.coordinator.training.evaluation.final_eval import DatasetEvaluator
 from psctl.coordinator.training.job_model.features import feature_names
 from psctl.coordinator.training.job_model.metric_objects import (

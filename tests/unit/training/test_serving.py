@@ -76,7 +76,7 @@ def exported(job_spec: str, tmp_path: Path) -> tuple[Any, Any]:
 
 
 def export_model(job: Any, settings: TrainSettings) -> JobModel:
-    from psctl.coordinator.job import DataContext
+    from psctl.coordinator.data.context import DataContext
 
     ctx = DataContext.from_settings(settings, worker_index=0, num_workers=1, batch_size=4)
     make = job.eval_dataset_fn or job.dataset_fn
