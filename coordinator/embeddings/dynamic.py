@@ -52,7 +52,7 @@ from psctl.coordinator.embeddings.rows import (
     META_WIDTH,
     Merged,
     dense,
-    to_remove,
+    evict,
     update_rows,
 )
 from psctl.coordinator.embeddings.sparse import SUPPORTED, SparseRule
@@ -220,6 +220,14 @@ class PackedShard:
     def size(self) -> Any:
         return self.table.size()
 
+    def last_seen(self) -> tuple[Any, Any]:
+        """Every key, and the step it was last seen."""
+        keys, values = self.table.export()
+        return tf.reshape(keys, [-1]), self.unpack(values)[1][:, LAST_SEEN]
+
+    def remove(self, keys: Any) -> None:
+        self.table.remove(keys)
+
     def nbytes(self, rows: int) -> int:
         """This shard's memory with ``rows`` rows: each key's row and map node as glibc
         allocates them, the map's buckets (16 bytes a key on average), and the sketch
@@ -240,7 +248,7 @@ class ServingTables:
     ``psctl export``, a model trained by Keras itself): the layout checkpoints and
     SavedModels hold, three tables keyed by the ids: ``embeddings`` (the vectors), ``meta``
     (``[count, last_seen, admitted]``) and ``slots`` (the optimizer's, side by side; once
-    ``ensure_slots`` knows them). ``read``/``write``/``evict`` are a shard's
+    ``ensure_slots`` knows them). ``read``/``write``/``last_seen``/``remove`` are a shard's
     (rows.py), for training in one process."""
 
     embeddings: Any
@@ -276,17 +284,14 @@ class ServingTables:
         if slots is not None:
             self.slots.insert(keys, slots)
 
-    def evict(self, step: Any, ttl_steps: int | None, max_rows: int | None) -> Any:
-        """Remove the rows ``to_remove`` names at ``step``; how many."""
+    def last_seen(self) -> tuple[Any, Any]:
+        """Every key, and the step it was last seen."""
         keys, meta = self.meta.export()
-        remove = to_remove(tf.reshape(meta, [-1, META_WIDTH])[:, LAST_SEEN], step, ttl_steps,
-                           max_rows)  # fmt: skip
-        gone = tf.boolean_mask(tf.reshape(keys, [-1]), remove)
+        return tf.reshape(keys, [-1]), tf.reshape(meta, [-1, META_WIDTH])[:, LAST_SEEN]
+
+    def remove(self, keys: Any) -> None:
         for table in self.tables().values():
-            table.remove(gone)
-        evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
-        self.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
-        return evicted
+            table.remove(keys)
 
 
 class _Context(threading.local):
@@ -454,14 +459,14 @@ class OneProcess:
             lr=tf.cast(rule.learning_rate(), vectors.dtype),
             opt_step=tf.cast(step, tf.float32),
         )
-        self.evict(step)
+        self.evict_when_due(step)
 
-    def evict(self, step: Any) -> None:
+    def evict_when_due(self, step: Any) -> None:
         layer, tables = self.layer, self.tables
         ttl, cap = layer.ttl_steps, layer.max_rows_per_shard
         if ttl is not None or cap is not None:
             every = min(self.EVICT_EVERY_STEPS, ttl or self.EVICT_EVERY_STEPS)
-            _every(step, every, lambda: tables.evict(step, ttl, cap))
+            _every(step, every, lambda: evict(layer, tables, step))
         if ttl is not None and tables.sketch is not None:
             sketch = tables.sketch
             _every(step, ttl, sketch.halve)
@@ -718,6 +723,7 @@ class DynamicEmbedding(keras.layers.Layer):
             store["slot_default"] = tables.slots.lookup(keys).numpy()[0]
 
     def load_own_variables(self, store: Any) -> None:
+        # Not the base class's: it refuses a store holding more keys than the variables.
         variables = self._trainable_variables + self._non_trainable_variables
         for index, variable in enumerate(variables):
             variable.assign(store[f"{index}"])

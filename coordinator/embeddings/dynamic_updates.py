@@ -41,7 +41,7 @@ from psctl.coordinator.embeddings.dynamic import (
     attach_slots,
     split_by_shard,
 )
-from psctl.coordinator.embeddings.rows import LAST_SEEN, Merged, dense, to_remove, update_rows
+from psctl.coordinator.embeddings.rows import Merged, dense, evict, update_rows
 from psctl.coordinator.embeddings.sparse import SparseRule
 
 log = logging.getLogger(__name__)
@@ -122,19 +122,6 @@ def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
 # -- eviction and counts -------------------------------------------------------------------
 
 
-def _evict_shard(layer: DynamicEmbedding, shard: PackedShard, step: Any) -> Any:
-    """Remove the shard's rows past ``ttl_steps`` and beyond ``max_rows_per_shard`` (the
-    least recently seen first); how many were removed."""
-    keys, values = shard.table.export()
-    keys = tf.reshape(keys, [-1])
-    last = shard.unpack(values)[1][:, LAST_SEEN]
-    remove = to_remove(last, step, layer.ttl_steps, layer.max_rows_per_shard)
-    shard.table.remove(tf.boolean_mask(keys, remove))
-    evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
-    shard.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
-    return evicted
-
-
 class Evictor:
     """Eviction passes over every table with a ttl or a cap, one function per shard, run
     on its ps (the keys and counts never leave it); with a ttl, the admission sketch's
@@ -149,7 +136,7 @@ class Evictor:
                 continue
             for shard in layer.packed:
                 fn = tf.function(
-                    functools.partial(_evict_shard, layer, shard),
+                    functools.partial(evict, layer, shard),
                     input_signature=[tf.TensorSpec([], tf.int64)],
                 )
                 self.passes.append((shard, fn))

@@ -5,13 +5,14 @@ process by Keras' own ``fit`` or a ``GradientTape`` loop (dynamic.py): one rule 
 - **The update after a step** (``update_rows``): each id counted and stamped with the
   step; admitted ids get the optimizer's sparse rule (embeddings/sparse.py), ids that reach
   ``admit_after`` their first vector.
-- **Eviction** (``to_remove``): ids not seen for ``ttl_steps`` steps, then the least
-  recently seen beyond the cap on rows.
+- **Eviction** (``evict``): ids not seen for ``ttl_steps`` steps, then the least recently
+  seen beyond the cap on rows.
 
 A table here is anything with ``write(keys, vectors, slots, count, last_seen)``,
-``slot_kinds``, ``sketch`` (None, or the admission sketch) and ``counters`` (int64
-``[admitted, evicted]``); a layer anything with ``admit_after``, ``output_dim`` and
-``initial_rows``.
+``slot_kinds``, ``sketch`` (None, or the admission sketch), ``counters`` (int64
+``[admitted, evicted]``), ``last_seen()`` (every key, and the step it was last seen) and
+``remove(keys)``; a layer anything with ``admit_after``, ``output_dim`` and
+``initial_rows`` (and, for eviction, ``ttl_steps`` and ``max_rows_per_shard``).
 """
 
 from __future__ import annotations
@@ -117,3 +118,15 @@ def to_remove(last_seen: Any, step: Any, ttl_steps: int | None, max_rows: int | 
         hits = tf.scatter_nd(oldest[:, None], tf.ones_like(oldest, tf.bool), tf.shape(kept))
         remove = tf.logical_or(remove, hits)
     return remove
+
+
+def evict(layer: Any, table: Any, step: Any) -> Any:
+    """Remove ``table``'s rows past ``layer.ttl_steps`` and beyond
+    ``layer.max_rows_per_shard`` at ``step`` (``to_remove``), counted in
+    ``table.counters``; how many were removed."""
+    keys, last_seen = table.last_seen()
+    remove = to_remove(last_seen, step, layer.ttl_steps, layer.max_rows_per_shard)
+    table.remove(tf.boolean_mask(keys, remove))
+    evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
+    table.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))
+    return evicted
