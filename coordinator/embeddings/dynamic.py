@@ -265,14 +265,17 @@ class ServingTables:
             found["slots"] = self.slots
         return found
 
+    def vectors(self, keys: Any) -> Any:
+        """The vectors of ``keys`` (zeros for keys without a row)."""
+        return tf.reshape(self.embeddings.lookup(keys), [-1, self.dim])
+
     def read(self, keys: Any) -> tuple[Any, Any, Any]:
         """(vectors, meta, slots or None) of ``keys``."""
-        d = self.dim
         slots = None
         if self.slots is not None:
-            slots = tf.reshape(self.slots.lookup(keys), [-1, d * len(self.slot_kinds)])
-        vectors = tf.reshape(self.embeddings.lookup(keys), [-1, d])
-        return vectors, tf.reshape(self.meta.lookup(keys), [-1, META_WIDTH]), slots
+            slots = tf.reshape(self.slots.lookup(keys), [-1, self.dim * len(self.slot_kinds)])
+        meta = tf.reshape(self.meta.lookup(keys), [-1, META_WIDTH])
+        return self.vectors(keys), meta, slots
 
     def write(self, keys: Any, vectors: Any, slots: Any, count: Any, last_seen: Any) -> None:
         """Give ``keys`` rows (admitted) with these values."""
@@ -420,7 +423,7 @@ class OneProcess:
 
         @tf.custom_gradient
         def looked_up(anchor: Any) -> Any:
-            vectors = tables.read(keys)[0]
+            vectors = tables.vectors(keys)  # their meta and slots: read by the update
 
             def gradient(upstream: Any) -> Any:
                 self.update(model, keys, counts, dense(upstream, vectors))
@@ -657,7 +660,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
         def read(shard: Any, part: Any) -> list[Any]:
             if isinstance(shard, ServingTables):
-                return [tf.reshape(shard.embeddings.lookup(part), [-1, self.output_dim])]
+                return [shard.vectors(part)]
             vectors, meta, slots = shard.read(part)
             if not with_state:
                 return [vectors]
