@@ -97,6 +97,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "max_in_flight": (0, INT32_MAX),  # 0: IN_FLIGHT_PER_WORKER per worker
     "max_restarts": (0, INT32_MAX),
     "full_check_mb": (0, INT32_MAX),
+    "export_keep": (1, INT32_MAX),
 }
 # Finite float settings: name -> (above this, at most this).
 _FLOAT_RANGES: dict[str, tuple[float, float]] = {
@@ -106,7 +107,17 @@ _FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "connect_timeout": (0.0, MAX_SECONDS),
     "recovery_timeout": (0.0, MAX_SECONDS),
     "drop_after": (0.0, MAX_SECONDS),
+    "settle_seconds": (0.0, MAX_SECONDS),
+    "idle_timeout": (0.0, MAX_SECONDS),
+    "export_every": (0.0, MAX_SECONDS),
 }
+# Float settings where 0 means off (not "above 0"), and durations: seconds, or a number
+# with s, m or h ("30s", "5m") as a flag, PSCTL_* value or TOML string.
+_ZERO_OFF = {"idle_timeout": "never", "export_every": "off"}
+DURATIONS = ("settle_seconds", "idle_timeout", "export_every")
+_DURATION_TEXT = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)\s*(s|m|h)")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+DEFAULT_FOLLOW_MARKER = "_SUCCESS"
 # An integer or a decimal number as a flag or PSCTL_* value: ASCII only (int() and float()
 # would also take other scripts' digits, "1_000", "inf" and surrounding Unicode spaces).
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
@@ -200,9 +211,24 @@ class TrainSettings:
     # parameter-server mode): longer than a host's reboot or a unit's restarts, so that a
     # worker that comes back keeps its slot; short enough that a lost host does not.
     drop_after: float = 900.0
+    # Follow mode (coordinator/data/follow.py): train each new complete file of
+    # --train-data once, as it lands, and publish serving versions on a cadence.
+    follow: bool = False
+    follow_marker: str = DEFAULT_FOLLOW_MARKER  # a partition is complete when this is in it
+    settle_seconds: float = 60.0  # else: when its files have not changed for this long
+    idle_timeout: float = 0.0  # end after this long with no new file; 0 = never
+    export_every: float = 0.0  # seconds between serving versions; 0 = none
+    export_dir: str = ""  # where they go: EXPORT_DIR/<global step>/
+    export_keep: int = 5  # serving versions kept
 
     def __post_init__(self) -> None:
         check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)
+
+    @property
+    def data_service(self) -> bool:
+        """Whether the tf.data service hands out the input (--epochs, --follow): the data,
+        not --steps, decides when training ends."""
+        return self.epochs > 0 or self.follow
 
 
 def _range_fix(name: str, low: int, high: int) -> str:
@@ -231,8 +257,12 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
         elif kind == "float":
             above, most = _FLOAT_RANGES.get(name, (-math.inf, math.inf))
             fix = f"give a number above {above:g} and at most {most:g}"
+            if name in _ZERO_OFF:
+                fix = f"give 0 ({_ZERO_OFF[name]}) or a number of seconds up to {most:g}"
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(where(name), f"{echo(value)} is not a number", fix)
+            if name in _ZERO_OFF and value == 0:
+                continue
             if not math.isfinite(value) or not above < value <= most:
                 raise ConfigError(where(name), f"got {echo(value)}", fix)
         elif kind == "str":
@@ -257,6 +287,7 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
             f"local with {where('epochs')}",
             "use update mode default with epochs",
         )
+    check_follow(values, where)
     if values.get("strategy") == "sync":
         # Sync mode all-reduces over the workers: nothing lives on ps tasks, and every
         # worker must run the same steps (docs/sync.md).
@@ -266,6 +297,64 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
         ):
             if values.get(name, off) != off:
                 raise ConfigError(where(name), f"{echo(values[name])} with strategy sync", fix)
+
+
+def check_follow(values: Mapping[str, Any], where: Callable[[str], str]) -> None:
+    """Follow mode's and publishing's settings, each refused in one line."""
+    marker = values.get("follow_marker", DEFAULT_FOLLOW_MARKER)
+    if isinstance(marker, str) and ("/" in marker or "\\" in marker or marker in ("", ".", "..")):
+        raise ConfigError(
+            where("follow_marker"),
+            f"{echo(marker)} is not a file name",
+            f"give the marker's name alone, e.g. {DEFAULT_FOLLOW_MARKER}",
+        )
+    if values.get("export_every") and not values.get("export_dir"):
+        raise ConfigError(
+            where("export_every"), "has no --export-dir", "give --export-dir BASE as well"
+        )
+    if values.get("export_dir") and not values.get("export_every"):
+        raise ConfigError(
+            where("export_dir"),
+            "has no --export-every",
+            "give --export-every DURATION (e.g. 10m), or psctl export for one version",
+        )
+    if values.get("export_every") and values.get("strategy") == "sync":
+        raise ConfigError(
+            where("export_every"),
+            "with strategy sync",
+            "use strategy async, or psctl export on the sync job's checkpoints",
+        )
+    if not values.get("follow"):
+        return
+    for name, fix in (
+        ("epochs", "drop it: follow mode trains each new file once, as it lands"),
+        ("strategy", "use strategy async (the parameter-server mode) with --follow"),
+    ):
+        if values.get(name) not in (0, "async", None):
+            raise ConfigError(where(name), f"{echo(values[name])} with --follow", fix)
+    if not values.get("train_data"):
+        raise ConfigError(
+            where("follow"), "has no --train-data", "give the files to follow, e.g. 'DIR/*/part-*'"
+        )
+    if not values.get("checkpoint_dir"):
+        raise ConfigError(
+            where("follow"),
+            "has no --checkpoint-dir: which files were trained is kept in the checkpoints",
+            "give --checkpoint-dir DIR",
+        )
+
+
+def parse_duration(text: str, where: str) -> float:
+    """Seconds from ``90``, ``2.5``, ``30s``, ``5m`` or ``1h``."""
+    number = text.strip(" \t")
+    if _FLOAT_TEXT.fullmatch(number):
+        return float(number)
+    match = _DURATION_TEXT.fullmatch(number)
+    if match is None:
+        raise ConfigError(
+            where, f"{echo(text)} is not a duration", "give seconds, or e.g. 30s, 10m, 1h"
+        )
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 _TYPES = {f.name: f.type for f in fields(TrainSettings)}
@@ -325,6 +414,8 @@ def _coerce(name: str, value: Any, where: str, *, text: bool) -> Any:
             )
         return value
     if kind == "float":
+        if is_text and name in DURATIONS:  # also a TOML string: export_every = "10m"
+            return parse_duration(value, where)
         if is_text and text:
             return _float_text(value, where)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -493,6 +584,12 @@ def resolve_settings(
         if value is not None and name in _TYPES:
             where = flag_for(name)
             merged[name], source[name] = _coerce(name, value, where, text=True), where
+    if merged.get("follow") and "steps" in merged:
+        raise ConfigError(
+            source["steps"],
+            "with --follow",
+            "drop it: follow mode trains each new file once until --idle-timeout or a stop",
+        )
     # Checked here, to name where each value came from; TrainSettings checks them again.
     values = {name: getattr(DEFAULTS, name) for name in _TYPES}
     check_values({**values, **merged}, lambda name: source.get(name, flag_for(name)))

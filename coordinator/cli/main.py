@@ -148,14 +148,47 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
         "seconds a worker may stay unreachable before the job resizes without it (it can "
         "join again through psctl scale) " + default_help("drop_after", _seconds),
     ),
+    (
+        "--follow",
+        "keep training: each new file of --train-data once, in path order, as its partition "
+        "completes (docs/data.md, follow mode); needs --checkpoint-dir",
+    ),
+    (
+        "--follow-marker",
+        "--follow: a partition directory is complete when this file is in it "
+        + default_help("follow_marker"),
+    ),
+    (
+        "--settle-seconds",
+        "--follow: a partition with no marker is complete when its files have not changed "
+        "for this long, unless other partitions have markers "
+        + default_help("settle_seconds", _seconds),
+    ),
+    (
+        "--idle-timeout",
+        "--follow: end cleanly (final checkpoint) after this long with no new file; "
+        "seconds or 30s, 10m, 1h (default: never)",
+    ),
+    (
+        "--export-every",
+        "publish a serving version (a SavedModel in --export-dir/<step>/) this often, while "
+        "training goes on; seconds or 30s, 10m, 1h (default: never)",
+    ),
+    ("--export-dir", "where --export-every publishes: TensorFlow Serving's base directory"),
+    ("--export-keep", f"serving versions kept in --export-dir {default_help('export_keep')}"),
 ]
+# Run settings that are switches: ``--follow`` alone means true (``--follow false`` too).
+SWITCH_FLAGS = {"--follow"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (flags > PSCTL_* environment > --config file)")
     group.add_argument("--config", metavar="FILE", help="TOML job file ([train] table)")
     for flag, text in TRAIN_FLAGS:
-        group.add_argument(flag, default=None, help=text)
+        if flag in SWITCH_FLAGS:
+            group.add_argument(flag, default=None, nargs="?", const="true", help=text)
+        else:
+            group.add_argument(flag, default=None, help=text)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
 
 

@@ -45,17 +45,32 @@ def has_scheme(path: str) -> bool:
     return _SCHEME.match(path) is not None
 
 
+def file_list(paths: list[str]) -> str:
+    """Files named one by one, as a pattern ``expand`` reads back: one path a line (follow
+    mode hands each round's files to the job's dataset function so, as its train_data)."""
+    return "\n".join(paths)
+
+
+def matching(pattern: str, field: str) -> list[str]:
+    """The regular files a glob (or a directory: every file in it) names, sorted; none
+    is an empty list."""
+    if has_scheme(pattern):
+        return _expand_gfile(pattern, field)
+    expanded = os.path.expanduser(pattern)
+    if os.path.isdir(expanded):
+        expanded = os.path.join(expanded, "*")
+    return sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
+
+
 def expand(pattern: str, field: str) -> list[str]:
-    """The regular files a glob (or a directory: every file in it) names, sorted."""
+    """The regular files a glob (or a directory: every file in it) names, sorted; or the
+    files of a ``file_list``, in its order."""
     if not pattern.strip():
         raise ConfigError(field, "is empty", "give a file or a glob such as 'data/train-*.csv'")
-    if has_scheme(pattern):
-        paths = _expand_gfile(pattern, field)
+    if "\n" in pattern:
+        paths = [line for line in pattern.splitlines() if line]
     else:
-        expanded = os.path.expanduser(pattern)
-        if os.path.isdir(expanded):
-            expanded = os.path.join(expanded, "*")
-        paths = sorted(p for p in globlib.glob(expanded) if os.path.isfile(p))
+        paths = matching(pattern, field)
     if not paths:
         raise ConfigError(
             field,

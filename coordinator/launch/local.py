@@ -674,7 +674,7 @@ def local_ps_main(
         num_workers=args.workers,
         workdir=workdir,
         verbose=args.verbose,
-        data_service=settings.epochs > 0,
+        data_service=settings.data_service,
         # Bound only later, by the control front: not a port for a server.
         reserved_ports=(Address.parse(args.control_address, field="--control-address").port,),
     )
@@ -744,7 +744,7 @@ def local_ps_main(
                 front,
                 supervisor,
                 prepare=local_prepare(
-                    local, timeout=args.start_timeout, epochs=settings.epochs > 0
+                    local, timeout=args.start_timeout, epochs=settings.data_service
                 ),
                 cluster=lambda: local.cluster,
                 without=lambda tasks: local.mark_left([address for _, _, address in tasks]),

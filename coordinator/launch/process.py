@@ -172,7 +172,7 @@ def run_training_process(
     failures = FailurePolicy()
     control = JobControl(
         job=settings.job,
-        target_steps=0 if settings.epochs else settings.steps,  # 0: the data decides
+        target_steps=0 if settings.data_service else settings.steps,  # 0: the data decides
         steps_per_execution=settings.steps_per_execution,
         tasks=tasks,
         can_checkpoint=serve_control and bool(settings.checkpoint_dir),

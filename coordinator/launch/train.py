@@ -144,9 +144,11 @@ def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train` in the parameter-server mode: the coordinator, supervised."""
     cluster, source = resolve_chief_cluster(args.cluster)
-    check_output_dirs(settings.checkpoint_dir, settings.summary_json)  # not after training
+    check_output_dirs(
+        settings.checkpoint_dir, settings.summary_json, settings.export_dir
+    )  # not after training
     dispatcher = None
-    if settings.epochs:
+    if settings.data_service:
         dispatcher = require_dispatcher(
             dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
         )

@@ -203,6 +203,46 @@ CHECKPOINTS_TOTAL = CounterSpec(
     "psctl_checkpoints_total",
     "Checkpoints written by this process.",
 )
+# -- freshness (--follow, --export-every) --------------------------------------------------
+FOLLOW_FILES_TRAINED_TOTAL = CounterSpec(
+    "psctl_follow_files_trained_total",
+    "Input files follow mode (--follow) trained, each once, as this process saw them.",
+)
+FOLLOW_FILES_WAITING = GaugeSpec(
+    "psctl_follow_files_waiting",
+    "Files matching --train-data whose partition is not complete yet (no marker, or still "
+    "changing), as last looked at.",
+)
+INPUT_LAST_COMPLETED_TIMESTAMP_SECONDS = GaugeSpec(
+    "psctl_input_last_completed_timestamp_seconds",
+    "Unix time the newest trained file's partition was complete (its marker, else its last "
+    "change); 0: none trained yet.",
+)
+INPUT_LAG_SECONDS = GaugeSpec(
+    "psctl_input_lag_seconds",
+    "Now minus psctl_input_last_completed_timestamp_seconds: how far the trained input is "
+    "behind (0 before the first file).",
+)
+PUBLISHED_VERSION = GaugeSpec(
+    "psctl_published_version",
+    "The newest serving version --export-every published (its global step); 0: none yet.",
+)
+LAST_PUBLISH_TIMESTAMP_SECONDS = GaugeSpec(
+    "psctl_last_publish_timestamp_seconds",
+    "Unix time of the checkpoint the newest serving version was exported from; 0: none yet.",
+)
+PUBLISH_AGE_SECONDS = GaugeSpec(
+    "psctl_publish_age_seconds",
+    "Now minus psctl_last_publish_timestamp_seconds: the age of the model in serving (0 "
+    "before the first version).",
+)
+PUBLISHES_TOTAL = CounterSpec(
+    "psctl_publishes_total", "Serving versions published by this process (--export-every)."
+)
+PUBLISH_FAILURES_TOTAL = CounterSpec(
+    "psctl_publish_failures_total",
+    "Exports of --export-every that failed (the previous version stays in serving).",
+)
 TABLE_ROWS = GaugeSpec(
     "psctl_table_rows",
     "Live rows of a dynamic embedding table (label table), as last reported.",

@@ -210,6 +210,28 @@ def format_tunnel(tunnel: control_pb2.Tunnel, now: float) -> list[str]:
     return lines
 
 
+def format_freshness(fresh: control_pb2.Freshness) -> list[str]:
+    """``input: 12 files trained, 2 waiting, lag 41s (newest ...)`` and ``serving: version
+    1200 in EXP, 35s old``."""
+    lines = []
+    if fresh.following:
+        lag = f", lag {fresh.input_lag_seconds:.0f}s" if fresh.files_trained else ""
+        newest = f" (newest {fresh.newest_file})" if fresh.newest_file else ""
+        lines.append(
+            f"input: {fresh.files_trained} files trained, {fresh.files_waiting} waiting"
+            f"{lag}{newest}"
+        )
+    if fresh.export_dir:
+        if fresh.published_version:
+            lines.append(
+                f"serving: version {fresh.published_version} in {fresh.export_dir}, "
+                f"{fresh.publish_age_seconds:.0f}s old"
+            )
+        else:
+            lines.append(f"serving: no version published yet in {fresh.export_dir}")
+    return lines
+
+
 def _num(value: float, fmt: str = ".4f") -> str:
     return "-" if value != value else format(value, fmt)  # NaN -> "-"
 
@@ -240,6 +262,8 @@ def format_status(status: control_pb2.Status) -> str:
         age = time.time() - ckpt.time_unix_seconds
         lines.append(f"checkpoint: {ckpt.path} (step {ckpt.step}, {age:.0f}s ago)")
     lines.extend(format_table(t) for t in status.tables)
+    if status.HasField("freshness"):
+        lines.extend(format_freshness(status.freshness))
     if status.HasField("tunnel"):
         lines.extend(format_tunnel(status.tunnel, time.time()))
     counts = {

@@ -66,6 +66,16 @@ class Board:
     message: str = ""
     # Per dynamic embedding table (by layer name): TABLE_COUNTS, as last published.
     tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Freshness (--follow, --export-every): shown only when ``fresh`` says either is on.
+    fresh: bool = False
+    following: bool = False
+    files_trained: int = 0
+    files_waiting: int = 0
+    newest_file: str = ""
+    newest_completed: float = 0.0  # Unix time the newest trained file was complete
+    published_version: int = 0
+    published_time: float = 0.0  # Unix time of the published version's checkpoint
+    export_dir: str = ""
 
 
 class CheckpointRequest:

@@ -38,13 +38,22 @@ from psctl.coordinator.operations.catalogue import (
     CLOSURES_QUEUED,
     CLUSTER_TASKS,
     EVALUATIONS_TOTAL,
+    FOLLOW_FILES_TRAINED_TOTAL,
+    FOLLOW_FILES_WAITING,
     GLOBAL_STEP,
+    INPUT_LAG_SECONDS,
+    INPUT_LAST_COMPLETED_TIMESTAMP_SECONDS,
     LAST_CHECKPOINT_STEP,
     LAST_CHECKPOINT_TIMESTAMP_SECONDS,
     LAST_EVAL_STEP,
+    LAST_PUBLISH_TIMESTAMP_SECONDS,
     NONFINITE_LOSS_TOTAL,
     PS,
     PS_FAILURES_TOTAL,
+    PUBLISH_AGE_SECONDS,
+    PUBLISH_FAILURES_TOTAL,
+    PUBLISHED_VERSION,
+    PUBLISHES_TOTAL,
     RECOVERIES_TOTAL,
     RESIZE_SECONDS,
     RESIZES,
@@ -247,6 +256,19 @@ class CoordinatorMetrics:
         self._last_checkpoint_step = LAST_CHECKPOINT_STEP.make(r)
         self._checkpoints = CHECKPOINTS_TOTAL.make(r)
 
+        # -- freshness -------------------------------------------------------------------
+        self._files_trained = FOLLOW_FILES_TRAINED_TOTAL.make(r)
+        self._files_waiting = FOLLOW_FILES_WAITING.make(r)
+        self._input_completed = INPUT_LAST_COMPLETED_TIMESTAMP_SECONDS.make(r)
+        self._completed_at = 0.0  # the newest trained file's completion; 0: none yet
+        INPUT_LAG_SECONDS.make(r).set_function(lambda: _age(self._completed_at))
+        self._published_version = PUBLISHED_VERSION.make(r)
+        self._published_time = LAST_PUBLISH_TIMESTAMP_SECONDS.make(r)
+        self._published_at = 0.0
+        PUBLISH_AGE_SECONDS.make(r).set_function(lambda: _age(self._published_at))
+        self._publishes = PUBLISHES_TOTAL.make(r)
+        self._publish_failures = PUBLISH_FAILURES_TOTAL.make(r)
+
         # -- dynamic embedding tables ----------------------------------------------------
         # Labelled by table: nothing is exported until the first report, and a job without
         # dynamic tables exports none of these.
@@ -417,8 +439,30 @@ class CoordinatorMetrics:
         time.sleep(0.2)  # the scrape read every series; let its response go out
         return True
 
+    def file_trained(self, completed_at: float) -> None:
+        self._files_trained.inc()
+        self._completed_at = max(completed_at, self._completed_at)
+        self._input_completed.set(self._completed_at)
+
+    def set_files_waiting(self, n: int) -> None:
+        self._files_waiting.set(n)
+
+    def published(self, *, version: int, checkpoint_time: float) -> None:
+        self._published_version.set(version)
+        self._published_at = checkpoint_time
+        self._published_time.set(checkpoint_time)
+        self._publishes.inc()
+
+    def publish_failed(self) -> None:
+        self._publish_failures.inc()
+
     def observe_checkpoint(self, *, seconds: float, step: int, timestamp: float) -> None:
         self._checkpoint_seconds.observe(seconds)
         self._last_checkpoint_time.set(timestamp)
         self._last_checkpoint_step.set(step)
         self._checkpoints.inc()
+
+
+def _age(stamp: float) -> float:
+    """Seconds since the Unix time ``stamp``; 0 while it is 0 (nothing yet)."""
+    return max(0.0, time.time() - stamp) if stamp else 0.0

@@ -25,7 +25,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.tunnel_state import read_state
 from psctl.control.v1 import control_pb2, control_pb2_grpc
 from psctl.coordinator.operations.health_poll import poll_health_forever
-from psctl.coordinator.operations.job_state import JobControl, Rejected
+from psctl.coordinator.operations.job_state import Board, JobControl, Rejected
 from psctl.coordinator.operations.security import (
     MAX_STREAMS,
     UNARY_THREADS,
@@ -81,6 +81,8 @@ def status_proto(job: JobControl) -> control_pb2.Status:
                 time_unix_seconds=board.checkpoint_time,
             )
         )
+    if board.fresh:
+        status.freshness.CopyFrom(freshness_proto(board, time.time()))
     tunnel = tunnel_proto(os.environ.get("PSCTL_TUNNEL_ADDRESS", ""))
     if tunnel is not None:
         status.tunnel.CopyFrom(tunnel)
@@ -116,6 +118,22 @@ def status_proto(job: JobControl) -> control_pb2.Status:
             )
         )
     return status
+
+
+def freshness_proto(board: Board, now: float) -> control_pb2.Freshness:
+    def age(stamp: float) -> float:
+        return max(0.0, now - stamp) if stamp else 0.0
+
+    return control_pb2.Freshness(
+        files_trained=board.files_trained,
+        files_waiting=board.files_waiting,
+        input_lag_seconds=age(board.newest_completed),
+        newest_file=board.newest_file,
+        published_version=board.published_version,
+        publish_age_seconds=age(board.published_time),
+        export_dir=board.export_dir,
+        following=board.following,
+    )
 
 
 def tunnel_proto(address: str) -> control_pb2.Tunnel | None:

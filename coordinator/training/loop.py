@@ -436,7 +436,7 @@ def run_training(
     try:
         loop.train(start_step, steps_per_execution=runner.packer.k)
     except Exception as err:
-        if trainer.settings.epochs or not _is_end_of_data(err):
+        if trainer.settings.data_service or not _is_end_of_data(err):
             _keep_steps_trained(trainer, err, start_step)
             raise
         raise _data_ended(trainer) from None

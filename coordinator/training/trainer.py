@@ -10,12 +10,14 @@ cadence instead of fetching values every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.data.files import file_list
 from psctl.coordinator.embeddings.dynamic_updates import Evict
 from psctl.coordinator.failures import FailurePolicy
 from psctl.coordinator.job import Job
@@ -26,8 +28,10 @@ from psctl.coordinator.training.evaluation.inline_eval import InlineEval
 from psctl.coordinator.training.job_model.model import TrainState
 from psctl.coordinator.training.loop import TrainerBase, run_training
 from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.saving.publishing import VersionPublisher
 from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.coordinator.training.steps.epochs import EpochProgram
+from psctl.coordinator.training.steps.follow import FollowInput, freshness_summary
 from psctl.coordinator.training.steps.programs import (
     DefaultProgram,
     LocalStepProgram,
@@ -72,6 +76,9 @@ class Trainer(TrainerBase):
         ctx = DataContext.from_settings(
             s, worker_index=0, num_workers=self.num_workers, batch_size=s.batch_size
         )
+        self.follow = FollowInput(s, control, metrics) if s.follow else None
+        if self.follow is not None:  # the first complete partition's files tell the spec
+            ctx = dataclasses.replace(ctx, train_data=file_list(list(self.follow.first.files)))
         x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
         with self.strategy.scope():
             self.state = TrainState(
@@ -96,6 +103,15 @@ class Trainer(TrainerBase):
         return self.state.optimizer
 
     def _program(self) -> StepProgram:
+        if self.follow is not None:
+            return self.follow.program(
+                self.rt,
+                dispatcher=self.data_dispatcher,
+                worker_failures=lambda: self.control.failure_counts().get("worker", 0),
+                save=self.checkpointer.save,
+                step=self.state.step,
+                serve_requests=self.checkpointer.serve_requests,
+            )
         if self.settings.epochs:
             return EpochProgram(
                 self.rt,
@@ -109,8 +125,23 @@ class Trainer(TrainerBase):
     def run(self) -> Summary:
         s, state = self.settings, self.state
         wall_started = time.monotonic()
-        start_step = self.checkpointer.restore()
+        follow = self.follow
+        start_step = self.checkpointer.restore(
+            at_most=follow.journal.restore_step() if follow is not None else None
+        )
+        if follow is not None:
+            follow.resume(start_step)
         program = self.program = self._program()
+        publisher = None
+        if s.export_every:
+            publisher = VersionPublisher(
+                settings=s,
+                checkpointer=self.checkpointer,
+                control=self.control,
+                metrics=self.metrics,
+                train_data=follow.newest_files if follow is not None else lambda: s.train_data,
+            )
+            publisher.start()
         actions: list[Action] = []
         evals = None
         if state.dynamic_layers:
@@ -139,7 +170,11 @@ class Trainer(TrainerBase):
                 return evaluate_elsewhere(s, checkpoint)
             return evaluate_final(self.job, s, state.model, state.metric_factories, step)
 
-        return run_training(
+        summary = run_training(
             self, runner, start_step=start_step, wall_started=wall_started, actions=actions,
             evaluate=evaluate,
         )  # fmt: skip
+        if publisher is not None:
+            publisher.finish()
+        summary.freshness = freshness_summary(self.control, follow)
+        return summary

@@ -84,9 +84,9 @@ def test_unknown_env_names_the_closest(name, closest):
 
 
 def test_unknown_env_without_a_close_name():
-    # Every name starts PSCTL_: the match ignores the prefix, so FOO is like nothing.
+    # Every name starts PSCTL_: the match ignores the prefix, so QUUX is like nothing.
     with pytest.raises(ConfigError) as err:
-        check_environ({"PSCTL_FOO": "1"})
+        check_environ({"PSCTL_QUUX": "1"})
     assert "did you mean" not in str(err.value)
     assert "PSCTL_<FLAG>" in str(err.value)
     with pytest.raises(ConfigError, match="PSCTL_CONFIG: is not read by psctl; give the job"):

@@ -50,6 +50,10 @@ class Summary:
     # training loop's: servers, TensorFlow's import, the job's check and model; None where
     # unknown (a bare --once process).
     startup_seconds: float | None = None
+    # Follow mode and publishing: "files_trained" and "files" (in training order) of this
+    # run's history, "files_waiting", "input_lag_seconds", "published_version", "export_dir";
+    # {} without --follow or --export-every.
+    freshness: dict[str, object] = field(default_factory=dict)
 
 
 def accuracy_of(values: dict[str, float]) -> float | None:

@@ -127,14 +127,50 @@ def checkpoints_in(directory: str) -> list[Found]:
     return sorted(found, key=lambda f: f.step, reverse=True)
 
 
+AFTER_LAST_ROUND = "after-last-round"  # follow mode's checkpoints newer than its last round
+
+
+def set_aside_newer(directory: str, step: int) -> None:
+    """Move the checkpoints newer than ``step`` into ``directory/after-last-round/``
+    (follow mode restores its last round's: follow_journal.py), so that the trainer's
+    next saves neither meet nor rotate them."""
+    import tensorflow as tf
+
+    newer = [f for f in checkpoints_in(directory) if f.step > step]
+    if not newer:
+        return
+    aside = os.path.join(directory, AFTER_LAST_ROUND)
+    tf.io.gfile.makedirs(aside)
+    for checkpoint in newer:
+        for name in checkpoint.files:
+            tf.io.gfile.rename(
+                os.path.join(directory, name), os.path.join(aside, name), overwrite=True
+            )
+    log.warning(
+        "follow mode goes on from its last round's checkpoint (step %d): %s, taken in the "
+        "middle of the next round, moved to %s",
+        step,
+        ", ".join(f.name for f in newer),
+        aside,
+    )
+
+
 def restore_newest(
-    directory: str, load: Callable[[str], None], *, repair_state: bool = True
+    directory: str,
+    load: Callable[[str], None],
+    *,
+    repair_state: bool = True,
+    at_most: int | None = None,
 ) -> Found | None:
     """Load the newest usable checkpoint in ``directory`` with ``load(prefix)`` (which
     raises ``Unusable`` for a bad one): one error line for each bad one, then the next
     newest. With ``repair_state`` (the trainer, which goes on saving there), the state file
     is rewritten when it does not name the checkpoint loaded; readers (export) leave it.
-    None when there is no checkpoint; ``NoUsableCheckpoint`` when none can be loaded."""
+    ``at_most``: the newest step to take (follow mode's last round); newer ones are set
+    aside first. None when there is no checkpoint; ``NoUsableCheckpoint`` when none can be
+    loaded."""
+    if at_most is not None:
+        set_aside_newer(directory, at_most)
     found = checkpoints_in(directory)
     bad: list[tuple[Found, str]] = []
     mismatched = 0
@@ -341,11 +377,14 @@ def require_writable_dir(path: str, *, field: str) -> None:
         raise ConfigError(field, f"cannot write to {path} ({reason})", _DIR_FIX) from None
 
 
-def check_output_dirs(checkpoint_dir: str, summary_json: str) -> None:
-    """Before any training: the directories a run writes to at its end are writable, so a
-    mistake there costs seconds, not the whole run (exit 78, one line)."""
+def check_output_dirs(checkpoint_dir: str, summary_json: str, export_dir: str = "") -> None:
+    """Before any training: the directories a run writes to at its end (and
+    --export-every's) are writable, so a mistake there costs seconds, not the whole run
+    (exit 78, one line)."""
     if checkpoint_dir:
         require_writable_dir(checkpoint_dir, field="--checkpoint-dir")
+    if export_dir:
+        require_writable_dir(export_dir, field="--export-dir")
     if summary_json:
         if os.path.isdir(summary_json):
             raise ConfigError(

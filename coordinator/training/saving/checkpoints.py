@@ -86,17 +86,18 @@ class Checkpointer:
     def latest(self) -> str | None:
         return None if self.manager is None else self.manager.latest_checkpoint
 
-    def restore(self) -> int:
-        """Restore the newest usable checkpoint, if any; returns the global step to start
-        from. A damaged one is skipped with a line saying why (checkpoint_files.py), and
-        ``NoUsableCheckpoint`` (exit 78) ends the job when none of those present is usable."""
+    def restore(self, *, at_most: int | None = None) -> int:
+        """Restore the newest usable checkpoint, if any (of step ``at_most`` or older:
+        follow mode's last round); returns the global step to start from. A damaged one is
+        skipped with a line saying why (checkpoint_files.py), and ``NoUsableCheckpoint``
+        (exit 78) ends the job when none of those present is usable."""
         if self.manager is None:
             return 0
         started = time.monotonic()
         directory = self.manager.directory
         # Each ps reads its own rows, however many ps tasks wrote them; a damaged
         # checkpoint is found while it is read, and the next newest overwrites every value.
-        found = restore_newest(directory, self.sharded.load)
+        found = restore_newest(directory, self.sharded.load, at_most=at_most)
         if found is None:
             return 0
         self.manager = self._manager(directory)  # it read the state file before a rewrite

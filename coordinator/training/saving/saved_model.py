@@ -13,6 +13,8 @@ inputs) and whose outputs are ``outputs`` for a model of one output, else one pe
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -139,7 +141,12 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
         names = feature_names(built.model, x_spec, job=job.name)
         module = serving_module(built.model, x_spec, names)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tf.saved_model.save(module, str(target), signatures={"serving_default": module.serve})
+    # Written aside, then renamed: TensorFlow Serving loads integer directories only, and
+    # never sees a half-written one (the rename is atomic on one file system).
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    tf.saved_model.save(module, str(partial), signatures={"serving_default": module.serve})
+    os.rename(partial, target)
     outputs = sorted(module.serve.get_concrete_function().structured_outputs)
     log.info(
         "exported %s (global step %d) to %s; serving_default takes %s and returns %s",

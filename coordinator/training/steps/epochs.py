@@ -123,8 +123,14 @@ class EpochProgram:
     progress_total = 0
 
     def __init__(
-        self, rt: Runtime, *, dispatcher: str | None, worker_failures: Callable[[], int]
+        self,
+        rt: Runtime,
+        *,
+        dispatcher: str | None,
+        worker_failures: Callable[[], int],
+        train_data: str | None = None,
     ) -> None:
+        """``train_data``: the files to read instead of --train-data's (follow mode)."""
         s = rt.settings
         self.rt = rt
         self.address = require_dispatcher(dispatcher)
@@ -132,10 +138,12 @@ class EpochProgram:
         self.finished_workers: set[int] = set()
         self.examples = 0
         self.context = dataclasses.replace(rt.data_context(0, 1, s.batch_size), one_pass=True)
+        if train_data is not None:
+            self.context = dataclasses.replace(self.context, train_data=train_data)
         dataset = rt.job.dataset_fn(self.context)
         if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
             raise ConfigError(
-                "--epochs",
+                "--follow" if s.follow else "--epochs",
                 f"the job's dataset_fn ({rt.job.name}) returns an endless dataset",
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )

@@ -27,7 +27,7 @@ from psctl.control.v1 import control_pb2
 from psctl.coordinator.data import readers as data
 from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.deploy.render import render
-from psctl.coordinator.settings import TrainSettings, env_name, resolve_settings
+from psctl.coordinator.settings import DURATIONS, TrainSettings, env_name, resolve_settings
 
 pytestmark = pytest.mark.timeout(120)
 # OUT's own files beside the host directories: the index README, the Prometheus targets.
@@ -257,13 +257,16 @@ def test_settings_are_settings_or_a_config_error(
 )
 def test_toml_values_are_never_coerced(name: str, value: Any) -> None:
     """A TOML value of another type than its setting's is an error; an int for a float is
-    the one widening allowed ("auto" is --steps-per-execution's word for 0)."""
+    the one widening allowed ("auto" is --steps-per-execution's word for 0, and a duration
+    may be a string: "30s")."""
     kind = KINDS[name]
     fits = {
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
     }[kind] or (name == "steps_per_execution" and str(value).strip().lower() == "auto")
+    spelt = name in DURATIONS and isinstance(value, str)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "job.toml")
         path.write_text(f"[train]\n{name} = {toml(value)}\n")
@@ -273,8 +276,10 @@ def test_toml_values_are_never_coerced(name: str, value: Any) -> None:
             check_error(err)
             assert fits or err.field == f"{path}: train.{name}", str(err)
             return
-    assert fits, (name, value)
-    assert getattr(s, name) == (0 if name == "steps_per_execution" and value == "auto" else value)
+    assert fits or spelt, (name, value)
+    if not spelt:
+        expected = 0 if name == "steps_per_execution" and value == "auto" else value
+        assert getattr(s, name) == expected
 
 
 @fuzz(150)

@@ -131,7 +131,7 @@ class TunnelRefusal(_message.Message):
     def __init__(self, source: _Optional[str] = ..., count: _Optional[int] = ..., last_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation", "tunnel")
+    __slots__ = ("job", "state", "global_step", "target_steps", "steps_per_second", "examples_per_second", "loss", "metrics", "eval_metrics", "eval_step", "last_checkpoint", "tasks", "uptime_seconds", "steps_per_execution", "message", "tables", "cluster_generation", "tunnel", "freshness")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Status(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    FRESHNESS_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: JobState
     global_step: int
@@ -182,7 +183,28 @@ class Status(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[Table]
     cluster_generation: int
     tunnel: Tunnel
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ..., tunnel: _Optional[_Union[Tunnel, _Mapping]] = ...) -> None: ...
+    freshness: Freshness
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ..., tunnel: _Optional[_Union[Tunnel, _Mapping]] = ..., freshness: _Optional[_Union[Freshness, _Mapping]] = ...) -> None: ...
+
+class Freshness(_message.Message):
+    __slots__ = ("files_trained", "files_waiting", "input_lag_seconds", "newest_file", "published_version", "publish_age_seconds", "export_dir", "following")
+    FILES_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    FILES_WAITING_FIELD_NUMBER: _ClassVar[int]
+    INPUT_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FILE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    files_trained: int
+    files_waiting: int
+    input_lag_seconds: float
+    newest_file: str
+    published_version: int
+    publish_age_seconds: float
+    export_dir: str
+    following: bool
+    def __init__(self, files_trained: _Optional[int] = ..., files_waiting: _Optional[int] = ..., input_lag_seconds: _Optional[float] = ..., newest_file: _Optional[str] = ..., published_version: _Optional[int] = ..., publish_age_seconds: _Optional[float] = ..., export_dir: _Optional[str] = ..., following: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

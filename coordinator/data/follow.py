@@ -1,0 +1,127 @@
+"""Follow mode's input side (``--follow``): which files of ``--train-data`` are complete
+and not trained yet, in the order they train.
+
+Files land in partition directories (``day=2026-12-05/hour=07/part-*``). A partition is
+complete when its directory holds the marker (``--follow-marker``, ``_SUCCESS`` by
+default, as Hadoop and Spark write it). A directory without one is complete once none of
+its files has changed for ``--settle-seconds``, unless the marker was seen in another
+partition already: a pipeline that writes markers writes them everywhere, so there a
+missing marker means "still being written". Names starting with ``_`` or ``.`` (markers,
+temporary files) are never trained, as Hadoop's readers skip them.
+
+Rounds: one partition at a time, the partitions in path order (partitions named by time
+train in time order), each partition's files in path order. The trained set lives with the
+checkpoints (training/saving/follow_journal.py); this module only lists.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from psctl.coordinator.data.files import has_scheme, matching
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A complete partition's files not trained yet, and when it was complete (the
+    marker's time, else its newest file's)."""
+
+    directory: str
+    files: tuple[str, ...]
+    completed_at: float
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What one look at the glob found: the complete partitions with files to train (in
+    training order), and how many matching files wait for their partition to complete."""
+
+    ready: tuple[Partition, ...]
+    waiting: int
+
+
+def _dirname(path: str) -> str:
+    return posixpath.dirname(path) if has_scheme(path) else os.path.dirname(path)
+
+
+def _basename(path: str) -> str:
+    return posixpath.basename(path) if has_scheme(path) else os.path.basename(path)
+
+
+def _mtime(path: str) -> float | None:
+    """Seconds since the epoch of the last change; None when the file is gone."""
+    if not has_scheme(path):
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return None
+    import tensorflow as tf
+
+    try:
+        return float(tf.io.gfile.stat(path).mtime_nsec) / 1e9
+    except tf.errors.OpError:
+        return None
+
+
+def _join(directory: str, name: str) -> str:
+    if has_scheme(directory):
+        return posixpath.join(directory, name)
+    return os.path.join(directory, name)
+
+
+class PartitionWatcher:
+    """Looks at ``pattern`` (a glob) and says which partitions are ready to train."""
+
+    def __init__(
+        self,
+        pattern: str,
+        *,
+        marker: str,
+        settle_seconds: float,
+        clock: Callable[[], float] = time.time,
+        field: str = "--train-data",
+    ) -> None:
+        self.pattern = pattern
+        self.marker = marker
+        self.settle_seconds = settle_seconds
+        self.clock = clock
+        self.field = field
+        self.markers_seen = False
+
+    def look(self, trained: Collection[str]) -> Listing:
+        by_dir: dict[str, list[str]] = {}
+        for path in matching(self.pattern, self.field):
+            name = _basename(path)
+            if name.startswith(("_", ".")):
+                continue
+            by_dir.setdefault(_dirname(path), []).append(path)
+        ready: list[Partition] = []
+        waiting = 0
+        now = self.clock()
+        for directory in sorted(by_dir):
+            files = [p for p in by_dir[directory] if p not in trained]
+            if not files:
+                continue
+            completed = self._completed_at(directory, by_dir[directory], now)
+            if completed is None:
+                waiting += len(files)
+            else:
+                ready.append(Partition(directory, tuple(sorted(files)), completed))
+        return Listing(tuple(ready), waiting)
+
+    def _completed_at(self, directory: str, files: list[str], now: float) -> float | None:
+        marked = _mtime(_join(directory, self.marker))
+        if marked is not None:
+            self.markers_seen = True
+            return marked
+        if self.markers_seen:
+            return None
+        times = [_mtime(p) for p in files]
+        if any(t is None for t in times):
+            return None  # a file went away while we looked: look again later
+        newest = max(t for t in times if t is not None)
+        return newest if now - newest >= self.settle_seconds else None

@@ -1,0 +1,158 @@
+"""Follow mode on a real local cluster (the ctr job, Criteo-format partitions): files that
+land while it trains are trained each once, in path order; a partition without its
+_SUCCESS marker is not read until the marker comes; a SIGKILL of the training process in
+the middle changes nothing of that; serving versions appear in --export-dir, whole, and
+load in a fresh process; status and /metrics show the freshness; --idle-timeout ends the
+job with its summary. And its settings refused in one line, exit 78."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from psctl.cluster.ports import free_ports
+from psctl.control.v1 import control_pb2
+from psctl.coordinator.operations.client import ControlError, call, status_dict
+from tests.conftest import REPO, child_env, kill_if_running, processes_mentioning, psctl_argv
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+WRITE = """
+import sys
+from psctl.jobs import ctr
+cfg = ctr.CtrConfig(rows=10_000)
+for i, path in enumerate(sys.argv[1:]):
+    ctr.write_tsv(path, cfg, first_block=2 * i, blocks=2)
+"""
+LOAD = """
+import sys, tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+print(sorted(loaded.signatures))
+"""
+
+
+def write_partitions(*paths: Path) -> None:
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-c", WRITE, *map(str, paths)],
+        check=True, env=child_env(), cwd=REPO, timeout=120, capture_output=True,
+    )  # fmt: skip
+
+
+def freshness(address: str) -> dict | None:
+    try:
+        status = status_dict(call(address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2))
+    except ControlError:
+        return None
+    return status.get("freshness")
+
+
+def wait_until(address: str, proc: subprocess.Popen, test, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "psctl local ended early"
+        fresh = freshness(address)
+        if fresh and test(fresh):
+            return fresh
+        time.sleep(0.5)
+    raise AssertionError(f"not reached in {timeout}s; last freshness {freshness(address)}")
+
+
+def training_pid(workdir: Path) -> int:
+    for pid in processes_mentioning(str(workdir)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "-m psctl train" in cmdline and "--once" in cmdline:
+            return pid
+    raise AssertionError("no training process")
+
+
+def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
+    workdir: Path, tmp_path: Path
+):
+    data, exported = tmp_path / "data", tmp_path / "serving"
+    out, log = tmp_path / "summary.json", tmp_path / "stderr.log"
+    write_partitions(data / "hour=00" / "part-0", data / "hour=01" / "part-0")
+    (data / "hour=00" / "_SUCCESS").touch()
+    # hour=01 is written but has no marker: the pipeline is still at it.
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    argv = psctl_argv(
+        "local", "--workdir", str(workdir), "--control-address", address, "--job", "ctr",
+        "--train-data", str(data / "*" / "part-*"), "--follow", "--idle-timeout", "20s",
+        "--export-every", "3s", "--export-dir", str(exported), "--export-keep", "2",
+        "--summary-json", str(out),
+    )  # fmt: skip
+    with log.open("w") as stderr:
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                               env=child_env(CTR_EVAL_EXAMPLES="2000"), cwd=REPO)  # fmt: skip
+        try:
+            first = wait_until(address, job, lambda f: f.get("files_trained") == 1)
+            assert first["following"] is True
+            assert first["newest_file"] == str(data / "hour=00" / "part-0")
+            assert first["files_waiting"] == 1  # hour=01, no marker
+            wait_until(address, job, lambda f: f.get("published_version", 0) > 0)
+            time.sleep(2)  # well past the settle time's check: hour=01 still waits
+            assert freshness(address)["files_trained"] == 1
+            # The marker lands: hour=01 trains. Then the training process is killed; the
+            # supervisor starts a new one, which goes on after hour=01, not again from it.
+            (data / "hour=01" / "_SUCCESS").touch()
+            wait_until(address, job, lambda f: f.get("files_trained") == 2)
+            os.kill(training_pid(workdir), signal.SIGKILL)
+            write_partitions(data / "hour=02" / "part-0")
+            (data / "hour=02" / "_SUCCESS").touch()
+            wait_until(address, job, lambda f: f.get("files_trained") == 3, timeout=240)
+            code = job.wait(timeout=180)  # --idle-timeout ends it
+        finally:
+            kill_if_running(job)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    summary = json.loads(out.read_text())
+    files = [str(data / f"hour=0{h}" / "part-0") for h in range(3)]
+    assert summary["freshness"]["files"] == files  # each once, in path order
+    assert summary["freshness"]["files_trained"] == 3
+    versions = sorted(int(v) for v in os.listdir(exported) if v.isdigit())
+    assert 1 <= len(versions) <= 2  # --export-keep 2
+    assert versions[-1] == summary["freshness"]["published_version"] == summary["global_step"]
+    assert not [n for n in os.listdir(exported) if not n.isdigit()]  # nothing half-written
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD, str(exported / str(versions[-1]))],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )  # fmt: skip
+    assert "serving_default" in loaded.stdout, loaded.stderr[-2000:]
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (("--follow", "--epochs", "2"), "--epochs: 2 with --follow"),
+        (("--follow", "--steps", "10"), "--steps: with --follow"),
+        (("--follow", "--follow-marker", "a/b"), "--follow-marker: 'a/b' is not a file name"),
+        (
+            ("--export-every", "1m", "--export-dir", "/proc/version/x"),
+            "--export-dir: cannot write to /proc/version/x",
+        ),
+    ],
+)
+def test_follow_settings_are_refused_in_one_line(
+    run_cli, workdir: Path, tmp_path: Path, extra: tuple[str, ...], line: str
+):
+    proc = run_cli(
+        psctl_argv("local", "--workdir", str(workdir), "--job", "ctr", "--train-data",
+                   str(tmp_path / "*" / "part-*"), *extra),
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 78, proc.stderr[-2000:]
+    assert line in proc.stderr
+    assert "Traceback" not in proc.stderr
