@@ -236,6 +236,10 @@ PUBLISH_AGE_SECONDS = GaugeSpec(
     "Now minus psctl_last_publish_timestamp_seconds: the age of the model in serving (0 "
     "before the first version).",
 )
+EXPORT_EVERY_SECONDS = GaugeSpec(
+    "psctl_export_every_seconds",
+    "--export-every: seconds between serving versions (0: no publishing).",
+)
 PUBLISHES_TOTAL = CounterSpec(
     "psctl_publishes_total", "Serving versions published by this process (--export-every)."
 )

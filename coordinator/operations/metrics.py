@@ -38,6 +38,7 @@ from psctl.coordinator.operations.catalogue import (
     CLOSURES_QUEUED,
     CLUSTER_TASKS,
     EVALUATIONS_TOTAL,
+    EXPORT_EVERY_SECONDS,
     FOLLOW_FILES_TRAINED_TOTAL,
     FOLLOW_FILES_WAITING,
     GLOBAL_STEP,
@@ -266,6 +267,7 @@ class CoordinatorMetrics:
         self._published_time = LAST_PUBLISH_TIMESTAMP_SECONDS.make(r)
         self._published_at = 0.0
         PUBLISH_AGE_SECONDS.make(r).set_function(lambda: _age(self._published_at))
+        self._export_every = EXPORT_EVERY_SECONDS.make(r)
         self._publishes = PUBLISHES_TOTAL.make(r)
         self._publish_failures = PUBLISH_FAILURES_TOTAL.make(r)
 
@@ -446,6 +448,9 @@ class CoordinatorMetrics:
 
     def set_files_waiting(self, n: int) -> None:
         self._files_waiting.set(n)
+
+    def set_export_every(self, seconds: float) -> None:
+        self._export_every.set(seconds)
 
     def published(self, *, version: int, checkpoint_time: float) -> None:
         self._published_version.set(version)

@@ -31,6 +31,8 @@ ALERTS = {
     "PsctlRestartLoop",
     "PsctlMetricsMissing",
     "PsctlTargetsMissing",
+    "PsctlInputLagHigh",
+    "PsctlPublishStale",
 }
 RECORDING_RULES = {"psctl:coordinator_finished"}
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,12 @@ def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
             assert first["following"] is True
             assert first["newest_file"] == str(data / "hour=00" / "part-0")
             assert first["files_waiting"] == 1  # hour=01, no marker
+            url = re.search(r"metrics on (http://\S+/metrics)", log.read_text()).group(1)
+            scraped = urllib.request.urlopen(url, timeout=10).read().decode()
+            assert "psctl_follow_files_trained_total 1.0" in scraped
+            assert "psctl_follow_files_waiting 1.0" in scraped
+            lag = re.search(r"^psctl_input_lag_seconds (\S+)$", scraped, re.M)
+            assert lag is not None and float(lag.group(1)) > 0, scraped[-2000:]
             wait_until(address, job, lambda f: f.get("published_version", 0) > 0)
             time.sleep(2)  # well past the settle time's check: hour=01 still waits
             assert freshness(address)["files_trained"] == 1

@@ -77,6 +77,8 @@ class VersionPublisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.control.update(fresh=True, export_dir=self.base)
+        if metrics is not None:
+            metrics.set_export_every(settings.export_every)
         if self.published_step:
             self._show(self.published_step, self._checkpoint_time(self.published_step))
 
