@@ -448,7 +448,7 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
             ps = sorted((s for s in local.servers if s.task_type == "ps"), key=lambda s: s.index)
             yield local.cluster_file, ps, list
             return
-        from bench.netlab import lab_cluster
+        from bench.harness.netlab import lab_cluster
 
         lab = stack.enter_context(
             lab_cluster(
@@ -674,7 +674,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{JOB} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
         f"{args.steps_per_execution} steps per call, up to {args.steps} steps or "
         f"{args.max_seconds:g} s per run, one run each, a fresh cluster per run. network: "
-        "loopback (no --rtt), or network-namespace hosts through a router (bench/netlab.py): "
+        "loopback (no --rtt), or network-namespace hosts through a router "
+        "(bench/harness/netlab.py): "
         "direct = forwarded by the kernel, N ms = through a relay that delays each direction "
         "by N/2 ms. psctl: Trainer with "
         f"--max-shards {args.max_shards} (table split over the ps, sparse updates); raw: the "
@@ -783,7 +784,7 @@ def _run_line(record: dict[str, Any], n: int, total: int) -> str:
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from bench.netlab import LabError
+    from bench.harness.netlab import LabError
     from psctl.cluster.processes.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
@@ -876,7 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tunnel-overhead",
         action="store_true",
-        help="run every configuration on network-namespace hosts twice (bench/netlab.py; "
+        help="run every configuration on network-namespace hosts twice (bench/harness/netlab.py; "
         "the direct network, or each --rtt): TensorFlow's ports open, and every host behind "
         "its WireGuard tunnel as psctl deploy render --keys runs them (root, wireguard-go, "
         "wg); the last line is psctl's steps/s behind the tunnels over open",
@@ -948,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.optimizer:
             parser.error("--run-mode needs --cluster, --table-rows and --optimizer")
         return child_main(args)
-    from bench.netlab import parse_rtt, rtt_label
+    from bench.harness.netlab import parse_rtt, rtt_label
 
     try:
         args.rtt_list = [rtt_label(r) for r in parse_rtt(args.rtt)] if args.rtt else [LOOPBACK]

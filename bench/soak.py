@@ -23,14 +23,14 @@ way, the operator stops the job (``psctl stop``: a final checkpoint) and starts 
 the same checkpoint directory with a target step that the measured rate reaches before the
 time is up; the faults go on against the second run.
 
-``--netns``: every task on a host of its own (a network namespace, bench/soak_hosts.py): the
+``--netns``: every task on a host of its own (a network namespace, bench/harness/soak_hosts.py): the
 servers as their systemd units run them (``ps-server`` / ``worker-server --cluster FILE
 --index I``, restarted on failure 1 s later by the soak, systemd's part), the coordinator
 ``psctl train --cluster FILE`` on host ``chief``, its control API and Prometheus reached
 there through ``ip netns exec``; ``cut-link`` joins the schedule, ``preempt`` leaves it (a
 resize starts servers: psctl local's part, an operator's on real hosts). Needs root and
 iproute2; ``--strategy sync`` and ``--epochs`` are psctl local's only here. ``--rtt MS``:
-every connection to a server through bench/netlab.py's relay, delayed MS/2 each way (this
+every connection to a server through bench/harness/netlab.py's relay, delayed MS/2 each way (this
 kernel has no netem; loss only as a cut link).
 
 Checked at the end, one ``invariant:`` line each (``held`` or ``BROKEN``):
@@ -110,9 +110,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.elastic import control_cli, progress, start_job  # noqa: E402
 from bench.harness import results_dir, spawn  # noqa: E402
-from bench.netlab import LabError  # noqa: E402
-from bench.promserver import Prometheus  # noqa: E402
-from bench.soak_hosts import CONTROL, COORDINATOR_METRICS, SoakHosts  # noqa: E402
+from bench.harness.netlab import LabError  # noqa: E402
+from bench.harness.promserver import Prometheus  # noqa: E402
+from bench.harness.soak_hosts import CONTROL, COORDINATOR_METRICS, SoakHosts  # noqa: E402
 from psctl.cluster.ports import free_ports  # noqa: E402
 from psctl.cluster.processes.files import write_json_atomic  # noqa: E402
 from psctl.cluster.processes.procs import command_lines  # noqa: E402
@@ -295,7 +295,8 @@ class Sampler:
     def _follow(self) -> None:
         """One long-lived feed on the coordinator's host (a psctl per poll would cost a CPU's
         worth of interpreter starts): a JSON status per line, null while it does not answer."""
-        argv = [*self.prefix, sys.executable, "-m", "bench.status_feed", self.address, "0.5"]
+        feed = [sys.executable, "-m", "bench.harness.status_feed", self.address, "0.5"]
+        argv = [*self.prefix, *feed]
         self._feed = spawn(
             argv,
             stdout=subprocess.PIPE,
@@ -987,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--rtt", type=float, metavar="MS",
-        help="--netns: every connection to a server through bench/netlab.py's relay, which "
+        help="--netns: every connection to a server through bench/harness/netlab.py's relay, which "
         "delays it by MS/2 each way (default: the direct network)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run's end")

@@ -52,7 +52,7 @@ is ``metrics overhead = X.X%``: 1 - on/off of the median steps/s (positive = slo
 namespace, as ``psctl local`` runs them by default (cluster/netns.py), interleaved. Its last
 line is ``namespace cost = X.X%``: 1 - namespace/open of the median steps/s.
 
-``--tunnel-overhead`` runs only psctl, across network-namespace hosts (bench/netlab.py,
+``--tunnel-overhead`` runs only psctl, across network-namespace hosts (bench/harness/netlab.py,
 one host per task; the direct network, or ``--rtt MS``), open and with every host behind
 its WireGuard tunnel as the units of ``psctl deploy render --keys`` run them, interleaved.
 Its last line is ``tunnel cost = X.X%``: 1 - tunnel/open of the median steps/s.
@@ -90,7 +90,7 @@ from typing import Any
 JOB = "mlp"
 SEED = 42
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script: bench.netlab beside it
+if str(REPO) not in sys.path:  # run as a script: the bench package (bench.harness) importable
     sys.path.insert(0, str(REPO))
 
 from bench.harness import spawn  # noqa: E402
@@ -877,7 +877,7 @@ def print_overhead(
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from bench.netlab import LabError
+    from bench.harness.netlab import LabError
     from psctl.cluster.processes.logs import quiet_tensorflow
     from psctl.coordinator.launch.local import ServerFailed
 
@@ -1014,8 +1014,8 @@ def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]
 @contextlib.contextmanager
 def tunnelled_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
     """A second network-namespace cluster like the first, every host behind its WireGuard
-    tunnel as the units of `psctl deploy render --keys` run (bench/netlab.py)."""
-    from bench.netlab import LabBench
+    tunnel as the units of `psctl deploy render --keys` run (bench/harness/netlab.py)."""
+    from bench.harness.netlab import LabBench
 
     cluster = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir / "tunnel", tunnel=True)
     try:
@@ -1115,7 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tunnel-overhead",
         action="store_true",
-        help="instead: psctl across network-namespace hosts (bench/netlab.py; the direct "
+        help="instead: psctl across network-namespace hosts (bench/harness/netlab.py; the direct "
         "network, or --rtt MS) with TensorFlow's ports open vs every host behind its WireGuard "
         "tunnel (psctl deploy render --keys), interleaved; needs root, wireguard-go, wg; the "
         "last line is 'tunnel cost = X.X%%'",
@@ -1132,7 +1132,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="MS",
         help="run the cluster as network-namespace hosts with MS of round-trip time added "
-        "between them (bench/netlab.py; 0: the relay with no delay; needs root, iproute2, "
+        "between them (bench/harness/netlab.py; 0: the relay with no delay; needs root, iproute2, "
         "cc); default: loopback",
     )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
@@ -1160,7 +1160,7 @@ def open_bench(
     logs.mkdir(parents=True, exist_ok=True)
     local: Any
     if getattr(args, "rtt", None) is not None or getattr(args, "tunnel_overhead", False):
-        from bench.netlab import LabBench  # namespace hosts (through the delaying relay)
+        from bench.harness.netlab import LabBench  # namespace hosts (through the delaying relay)
 
         local = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir)
         chief_port = 0  # in the coordinator's own namespace: never held by an earlier run here

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.netns_hosts import NetnsLab, remove_stale_labs
+from bench.harness.netns_hosts import NetnsLab, remove_stale_labs
 from psctl.cluster.processes.procs import command_lines
 from psctl.coordinator import argv as launch_argv
 
@@ -160,7 +160,7 @@ def run_cli():
 
 @contextlib.contextmanager
 def open_lab(hosts: Mapping[str, str], *, scripts: Sequence[str] = ()) -> Iterator[NetnsLab]:
-    """A fresh lab of network-namespace hosts for a test (bench/netns_hosts.py; skipped
+    """A fresh lab of network-namespace hosts for a test (bench/harness/netns_hosts.py; skipped
     without root); stale labs of killed runs go first.
 
     The /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each

@@ -1,8 +1,8 @@
 #!/bin/sh
 # Make sure `systemd-analyze` (the unit tests verify every rendered unit with it; the package
 # also ships systemd-socket-activate and systemd-socket-proxyd, which the multi-host test
-# runs), `ip` (the multi-host test and bench/netlab.py build network-namespace hosts with
-# it), `cc` (bench/netlab.py compiles its delaying relay, bench/relay.c), and `wireguard-go`
+# runs), `ip` (the multi-host test and bench/harness/netlab.py build network-namespace hosts with
+# it), `cc` (bench/harness/netlab.py compiles its delaying relay, bench/harness/relay.c), and `wireguard-go`
 # and `wg` (the tunnel between hosts: coordinator/deploy/tunnel.py) are on PATH. Idempotent:
 # does nothing when all are there. Otherwise installs the Debian/Ubuntu packages `systemd`,
 # `iproute2`, `gcc`, `wireguard-go` and `wireguard-tools`, running `apt-get update` first

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import status_feed
+from bench.harness import status_feed
 from psctl.cluster.ports import free_ports
 from tests.chaos.conftest import RUNNING, Sampler, before_fault, full_speed_after, record
 from tests.conftest import child_env, processes_mentioning, psctl_argv, read_json

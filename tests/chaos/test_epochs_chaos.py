@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, kill_if_running, local_argv, processes_mentioning, read_json
-from tests.integration.test_epochs import VISIT_JOB, checkpoint_tensor
+from tests.integration.data.test_epochs import VISIT_JOB, checkpoint_tensor
 
 pytestmark = pytest.mark.chaos
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netns_hosts import (
+from bench.harness.netns_hosts import (
     SERVERS,
     NetnsLab,
     NotifySocket,
@@ -116,7 +116,9 @@ class NetnsJob:
         # cost a CPU's worth of interpreter starts).
         with (self.tmp / "feed.log").open("wb") as feed_log:  # what a failed feed said
             self.feed = subprocess.Popen(
-                self.lab.exec("coord", [sys.executable, "-m", "bench.status_feed", CONTROL]),
+                self.lab.exec(
+                    "coord", [sys.executable, "-m", "bench.harness.status_feed", CONTROL]
+                ),
                 env=child_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -13,7 +13,7 @@ import pytest
 
 from psctl.cluster.ports import free_ports
 from tests.conftest import kill_if_running, processes_mentioning, read_json, status_or_none
-from tests.integration.sync_job import start_sync_job, wait_until_gone
+from tests.integration.training.sync_job import start_sync_job, wait_until_gone
 
 pytestmark = pytest.mark.chaos
 

@@ -1,6 +1,6 @@
 """A job with a fixed Embedding table (a psctl table under ``--max-shards``) and a
 ``DynamicEmbedding`` side by side, trained with Adam: for the tests of checkpoints saved and
-restored by shard (tests/integration/test_sharded_checkpoints.py)."""
+restored by shard (tests/integration/embeddings/test_sharded_checkpoints.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The full check of input files (coordinator/data/checks.py, coordinator/data/files.py):
 files cut into pieces at line starts, errors naming the line in the file whatever piece
 found them, the first bad file in sorted order, and statistics added up over pieces. In this
-process (pieces of a few hundred bytes); tests/integration/test_check_data.py runs the
+process (pieces of a few hundred bytes); tests/integration/data/test_check_data.py runs the
 processes through ``psctl check-data``."""
 
 from __future__ import annotations

@@ -397,7 +397,7 @@ def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatc
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.saving.saved_model import export
-    from tests.unit.training.test_serving import export_model
+    from tests.unit.training.saving.test_serving import export_model
 
     monkeypatch.setenv("CTR_TABLE", "dynamic")
     monkeypatch.setenv("CTR_ROWS", "10k")

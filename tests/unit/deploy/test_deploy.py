@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netns_hosts import (
+from bench.harness.netns_hosts import (
     Unit,
     exec_argv,
     parse_unit,
@@ -280,10 +280,10 @@ def test_systemd_analyze_verify_passes_on_every_rendered_unit(rendered: Path):
 
 
 def test_the_multihost_sandbox_knows_every_sandboxing_setting(rendered: Path):
-    """bench/sandbox.py applies the units' sandbox to the multi-host test's
+    """bench/harness/sandbox.py applies the units' sandbox to the multi-host test's
     processes, or lists a setting as not applied (docs/deploy.md says which): a new
     setting in the units must be one or the other."""
-    from bench.sandbox import APPLIED, NOT_APPLIED
+    from bench.harness.sandbox import APPLIED, NOT_APPLIED
 
     other = {"Type", "NotifyAccess", "EnvironmentFile", "Environment", "ExecStart", "Restart"}
     other |= {"RestartSec", "RestartPreventExitStatus", "TimeoutStartSec", "TimeoutStopSec"}

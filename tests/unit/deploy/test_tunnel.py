@@ -1,5 +1,5 @@
 """coordinator/deploy/tunnel.py's pure parts: names, wireguard-go's log, peers. The tunnel
-itself (root, wireguard-go, namespaces) runs in tests/integration/test_multihost.py."""
+itself (root, wireguard-go, namespaces) runs in tests/integration/security/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.netns_hosts import unescape_instance
+from bench.harness.netns_hosts import unescape_instance
 from psctl.cluster import tunnel_state
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.tunnel_state import TunnelState

@@ -132,10 +132,11 @@ def test_a_task_the_launcher_marked_left_counts_nothing():
 
 
 def test_a_worker_marked_left_in_the_tasks_file_before_it_is_followed_leaves(tmp_path):
-    """Seen in tests/integration/test_scale.py: psctl local marked a worker left between the
-    training process's first read of its tasks file and the start of its follower, which
-    took that version as already read: the departure was never acted on, and the process
-    hung connecting to the worker that was gone. The follower reads the file at once."""
+    """Seen in tests/integration/operations/test_scale.py: psctl local marked a worker left
+    between the training process's first read of its tasks file and the start of its
+    follower, which took that version as already read: the departure was never acted on, and
+    the process hung connecting to the worker that was gone. The follower reads the file at
+    once."""
     control, leaving = control_with([0.0])
     tasks_file = tmp_path / "tasks.json"
     gone = dataclasses.replace(WORKER, left=True)

@@ -1,6 +1,6 @@
 """The training loop (loop.py) over the synchronous runner (sync.py's CollectiveRunner): its
 decisions, with a scripted agreement and step function (the real ones are all-reduces over
-worker processes: tests/integration/test_sync.py)."""
+worker processes: tests/integration/training/test_sync.py)."""
 
 from __future__ import annotations
 

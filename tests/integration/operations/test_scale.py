@@ -20,7 +20,7 @@ from tests.conftest import (
     read_json,
     status_or_none,
 )
-from tests.integration.test_control import (
+from tests.integration.operations.test_control import (
     start_local_job,
     status,
     stop_job,

@@ -27,8 +27,8 @@ from tests.conftest import (
     run_python,
     status_or_none,
 )
-from tests.integration.test_checkpoint_damage import steps_saved
-from tests.integration.test_control import wait_until
+from tests.integration.operations.test_control import wait_until
+from tests.integration.training.test_checkpoint_damage import steps_saved
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 

@@ -1,6 +1,6 @@
 """A Prometheus server of its own (a free loopback port, its own config and storage) that
 scrapes psctl and evaluates deploy/prometheus/alerts.yml: the real-Prometheus tests
-(tests/integration/test_prometheus.py) and bench/soak.py share it. Needs ``prometheus``
+(tests/integration/operations/test_prometheus.py) and bench/soak.py share it. Needs ``prometheus``
 on PATH (tools/ensure-prometheus.sh installs it)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from psctl.cluster.ports import free_ports
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 
 

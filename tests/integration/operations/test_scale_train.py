@@ -33,8 +33,8 @@ from tests.conftest import (
     read_json,
     status_or_none,
 )
-from tests.integration.test_control import status, wait_until
-from tests.integration.test_scale import members, shape
+from tests.integration.operations.test_control import status, wait_until
+from tests.integration.operations.test_scale import members, shape
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

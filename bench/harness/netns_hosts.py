@@ -155,7 +155,7 @@ def sandboxed(
     """``argv`` under the unit's sandbox settings, as far as sandbox.py applies them
     (``writable``: this run's stand-ins for StateDirectory=; ``exposed``: directories under
     /root that must stay readable, as this checkout's Python lives there)."""
-    from bench.sandbox import APPLIED
+    from bench.harness.sandbox import APPLIED
 
     settings: dict[str, object] = {}
     for section, key, val in unit:

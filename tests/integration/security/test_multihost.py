@@ -7,7 +7,7 @@ namespace on the host, WireGuard to the others) with its side ports carried out 
 the psctl-proxy@ units. Every server starts from the exact ExecStart= line and environment
 of its rendered unit (instance substituted, as systemd would; NetworkNamespacePath= by
 nsenter), with a NOTIFY_SOCKET that must receive READY=1, under the unit's sandbox as far
-as bench/sandbox.py applies it (a dynamic user, no capabilities, the system call
+as bench/harness/sandbox.py applies it (a dynamic user, no capabilities, the system call
 filter, a read-only file system, private /tmp, no /home: its docstring lists what is
 applied and what is not). `psctl deploy check` on the coordinator host sees every server
 SERVING through the tunnel; the fifth host, with no keys and then with keys of its own, and
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netns_hosts import (
+from bench.harness.netns_hosts import (
     SERVERS,
     TF_PORT,
     NetnsLab,
@@ -65,7 +65,7 @@ from bench.netns_hosts import (
     values,
     write_cluster,
 )
-from bench.sandbox import NOBODY
+from bench.harness.sandbox import NOBODY
 from psctl.cluster import netns as cluster_netns
 from psctl.cluster.processes.procs import die_with_parent
 from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT, TUNNEL_UNIT
@@ -103,7 +103,7 @@ BASE_ENV = {
 # sandbox leaves that one directory readable (a real host installs psctl in /opt).
 PYTHON_HOME = os.path.realpath(sys.base_prefix)
 # The checkout and its .venv: under /tmp or /root in some CI clones, which the units hide.
-CHECKOUT = os.path.realpath(Path(__file__).resolve().parents[2])
+CHECKOUT = os.path.realpath(Path(__file__).resolve().parents[3])
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """``bench/soak.py --netns``: the soak's cluster on hosts of their own, links that can be cut.
 
-Every task runs on a host of bench/netlab.py's lab (a network namespace joined to a router
+Every task runs on a host of bench/harness/netlab.py's lab (a network namespace joined to a router
 by a veth pair; the direct network, or with ``rtt_ms`` its relay, which delays every
 connection to a server's TF, health and /metrics ports by half of it each way): the ps and
 worker servers as the systemd units run them (``ps-server`` / ``worker-server --cluster
 FILE --index I``, restarted on failure one second later by
-bench/netns_hosts.py's stand-in for systemd's Restart=on-failure), the
+bench/harness/netns_hosts.py's stand-in for systemd's Restart=on-failure), the
 coordinator (``psctl train --cluster FILE``) on host ``chief``.
 Its control API listens on that host's loopback: the soak reaches it, and Prometheus runs
 there too, through ``ip netns exec``. A ``cut-link`` sets the router's end of a host's link
@@ -24,12 +24,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.netlab import TF_PORT, NetLab
-from bench.netns_hosts import NotifySocket, RestartPolicy, Service
+from bench.harness.netlab import TF_PORT, NetLab
+from bench.harness.netns_hosts import NotifySocket, RestartPolicy, Service
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, METRICS_PORT_OFFSET
 from psctl.coordinator.argv import server_argv
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONTROL = "127.0.0.1:7070"  # psctl train's control API, on host "chief"
 COORDINATOR_METRICS = 9940  # + the run's number: each run is its own Prometheus instance
 # As deploy/systemd's units say: Restart=on-failure, RestartSec=1, no restart on 2 or 78.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, kill_if_running, local_argv, psctl_argv, read_json
-from tests.integration.test_local import tensorboard_tags
+from tests.integration.training.test_local import tensorboard_tags
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ process: a fixed table split in 2 shards restored into 3 and into 1 row for row,
 smaller than a shard; what TensorFlow's own reader sees; a checkpoint written whole (before
 psctl saved by shard) restored; damage found (a data file cut short, one missing, bytes
 changed); a value that is not finite refused with nothing written. The same on a real
-cluster: tests/integration/test_sharded_checkpoints.py."""
+cluster: tests/integration/embeddings/test_sharded_checkpoints.py."""
 
 from __future__ import annotations
 

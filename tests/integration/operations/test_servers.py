@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.netns_hosts import NotifySocket
+from bench.harness.netns_hosts import NotifySocket
 from psctl.cluster.health import wait_serving
 from psctl.cluster.ports import free_ports
 from psctl.coordinator import argv as launch_argv

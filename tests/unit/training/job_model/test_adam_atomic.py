@@ -1,6 +1,6 @@
 """Adam as one fused ResourceApplyAdam op per variable (model.apply_adam_atomically): the
 same variables as Keras 3's own Adam, and no stale read of the moments when a gradient
-lands late (a frozen worker's). One process, no cluster (tests/integration/test_adam_ps.py
+lands late (a frozen worker's). One process, no cluster (tests/integration/training/test_adam_ps.py
 runs it on a ps)."""
 
 from __future__ import annotations

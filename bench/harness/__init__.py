@@ -14,7 +14,7 @@ from typing import IO, Any
 
 from psctl.cluster.processes.procs import die_with_parent
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def results_dir(given: str | None, name: str) -> Path:

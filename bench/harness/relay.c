@@ -1,5 +1,5 @@
 /* A TCP relay that delays every byte by a fixed time in each direction: the network of
- * bench/netlab.py (this kernel has no netem).
+ * bench/harness/netlab.py (this kernel has no netem).
  *
  *   relay DELAY_US [udp:]LISTEN_IP:PORT=TARGET_IP:PORT [...]
  *

@@ -24,8 +24,8 @@ from tests.conftest import (
     psctl_argv,
     status_or_none,
 )
-from tests.integration.test_control import wait_until
-from tests.integration.test_scale_train import start_server, tf_ports, write_cluster
+from tests.integration.operations.test_control import wait_until
+from tests.integration.operations.test_scale_train import start_server, tf_ports, write_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

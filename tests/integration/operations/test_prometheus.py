@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from bench.promserver import Prometheus, http_get, wait_for
+from bench.harness.promserver import Prometheus, http_get, wait_for
 from psctl.cluster.ports import free_ports
 from psctl.coordinator.operations.metrics import CoordinatorMetrics
 from tests.conftest import REPO, child_env, kill_if_running, psctl_argv, require_tool

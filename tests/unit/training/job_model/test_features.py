@@ -168,7 +168,7 @@ class DictModel(keras.Model):
 SUBCLASSED = """
 import keras
 import tensorflow as tf
-from tests.unit.training.test_features import DictModel
+from tests.unit.training.job_model.test_features import DictModel
 metrics = ["accuracy"]
 def create_model():
     return DictModel()

@@ -82,12 +82,14 @@ def build_relay(work: Path) -> Path:
     """relay.c compiled into ``work`` (a fraction of a second)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise LabError("--rtt needs a C compiler (cc) for bench/relay.c: apt-get install gcc")
+        raise LabError(
+            "--rtt needs a C compiler (cc) for bench/harness/relay.c: apt-get install gcc"
+        )
     binary = work / "relay"
     argv = [compiler, "-O2", "-pthread", "-o", str(binary), str(RELAY_SOURCE)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise LabError(f"building bench/relay.c failed: {done.stderr.strip()[-500:]}")
+        raise LabError(f"building bench/harness/relay.c failed: {done.stderr.strip()[-500:]}")
     return binary
 
 
@@ -411,6 +413,6 @@ def rtt_label(rtt: float | None) -> str:
     return "direct" if rtt is None else f"{rtt:g} ms"
 
 
-if __name__ == "__main__":  # a quick look: python bench/netlab.py RTT_MS
+if __name__ == "__main__":  # a quick look: python bench/harness/netlab.py RTT_MS
     with lab_cluster(1, 1, rtt_ms=float(sys.argv[1]), work=Path(sys.argv[2])) as c:
         print(c.cluster_file.read_text())

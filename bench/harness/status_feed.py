@@ -1,6 +1,6 @@
 """A coordinator's status as a feed: one JSON object per poll (null while it does not answer).
 
-In-process for a coordinator this process can reach; `python -m bench.status_feed
+In-process for a coordinator this process can reach; `python -m bench.harness.status_feed
 ADDRESS` prints the feed for one it can't (another network namespace), one line per poll.
 """
 

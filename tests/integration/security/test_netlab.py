@@ -1,6 +1,6 @@
-"""bench/netlab.py: namespace hosts through a router, with and without the delaying relay.
+"""bench/harness/netlab.py: namespace hosts through a router, with and without the delaying relay.
 An echo server on one host, a client on another; the round trip is measured over a real
-TCP connection (bench/relay.c, built here)."""
+TCP connection (bench/harness/relay.c, built here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.netlab import NetLab, parse_rtt, rtt_label
+from bench.harness.netlab import NetLab, parse_rtt, rtt_label
 
 pytestmark = pytest.mark.integration
 

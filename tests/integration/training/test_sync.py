@@ -25,7 +25,12 @@ from tests.conftest import (
     read_json,
     status_or_none,
 )
-from tests.integration.sync_job import start_sync_job, wait_for, wait_for_state, wait_until_gone
+from tests.integration.training.sync_job import (
+    start_sync_job,
+    wait_for,
+    wait_for_state,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.integration
 

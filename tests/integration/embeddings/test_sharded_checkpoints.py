@@ -130,7 +130,7 @@ def test_fixed_and_dynamic_tables_saved_on_2_ps_restore_into_3_then_1_value_for_
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_is_written_while_a_worker_is_frozen(workdir: Path, run_cli):
-    from tests.integration.test_control import (
+    from tests.integration.operations.test_control import (
         load_step,
         start_local_job,
         status_or_none,

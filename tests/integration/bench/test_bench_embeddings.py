@@ -83,7 +83,7 @@ def test_embeddings_budget_cuts_runs_short(run_cli, workdir):
 
 @pytest.mark.timeout(200)
 def test_embeddings_quick_through_the_relay(run_cli, workdir):
-    """--rtt 0: both clusters as namespace hosts behind the relay (bench/netlab.py); the
+    """--rtt 0: both clusters as namespace hosts behind the relay (bench/harness/netlab.py); the
     coordinator runs on its own host, the ps RSS is read from the servers there."""
     results = workdir / "results"
     argv = [BENCH, "--quick", "--rtt", "0", "--results", str(results)]
