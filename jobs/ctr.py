@@ -63,7 +63,8 @@ errors, so these are not ``PSCTL_*``; set the same ones for ``psctl evaluate`` a
 - ``CTR_OPTIMIZER`` (default ``adam``): ``adam`` (Adam, 1e-3) or ``adagrad`` (Adagrad, 0.1).
 - Dynamic tables only (an error with ``CTR_TABLE=fixed``): ``CTR_ADMIT_AFTER`` (default 2:
   an id seen once, most of a Zipf tail, gets no row), ``CTR_TTL_STEPS`` (default none: an id
-  is evicted after that many global steps unseen) and ``CTR_MAX_ROWS_PER_SHARD`` (default
+  is evicted after that many global steps unseen), ``CTR_TTL_SECONDS`` (default none: after
+  that many seconds unseen; follow mode's drifting ids) and ``CTR_MAX_ROWS_PER_SHARD`` (default
   none: each ps keeps at most that many rows, the least recently seen evicted first).
 """
 
@@ -95,7 +96,12 @@ MIN_VOCABULARY = 4
 OPTIMIZERS = ("adam", "adagrad")
 TABLES = ("fixed", "dynamic")
 DEFAULT_ADMIT_AFTER = 2  # an id seen once (most of a Zipf tail) gets no row
-DYNAMIC_SETTINGS = ("CTR_ADMIT_AFTER", "CTR_TTL_STEPS", "CTR_MAX_ROWS_PER_SHARD")
+DYNAMIC_SETTINGS = (
+    "CTR_ADMIT_AFTER",
+    "CTR_TTL_STEPS",
+    "CTR_TTL_SECONDS",
+    "CTR_MAX_ROWS_PER_SHARD",
+)
 MIN_ROWS, MAX_ROWS = 1_000, 1_000_000_000
 DEFAULT_ROWS = 100_000
 DEFAULT_TRAIN_EXAMPLES = 8192 * BLOCK  # 4,194,304
@@ -161,6 +167,7 @@ class CtrConfig:
     admit_after: int = DEFAULT_ADMIT_AFTER
     ttl_steps: int | None = None
     max_rows_per_shard: int | None = None
+    ttl_seconds: int | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -191,6 +198,7 @@ class CtrConfig:
         for name, count in (
             ("CTR_ADMIT_AFTER", self.admit_after),
             ("CTR_TTL_STEPS", self.ttl_steps),
+            ("CTR_TTL_SECONDS", self.ttl_seconds),
             ("CTR_MAX_ROWS_PER_SHARD", self.max_rows_per_shard),
         ):
             if count is not None and count < 1:
@@ -211,6 +219,7 @@ class CtrConfig:
         for field, name in (
             ("drift", "CTR_DRIFT"),
             ("ttl_steps", "CTR_TTL_STEPS"),
+            ("ttl_seconds", "CTR_TTL_SECONDS"),
             ("max_rows_per_shard", "CTR_MAX_ROWS_PER_SHARD"),
         ):
             values[field] = _optional_count(name, environ.get(name, ""))
@@ -483,6 +492,7 @@ def create_model() -> keras.Model:
             EMBEDDING_DIM,
             admit_after=cfg.admit_after,
             ttl_steps=cfg.ttl_steps,
+            ttl_seconds=cfg.ttl_seconds,
             max_rows_per_shard=cfg.max_rows_per_shard,
             name="embedding",
         )

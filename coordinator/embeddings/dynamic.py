@@ -44,6 +44,7 @@ from psctl.coordinator.embeddings.layers import (
     count_setting,
     pool,
     pooled_shape,
+    seconds_setting,
 )
 from psctl.coordinator.embeddings.rows import (
     ABSENT,
@@ -53,6 +54,7 @@ from psctl.coordinator.embeddings.rows import (
     Merged,
     dense,
     evict,
+    oldest_kept,
     update_rows,
 )
 from psctl.coordinator.embeddings.sparse import SUPPORTED, SparseRule
@@ -418,6 +420,12 @@ class OneProcess:
     def vectors(self, keys: Any, counts: Any) -> Any:
         """The vectors of distinct ``keys`` (seen ``counts`` times in the batch), which
         the gradient of the step updates."""
+        if self.layer.ttl_seconds is not None:
+            raise ValueError(
+                f"DynamicEmbedding {self.layer.name!r}: ttl_seconds evicts in psctl's "
+                "training processes (psctl local, psctl train); trained in one process, give "
+                "ttl_steps instead"
+            )
         model = self.layer._get_call_context().entry_layer  # the model being trained
         tables = self.tables
 
@@ -469,7 +477,7 @@ class OneProcess:
         ttl, cap = layer.ttl_steps, layer.max_rows_per_shard
         if ttl is not None or cap is not None:
             every = min(self.EVICT_EVERY_STEPS, ttl or self.EVICT_EVERY_STEPS)
-            _every(step, every, lambda: evict(layer, tables, step))
+            _every(step, every, lambda: evict(layer, tables, oldest_kept(step, ttl)))
         if ttl is not None and tables.sketch is not None:
             sketch = tables.sketch
             _every(step, ttl, sketch.halve)
@@ -507,12 +515,14 @@ class DynamicEmbedding(keras.layers.Layer):
       and it is counted in a fixed-size sketch on its ps (``admission_sketch_width``
       counters in each of 4 rows, 16 bytes per column: ids that are never admitted cost
       no memory of their own; with ``ttl_steps`` the counts halve every ``ttl_steps``
-      steps). The sketch may count an id more often than it was seen (a false
+      steps, or ``ttl_seconds``). The sketch may count an id more often than it was seen (a false
       admission, docs/embeddings.md), never less. The step that admits an id still reads
       zeros.
-    - Eviction: an id not seen for ``ttl_steps`` global steps is removed (its row: vector,
-      slots and counts), and each shard keeps at most ``max_rows_per_shard`` rows, the
-      least recently seen removed first. psctl evicts every few seconds while training.
+    - Eviction: an id not seen for ``ttl_steps`` global steps, or for ``ttl_seconds`` of
+      wall-clock time (psctl's training processes only: follow mode's drifting ids), is
+      removed (its row: vector, slots and counts), and each shard keeps at most
+      ``max_rows_per_shard`` rows, the least recently seen removed first. psctl evicts
+      every few seconds while training.
     - Outside psctl (Keras' ``model.fit`` or a ``GradientTape`` loop in one process) the
       table trains by the same rules, with the model's optimizer (``OneProcess``).
     """
@@ -526,6 +536,7 @@ class DynamicEmbedding(keras.layers.Layer):
         ttl_steps: int | None = None,
         max_rows_per_shard: int | None = None,
         embeddings_initializer: Any = "uniform",
+        ttl_seconds: float | None = None,
         admission_sketch_width: int = DEFAULT_SKETCH_WIDTH,
         **kwargs: Any,
     ) -> None:
@@ -535,6 +546,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.combiner = combiner_setting(kind, self.name, combiner)
         self.admit_after = count_setting(kind, self.name, "admit_after", admit_after)
         self.ttl_steps = count_setting(kind, self.name, "ttl_steps", ttl_steps, optional=True)
+        self.ttl_seconds = seconds_setting(kind, self.name, "ttl_seconds", ttl_seconds)
         self.max_rows_per_shard = count_setting(
             kind, self.name, "max_rows_per_shard", max_rows_per_shard, optional=True
         )
@@ -750,6 +762,7 @@ class DynamicEmbedding(keras.layers.Layer):
             combiner=self.combiner,
             admit_after=self.admit_after,
             ttl_steps=self.ttl_steps,
+            ttl_seconds=self.ttl_seconds,
             max_rows_per_shard=self.max_rows_per_shard,
             admission_sketch_width=self.admission_sketch_width,
             embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer),

@@ -41,7 +41,7 @@ from psctl.coordinator.embeddings.dynamic import (
     attach_slots,
     split_by_shard,
 )
-from psctl.coordinator.embeddings.rows import Merged, dense, evict, update_rows
+from psctl.coordinator.embeddings.rows import Merged, dense, evict, oldest_kept, update_rows
 from psctl.coordinator.embeddings.sparse import SparseRule
 
 log = logging.getLogger(__name__)
@@ -122,37 +122,80 @@ def _merge(pairs: list[tuple[Lookup, Any]]) -> Merged:
 # -- eviction and counts -------------------------------------------------------------------
 
 
+class StepClock:
+    """When each global step was reached, as eviction passes saw it: turns ``ttl_seconds``
+    into the oldest step it keeps. A row last seen at a step reached before ``now -
+    ttl_seconds`` has not been seen since then. Samples older than ``horizon`` seconds
+    (the longest ttl) are dropped. A fresh training process knows no step's time before
+    its own start, so it evicts by seconds only once it has run ``ttl_seconds``: never too
+    early."""
+
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon
+        self.samples: list[tuple[float, int]] = []  # (monotonic time, step), oldest first
+
+    def record(self, now: float, step: int) -> None:
+        self.samples.append((now, step))
+        while len(self.samples) > 1 and self.samples[1][0] <= now - self.horizon:
+            self.samples.pop(0)
+
+    def step_at(self, when: float) -> int | None:
+        """The latest step recorded at or before ``when``; None if none was."""
+        found = None
+        for at, step in self.samples:
+            if at > when:
+                break
+            found = step
+        return found
+
+
 class Evictor:
     """Eviction passes over every table with a ttl or a cap, one function per shard, run
     on its ps (the keys and counts never leave it); with a ttl, the admission sketch's
-    counts halve every ``ttl_steps`` steps."""
+    counts halve every ``ttl_steps`` steps (or ``ttl_seconds``)."""
 
     def __init__(self, layers: Sequence[DynamicEmbedding]) -> None:
-        self.passes: list[tuple[PackedShard, Any]] = []
-        self.aging: list[tuple[int, PackedShard]] = []
-        self.aged_at: dict[int, int] = {}
+        self.passes: list[tuple[DynamicEmbedding, PackedShard, Any]] = []
+        self.aging: list[tuple[DynamicEmbedding, PackedShard]] = []
+        self.aged_at: dict[int, tuple[float, int]] = {}
+        horizon = max((layer.ttl_seconds or 0.0 for layer in layers), default=0.0)
+        self.clock = StepClock(horizon)
         for layer in layers:
-            if layer.ttl_steps is None and layer.max_rows_per_shard is None:
+            if not (layer.ttl_steps or layer.ttl_seconds or layer.max_rows_per_shard):
                 continue
             for shard in layer.packed:
                 fn = tf.function(
                     functools.partial(evict, layer, shard),
                     input_signature=[tf.TensorSpec([], tf.int64)],
                 )
-                self.passes.append((shard, fn))
-                if layer.ttl_steps is not None and shard.sketch is not None:
-                    self.aging.append((layer.ttl_steps, shard))
+                self.passes.append((layer, shard, fn))
+                if (layer.ttl_steps or layer.ttl_seconds) and shard.sketch is not None:
+                    self.aging.append((layer, shard))
 
-    def __call__(self, step: int) -> int:
+    def oldest(self, layer: DynamicEmbedding, step: int, now: float) -> int:
+        """The oldest last-seen step ``layer``'s ttls keep at ``step``, ``now``."""
+        oldest = int(oldest_kept(step, layer.ttl_steps))
+        if layer.ttl_seconds is not None:
+            reached = self.clock.step_at(now - layer.ttl_seconds)
+            if reached is not None:
+                oldest = max(oldest, reached)
+        return oldest
+
+    def __call__(self, step: int, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        self.clock.record(now, step)
         evicted = 0
-        for shard, fn in self.passes:
+        for layer, shard, fn in self.passes:
             with shard.placed():
-                evicted += int(fn(tf.constant(step, tf.int64)))
-        for ttl, shard in self.aging:
-            since = self.aged_at.setdefault(id(shard), step)
-            if step - since >= ttl:
+                evicted += int(fn(tf.constant(self.oldest(layer, step, now), tf.int64)))
+        for layer, shard in self.aging:
+            since_time, since_step = self.aged_at.setdefault(id(shard), (now, step))
+            due = (layer.ttl_steps is not None and step - since_step >= layer.ttl_steps) or (
+                layer.ttl_seconds is not None and now - since_time >= layer.ttl_seconds
+            )
+            if due:
                 shard.sketch.halve()  # type: ignore[union-attr]
-                self.aged_at[id(shard)] = step
+                self.aged_at[id(shard)] = (now, step)
         return evicted
 
 

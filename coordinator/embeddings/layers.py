@@ -48,6 +48,24 @@ def count_setting(layer: str, name: str, what: str, value: Any, *, optional: boo
     return int(value)
 
 
+def seconds_setting(layer: str, name: str, what: str, value: Any) -> float | None:
+    """``value`` as a number of seconds above 0 and at most a year, or None; else a
+    LayerSettingError naming the layer and the argument."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not (0 < float(value) <= 366 * 86400)
+    ):
+        raise LayerSettingError(
+            f"{layer}(name={name!r}) {what}",
+            f"{echo(value)} is not a number of seconds above 0 and at most a year, or None",
+            f"give {what} in seconds, e.g. 3600.0 (see docs/embeddings.md)",
+        )
+    return float(value)
+
+
 def combiner_setting(layer: str, name: str, combiner: Any) -> str | None:
     if combiner is not None and combiner not in COMBINERS:
         raise LayerSettingError(

@@ -5,7 +5,8 @@ process by Keras' own ``fit`` or a ``GradientTape`` loop (dynamic.py): one rule 
 - **The update after a step** (``update_rows``): each id counted and stamped with the
   step; admitted ids get the optimizer's sparse rule (embeddings/sparse.py), ids that reach
   ``admit_after`` their first vector.
-- **Eviction** (``evict``): ids not seen for ``ttl_steps`` steps, then the least recently
+- **Eviction** (``evict``): ids not seen for ``ttl_steps`` steps (or ``ttl_seconds``:
+  dynamic_updates.StepClock turns it into a step), then the least recently
   seen beyond the cap on rows.
 
 A table here is anything with ``write(keys, vectors, slots, count, last_seen)``,
@@ -102,12 +103,19 @@ def update_rows(
     table.counters.assign_add(tf.stack([tf.cast(n, tf.int64), tf.constant(0, tf.int64)]))
 
 
-def to_remove(last_seen: Any, step: Any, ttl_steps: int | None, max_rows: int | None) -> Any:
-    """Which rows (by their ``last_seen`` steps) an eviction pass at ``step`` removes: those
-    past ``ttl_steps``, then the least recently seen beyond ``max_rows``."""
-    remove = tf.zeros_like(last_seen, tf.bool)
-    if ttl_steps is not None:
-        remove = tf.logical_or(remove, last_seen < step - ttl_steps)
+def oldest_kept(step: Any, ttl_steps: int | None) -> Any:
+    """The oldest last-seen step ``ttl_steps`` keeps at ``step`` (int64; its minimum
+    where there is no ttl)."""
+    if ttl_steps is None:
+        return tf.constant(tf.int64.min, tf.int64)
+    return tf.cast(step, tf.int64) - ttl_steps
+
+
+def to_remove(last_seen: Any, oldest: Any, max_rows: int | None) -> Any:
+    """Which rows (by their ``last_seen`` steps) an eviction pass removes: those last seen
+    before step ``oldest`` (``oldest_kept``; with ``ttl_seconds``, the later of the two
+    ttls' steps), then the least recently seen beyond ``max_rows``."""
+    remove = last_seen < oldest
     if max_rows is not None:
         kept = tf.logical_not(remove)
         # int64: a cap beyond int32 (up to layers.MAX_SETTING) keeps every row.
@@ -120,12 +128,12 @@ def to_remove(last_seen: Any, step: Any, ttl_steps: int | None, max_rows: int | 
     return remove
 
 
-def evict(layer: Any, table: Any, step: Any) -> Any:
-    """Remove ``table``'s rows past ``layer.ttl_steps`` and beyond
-    ``layer.max_rows_per_shard`` at ``step`` (``to_remove``), counted in
-    ``table.counters``; how many were removed."""
+def evict(layer: Any, table: Any, oldest: Any) -> Any:
+    """Remove ``table``'s rows last seen before step ``oldest`` and beyond
+    ``layer.max_rows_per_shard`` (``to_remove``), counted in ``table.counters``; how many
+    were removed."""
     keys, last_seen = table.last_seen()
-    remove = to_remove(last_seen, step, layer.ttl_steps, layer.max_rows_per_shard)
+    remove = to_remove(last_seen, oldest, layer.max_rows_per_shard)
     table.remove(tf.boolean_mask(keys, remove))
     evicted = tf.reduce_sum(tf.cast(remove, tf.int64))
     table.counters.assign_add(tf.stack([tf.constant(0, tf.int64), evicted]))

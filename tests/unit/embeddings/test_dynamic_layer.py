@@ -27,6 +27,7 @@ from psctl.coordinator.embeddings.dynamic_updates import (
     Evictor,
     table_stats,
 )
+from psctl.coordinator.embeddings.layers import LayerSettingError
 from psctl.coordinator.training.saving.sharded_save import Column, Hashed, ShardedCheckpoint
 from tests.unit.embeddings.test_sparse import (
     DIM,
@@ -164,6 +165,32 @@ def test_ttl_and_cap_evict_the_stalest_rows_with_their_slots_and_counts():
     stats = table_stats([layer])[layer.name]
     assert {k: stats[k] for k in ("rows", "admitted", "evicted")} == {
         "rows": 2, "admitted": 5, "evicted": 3}  # fmt: skip
+
+
+def test_ttl_seconds_evicts_rows_not_seen_for_that_long_by_the_step_clock():
+    layer = layer_of(ttl_seconds=60.0)
+    updater = DynamicUpdater(keras.optimizers.Adam(0.01), [layer])
+    grads = np.ones((1, DIM), np.float32)
+    for step, key in [(10, 1), (20, 2), (30, 3)]:
+        step_on(updater, layer, [key], grads, step=step)
+        step_on(updater, layer, [key], grads, step=step)
+    evictor = Evictor([layer])
+    # The process has not run 60 s yet: no step's time is known that far back.
+    assert evictor(12, now=1000.0) == 0
+    assert evictor(25, now=1030.0) == 0
+    assert set(rows_of(layer)) == {1, 2, 3}
+    # At 1075 s, step 12 was reached over 60 s ago: rows last seen before it go (key 1).
+    assert evictor(40, now=1075.0) == 1
+    assert set(rows_of(layer)) == {2, 3}
+    # At 1091 s, step 25 (1030 s) is the newest step over 60 s old: key 2 (step 20) goes.
+    assert evictor(45, now=1091.0) == 1
+    assert set(rows_of(layer)) == {3}
+
+
+def test_ttl_seconds_is_a_number_of_seconds():
+    with pytest.raises(LayerSettingError, match="ttl_seconds: 0 is not a number of seconds"):
+        DynamicEmbedding(DIM, ttl_seconds=0)
+    assert DynamicEmbedding(DIM, ttl_seconds=90).get_config()["ttl_seconds"] == 90.0
 
 
 def test_one_layer_called_on_two_features_updates_each_id_once_with_both_gradients():
