@@ -36,6 +36,13 @@ def add_export_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], int
         parser.add_argument(flag, default=None, help=text)
     parser.add_argument("--checkpoint", help="this checkpoint (a ckpt-N prefix) instead")
     parser.add_argument("--out", required=True, help="the export base directory")
+    parser.add_argument(
+        "--requests",
+        action="store_true",
+        help="stay up: read checkpoint prefixes from standard input, one a line, export each "
+        "and answer one line (exported PREFIX to PATH, or error: ...); what --export-every "
+        "runs, so that a version costs no TensorFlow import",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug and TF logs")
     return {"export": cmd_export}
 

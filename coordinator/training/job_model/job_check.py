@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,8 @@ from keras.src.backend.common import global_state  # no public way to drop defer
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data.context import DataContext
+from psctl.coordinator.data.files import file_list
+from psctl.coordinator.data.follow import PartitionWatcher
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.features import (
@@ -41,10 +44,21 @@ def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[st
     ctx = DataContext.from_settings(
         settings, worker_index=0, num_workers=num_workers, batch_size=settings.batch_size
     )
+    if settings.follow:  # the first complete partition's files, if one is there yet
+        watcher = PartitionWatcher(
+            settings.train_data,
+            marker=settings.follow_marker,
+            settle_seconds=settings.settle_seconds,
+        )
+        ready = watcher.look(()).ready
+        if not ready:  # the training process checks the first partition when it lands
+            job.create_optimizer()
+            return []
+        ctx = dataclasses.replace(ctx, train_data=file_list(list(ready[0].files)))
     dataset = job.dataset_fn(ctx)
     x_spec = dataset.element_spec[0]
     warnings = []
-    if num_workers > 1 and not settings.epochs:  # --epochs: the tf.data service splits it
+    if num_workers > 1 and not settings.data_service:  # the tf.data service splits it
         second = DataContext.from_settings(
             settings, worker_index=1, num_workers=num_workers, batch_size=settings.batch_size
         )

@@ -1,29 +1,36 @@
 """``--export-every``: serving versions published while training goes on.
 
 Every ``--export-every`` seconds the newest checkpoint, when it is newer than the version
-in serving, is exported by ``psctl export`` in a process of its own (the model is built
-there, as the export command builds it; the training loop is never held up) into
+in serving, is exported by ``psctl export --requests`` in a process of its own, kept up
+between versions (the model is built there once, as the export command builds it; the
+training loop is never held up) into
 ``--export-dir/<global step>/``: TensorFlow Serving's file-system source layout, each
 version written aside and renamed into place (saving/saved_model.py). The newest
 ``--export-keep`` versions are kept. In follow mode the newest checkpoint is the last
-round's, so a version holds whole partitions; otherwise a checkpoint is written first.
+round's, so a version holds whole partitions, and it goes out as soon as it is written
+(once ``--export-every`` has passed since the last version); otherwise a checkpoint is
+written first, on the cadence.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
+from psctl.coordinator.training.saving.saved_model import READY
 
 if TYPE_CHECKING:
     from psctl.coordinator.operations.job_state import JobControl
@@ -33,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT = 900.0  # seconds one export may take before it is given up
+POLL_SECONDS = 0.5  # follow mode: between looks for a round's new checkpoint
 
 
 def versions_in(base: str) -> list[int]:
@@ -73,6 +81,7 @@ class VersionPublisher:
         self.train_data = train_data
         self.base = settings.export_dir
         self.published_step = max(versions_in(self.base), default=0)
+        self.exporter: ExportProcess | None = None  # started with the first version
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,8 +96,16 @@ class VersionPublisher:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.settings.export_every):
-            self.publish()
+        # In follow mode a version goes out as soon as a round's checkpoint is there and
+        # --export-every has passed since the last one; otherwise on the cadence itself.
+        last = time.monotonic()
+        while not self._stop.wait(
+            POLL_SECONDS if self.settings.follow else self.settings.export_every
+        ):
+            if time.monotonic() - last < self.settings.export_every:
+                continue
+            if self.publish() is not None or not self.settings.follow:
+                last = time.monotonic()
 
     def finish(self) -> None:
         """Stop the cadence and publish the final checkpoint if it is not in serving yet."""
@@ -96,6 +113,8 @@ class VersionPublisher:
         if self._thread is not None:
             self._thread.join(timeout=EXPORT_TIMEOUT)
         self.publish()
+        if self.exporter is not None:
+            self.exporter.close()
 
     def publish(self) -> int | None:
         """Export the newest checkpoint if it is newer than the version in serving; the
@@ -126,37 +145,21 @@ class VersionPublisher:
             return None
 
     def _export(self, checkpoint: str) -> bool:
-        s = self.settings
-        argv = psctl_argv(
-            "export",
-            "--job",
-            s.job,
-            "--checkpoint",
-            checkpoint,
-            "--out",
-            self.base,
-            "--label-column",
-            s.label_column,
-        )
-        data = self.train_data()
-        if data:
-            argv += ["--train-data", data]
-        if s.eval_data:
-            argv += ["--eval-data", s.eval_data]
-        try:
-            done = subprocess.run(
-                argv,
-                timeout=EXPORT_TIMEOUT,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-            )
-        except (subprocess.SubprocessError, OSError) as err:
-            log.error("publishing %s failed: %s", checkpoint, err)
-            return False
-        if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
-            log.error("publishing %s failed (exit %d): %s", checkpoint, done.returncode, lines[-1])
+        if self.exporter is None:
+            s = self.settings
+            argv = psctl_argv(
+                "export", "--requests", "--job", s.job, "--out", self.base,
+                "--label-column", s.label_column,
+            )  # fmt: skip
+            data = self.train_data()
+            if data:
+                argv += ["--train-data", data]
+            if s.eval_data:
+                argv += ["--eval-data", s.eval_data]
+            self.exporter = ExportProcess(argv)
+        error = self.exporter.export(checkpoint)
+        if error is not None:
+            log.error("publishing %s failed: %s", checkpoint, error)
             return False
         return True
 
@@ -169,3 +172,85 @@ class VersionPublisher:
 
     def _show(self, version: int, checkpoint_time: float) -> None:
         self.control.update(published_version=version, published_time=checkpoint_time)
+
+
+class ExportProcess:
+    """``psctl export --requests``, kept up between versions: TensorFlow imported and the
+    model built once. Started again when it died; its last lines of stderr say why."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: collections.deque[str] = collections.deque(maxlen=20)
+
+    def _start(self) -> str | None:
+        self.lines = queue.Queue()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(
+            target=self._read, args=(self.proc.stdout, self.lines.put), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._read, args=(self.proc.stderr, self.stderr.append), daemon=True
+        ).start()
+        return self._answer(READY)
+
+    @staticmethod
+    def _read(stream: Any, put: Callable[[Any], None]) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+        put(None)
+
+    def _answer(self, expected: str | None = None) -> str | None:
+        """None when the process answered well (``expected``, or ``exported ...``), else
+        why not."""
+        deadline = time.monotonic() + EXPORT_TIMEOUT
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                return f"no answer in {EXPORT_TIMEOUT:g}s"
+            if line is None:  # stdout closed: it died
+                assert self.proc is not None
+                code = self.proc.wait()
+                self.proc = None
+                last = [e for e in self.stderr if e.strip()][-1:] or ["(no output)"]
+                return f"the export process exited ({code}): {last[0]}"
+            if line == expected or line.startswith("exported "):
+                return None
+            if line.startswith("error: "):
+                return line.removeprefix("error: ")
+
+    def export(self, checkpoint: str) -> str | None:
+        """Export ``checkpoint``; None, or why it failed."""
+        if self.proc is None or self.proc.poll() is not None:
+            error = self._start()
+            if error is not None:
+                return error
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(checkpoint + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            return f"the export process is gone: {err}"
+        return self._answer()
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

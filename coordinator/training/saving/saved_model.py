@@ -93,6 +93,9 @@ def serving_module(
     return module
 
 
+READY = "ready"  # psctl export --requests: the model is built, checkpoints may come
+
+
 class Exported(NamedTuple):
     checkpoint: str  # the checkpoint's prefix
     path: Path  # OUT/<global step>
@@ -102,58 +105,72 @@ def export(job: Job, settings: TrainSettings, *, checkpoint: str | None, out: st
     """Restore ``checkpoint`` (None: the newest usable one in ``--checkpoint-dir``, a
     damaged newer one skipped with a line saying why) into the job's model and save it to
     ``out/<step>/``."""
-    x_spec, y_spec, source = features_spec(job, settings)
-    built = JobModel(job, x_spec, y_spec, source=source)
-    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    saved = built.checkpoint(step)
+    return Exporter(job, settings).export(checkpoint, out)
 
-    def load(prefix: str) -> None:
-        load_checked(saved, prefix, built.model.variables, partial=True)
 
-    if checkpoint is not None:
-        try:
-            load(checkpoint)
-        except Unusable as err:
-            raise ConfigError(
-                "--checkpoint",
-                f"{checkpoint} cannot be exported: {err}",
-                "give a checkpoint the --job's training run wrote (its ckpt-<step> prefix)",
-            ) from None
-    else:
-        found = restore_newest(settings.checkpoint_dir, load, repair_state=False)
-        if found is None:
-            raise ConfigError(
-                "--checkpoint-dir",
-                f"no checkpoint in {settings.checkpoint_dir}",
-                "give the directory a training run wrote its checkpoints to",
+class Exporter:
+    """The job's model built once, in this process: each ``export`` restores a checkpoint
+    into it and saves it (``--export-every``'s exporter keeps one for the whole run, so a
+    version costs a restore and a save, not TensorFlow's import and the model's build)."""
+
+    def __init__(self, job: Job, settings: TrainSettings) -> None:
+        self.job, self.settings = job, settings
+        x_spec, y_spec, source = features_spec(job, settings)
+        self.built = JobModel(job, x_spec, y_spec, source=source)
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        self.saved = self.built.checkpoint(self.step)
+        if job.serving_inputs is not None:  # the raw request, its features made in the graph
+            request = job.serving_inputs()
+            self.names = feature_names(None, request, job=job.name)
+            self.module = serving_module(
+                self.built.model, request, self.names, job.serving_features
             )
-        checkpoint = found.prefix
-    target = Path(out) / str(int(step.numpy()))
-    if target.exists():
-        raise ConfigError(
-            "--out", f"{target} exists already", "remove it, or export to another --out"
+        else:
+            self.names = feature_names(self.built.model, x_spec, job=job.name)
+            self.module = serving_module(self.built.model, x_spec, self.names)
+
+    def load(self, prefix: str) -> None:
+        load_checked(self.saved, prefix, self.built.model.variables, partial=True)
+
+    def export(self, checkpoint: str | None, out: str) -> Exported:
+        if checkpoint is not None:
+            try:
+                self.load(checkpoint)
+            except Unusable as err:
+                raise ConfigError(
+                    "--checkpoint",
+                    f"{checkpoint} cannot be exported: {err}",
+                    "give a checkpoint the --job's training run wrote (its ckpt-<step> prefix)",
+                ) from None
+        else:
+            found = restore_newest(self.settings.checkpoint_dir, self.load, repair_state=False)
+            if found is None:
+                raise ConfigError(
+                    "--checkpoint-dir",
+                    f"no checkpoint in {self.settings.checkpoint_dir}",
+                    "give the directory a training run wrote its checkpoints to",
+                )
+            checkpoint = found.prefix
+        target = Path(out) / str(int(self.step.numpy()))
+        if target.exists():
+            raise ConfigError(
+                "--out", f"{target} exists already", "remove it, or export to another --out"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside, then renamed: TensorFlow Serving loads integer directories only,
+        # and never sees a half-written one (the rename is atomic on one file system).
+        partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        module = self.module
+        tf.saved_model.save(module, str(partial), signatures={"serving_default": module.serve})
+        os.rename(partial, target)
+        outputs = sorted(module.serve.get_concrete_function().structured_outputs)
+        log.info(
+            "exported %s (global step %d) to %s; serving_default takes %s and returns %s",
+            checkpoint,
+            int(self.step.numpy()),
+            target,
+            ", ".join(self.names),
+            ", ".join(outputs),
         )
-    if job.serving_inputs is not None:  # the job's raw request, its features made in the graph
-        request = job.serving_inputs()
-        names = feature_names(None, request, job=job.name)
-        module = serving_module(built.model, request, names, job.serving_features)
-    else:
-        names = feature_names(built.model, x_spec, job=job.name)
-        module = serving_module(built.model, x_spec, names)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside, then renamed: TensorFlow Serving loads integer directories only, and
-    # never sees a half-written one (the rename is atomic on one file system).
-    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    tf.saved_model.save(module, str(partial), signatures={"serving_default": module.serve})
-    os.rename(partial, target)
-    outputs = sorted(module.serve.get_concrete_function().structured_outputs)
-    log.info(
-        "exported %s (global step %d) to %s; serving_default takes %s and returns %s",
-        checkpoint,
-        int(step.numpy()),
-        target,
-        ", ".join(names),
-        ", ".join(outputs),
-    )
-    return Exported(checkpoint, target)
+        return Exported(checkpoint, target)

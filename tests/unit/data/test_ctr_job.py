@@ -424,6 +424,44 @@ def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatc
     assert np.abs(other[:256] - got[:256]).min() > 0, (other[:4], got[:4])
 
 
+def test_one_exporter_serves_each_checkpoint_as_a_fresh_export_would(tmp_path: Path, monkeypatch):
+    """--export-every's exporter keeps its model between versions: a row evicted between
+    two checkpoints must not linger in the second version."""
+    from psctl.coordinator.job import load_job
+    from psctl.coordinator.settings import TrainSettings
+    from psctl.coordinator.training.saving.saved_model import Exporter, export
+    from tests.unit.training.saving.test_serving import export_model
+
+    monkeypatch.setenv("CTR_TABLE", "dynamic")
+    monkeypatch.setenv("CTR_ROWS", "10k")
+    job = load_job("ctr")
+    ckpt = tmp_path / "checkpoints"
+    settings = TrainSettings(job="ctr", checkpoint_dir=str(ckpt))
+    made = export_model(job, settings)
+    source = ctr.SyntheticData(ctr.config())
+    drawn = source.draw(tf.constant(0, tf.int64))
+    x, _ = source.block(tf.constant(0, tf.int64))
+    shard = made.model.get_layer("embedding").shards[0]
+    first, second = tf.reshape(x[:256, 13:], [-1]), tf.reshape(x[256:, 13:], [-1])
+    shard.embeddings.insert(first, tf.random.stateless_normal([first.shape[0], 16], seed=[1, 2]))
+    a = made.checkpoint(tf.Variable(5, dtype=tf.int64)).save(str(ckpt / "a"))
+    shard.embeddings.remove(first)  # evicted
+    shard.embeddings.insert(second, tf.random.stateless_normal([second.shape[0], 16], seed=[3, 4]))
+    b = made.checkpoint(tf.Variable(9, dtype=tf.int64)).save(str(ckpt / "b"))
+    exporter = Exporter(job, settings)
+    assert exporter.export(a, str(tmp_path / "kept")).path.name == "5"
+    kept = exporter.export(b, str(tmp_path / "kept"))
+    fresh = export(job, settings, checkpoint=b, out=str(tmp_path / "fresh"))
+    request = dict(dense=drawn.counts, categorical=ctr.hex_ids(drawn.raw))
+
+    def answer(path: Path) -> np.ndarray:
+        serve = tf.saved_model.load(str(path)).signatures["serving_default"]
+        return serve(**request)["outputs"].numpy()
+
+    np.testing.assert_allclose(answer(kept.path), answer(fresh.path), atol=1e-6)
+    np.testing.assert_allclose(answer(kept.path), made.model(x, training=False).numpy(), atol=1e-5)
+
+
 def test_summary_has_eval_auc(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     common = dict(
         job="ctr",
