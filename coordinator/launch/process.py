@@ -1,7 +1,8 @@
-"""What every training process does, whatever the strategy: run under its supervisor (the
-restart policy, the control front), serve its /metrics, list the job's tasks for status,
-and end a run that raised as the failure policy decides. `psctl train`'s parameter-server
-process (train.py) and sync mode's worker processes (sync.py) both use it.
+"""What every training process does, whatever the strategy: serve its /metrics, list the
+job's tasks for status, and end its run: a finished one with its summary, one that raised
+as the failure policy decides. `psctl train`'s parameter-server process (train.py) and sync
+mode's worker processes (sync.py) both use it; their launchers (the supervisor, the control
+front) are assembled in assembly.py.
 """
 
 from __future__ import annotations
@@ -13,26 +14,18 @@ import logging
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster import ports
-from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.processes.procs import TrainingProcess, die_with_parent
-from psctl.cluster.processes.signals import LAUNCHER_GONE
 from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
-from psctl.control.v1 import control_pb2
-from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.data import bad_records
 from psctl.coordinator.failures import (
     EXIT_RESTART,
@@ -48,14 +41,8 @@ from psctl.coordinator.failures import (
     tasks_named,
     unstaged,
 )
-from psctl.coordinator.launch.resize import ClusterFile, Rejoins, Resizer, elastic, shape_of
-from psctl.coordinator.launch.supervisor import (
-    Counters,
-    RestartPolicy,
-    TrainingSupervisor,
-    forward_stop_signals,
-)
-from psctl.coordinator.operations.front import Refused, launch_control
+from psctl.coordinator.launch.resize import shape_of
+from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
@@ -74,6 +61,11 @@ if TYPE_CHECKING:
     from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
+
+
+def handed_counters(args: argparse.Namespace) -> Counters:
+    """What the supervisor handed this training process (``--supervisor-counters``)."""
+    return Counters(**json.loads(args.supervisor_counters or "{}"))
 
 
 def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> None:
@@ -161,14 +153,15 @@ def run_training_process(
     counters: Counters,
     metrics: CoordinatorMetrics | None,
     serve_control: bool,
-    run: Callable[[JobControl, FailurePolicy], int],
+    train: Callable[[JobControl, FailurePolicy], Summary],
     at_exit: Callable[[], None] = lambda: None,
 ) -> int:
-    """A training process, whatever the strategy, around ``run(control, policy)``: the
+    """A training process, whatever the strategy, around ``train(control, policy)``: the
     job's state (its tasks followed in ``--tasks-file``, its failures and recoveries on
     /metrics), the Control API when this process serves it (``serve_control``: the
-    coordinator, sync mode's worker 0), and the end of a run that raised as the policy
-    decides (``end_on_error``); ``at_exit`` runs last, whatever happened."""
+    coordinator, sync mode's worker 0, which also reports the summary), the end of a run
+    that finished (``complete``), and of one that raised as the policy decides
+    (``end_on_error``); ``at_exit`` runs last, whatever happened."""
     failures = FailurePolicy()
     control = JobControl(
         job=settings.job,
@@ -221,7 +214,14 @@ def run_training_process(
             control, args.control_address, ControlSecurity.from_args(args, os.environ)
         )
     try:
-        return run(control, failures)
+        return complete(
+            train(control, failures),
+            settings=settings,
+            control=control,
+            counters=counters,
+            metrics=metrics,
+            report=serve_control,
+        )
     except ResizeRequested as err:
         log.info("resizing: %s; a fresh training process goes on on the new cluster", err)
         control.set_state(State.RECOVERING, f"resizing the cluster ({err})")
@@ -405,111 +405,6 @@ def failed_tasks(err: BaseException, control: JobControl) -> str:
     addresses = {f"{t.type}:{t.index}": t.address for t in control.tasks}
     shown = [f"{t} ({addresses[t]})" if addresses.get(t) else t for t in tasks]
     return ", ".join(shown) or "a task TensorFlow did not name"
-
-
-NO_CHECKPOINTS = (
-    "no --checkpoint-dir: no checkpoint is written, so a lost ps task, a restart of the "
-    "training process or of this command starts the job again from step 0; give "
-    "--checkpoint-dir DIR (PSCTL_CHECKPOINT_DIR) to keep its progress"
-)
-
-
-def supervise_train(
-    args: argparse.Namespace, settings: TrainSettings, *, serve_control: bool = True
-) -> int:
-    """`psctl train` without --once: run the training process under the restart policy,
-    serving the job's control address (``serve_control``; not on sync mode's workers > 0)."""
-    control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
-    if control.port == 0:  # one port for every training process, and for the token files
-        control = control.with_port(ports.free_ports(1, control.host)[0])
-    # The job's tokens, written once for this user and kept by every training process;
-    # the control address is the launcher's, the training process listens behind it.
-    security = ControlSecurity.from_args(args, os.environ)
-    with contextlib.ExitStack() as stack:
-        address = str(control)
-        if serve_control:
-            front, security = stack.enter_context(
-                launch_control(str(control), security, job=settings.job)
-            )
-            address = front.backend_address
-        argv = psctl_argv(
-            *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
-        )
-        # The parameter-server mode resizes (psctl scale --cluster, SIGHUP): each training
-        # process starts on the cluster file of the latest generation.
-        cluster_file = None
-        if serve_control and settings.strategy == "async" and getattr(args, "cluster", None):
-            cluster_file = ClusterFile(args.cluster, timeout=settings.connect_timeout)
-
-        def start(counters: Counters) -> subprocess.Popen[bytes]:
-            counters_json = json.dumps(asdict(counters))
-            current = with_cluster(argv, cluster_file.path) if cluster_file else argv
-            # If the launcher dies (SIGKILL, OOM), the training process stops as at a stop,
-            # with its final checkpoint, instead of training on unsupervised.
-            return TrainingProcess(
-                [*current, "--supervisor-counters", counters_json],
-                verbose=args.verbose,
-                preexec_fn=die_with_parent(LAUNCHER_GONE),
-            )
-
-        if serve_control and not settings.checkpoint_dir:  # once, not at every restart
-            log.warning("%s", NO_CHECKPOINTS)
-        supervisor = TrainingSupervisor(
-            start,
-            policy=RestartPolicy(max_restarts=settings.max_restarts),
-            finish_after_stop=settings.strategy == "async",
-        )
-        if serve_control:
-            front.on_stop = supervisor.control_stop
-        if cluster_file is not None:
-            resizer = elastic(
-                front,
-                supervisor,
-                prepare=cluster_file.prepare,
-                cluster=lambda: cluster_file.cluster,
-                without=cluster_file.without,
-                checkpoints=bool(settings.checkpoint_dir),
-            )
-            stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
-            stack.enter_context(Rejoins(cluster_file, resizer, supervisor))
-        with forward_stop_signals(supervisor):
-            return supervisor.run()
-
-
-def with_cluster(argv: list[str], path: str) -> list[str]:
-    """``argv`` with its ``--cluster`` value replaced by ``path``."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg == "--cluster" and i + 1 < len(out):
-            out[i + 1] = path
-            return out
-        if arg.startswith("--cluster="):
-            out[i] = f"--cluster={path}"
-            return out
-    return out
-
-
-@contextlib.contextmanager
-def reread_on_sighup(path: str, resizer: Resizer) -> Iterator[None]:
-    """SIGHUP: read ``path`` again and resize to it (on a thread of its own: the new
-    servers' health checks take time); a bad file is one line and the job goes on."""
-
-    def resize() -> None:
-        try:
-            text = Path(path).read_text()
-            response = resizer(control_pb2.ScaleRequest(cluster_json=text))
-            log.info("SIGHUP: %s", response.message)
-        except (ConfigError, Refused, OSError) as err:
-            log.error("SIGHUP: %s not applied: %s", path, err)
-
-    def handle(signum: int, _frame: FrameType | None) -> None:
-        threading.Thread(target=resize, name="psctl-sighup", daemon=True).start()
-
-    old = signal.signal(signal.SIGHUP, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, old)
 
 
 def start_metrics(
