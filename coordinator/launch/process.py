@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import random
 import sys
@@ -20,11 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psctl.cluster import ports
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.data import bad_records
 from psctl.coordinator.failures import (
@@ -44,6 +42,7 @@ from psctl.coordinator.failures import (
 from psctl.coordinator.launch.resize import shape_of
 from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.metrics import metrics_scheme
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
 from psctl.coordinator.operations.state import State
@@ -51,13 +50,11 @@ from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.reporting.summary import (
     Summary,
-    accuracy_of,
-    print_summary,
-    write_summary,
+    complete,
+    kept_summary,
 )
 
 if TYPE_CHECKING:
-    from psctl.cluster.metrics import ProcessMetrics
     from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
@@ -249,81 +246,6 @@ def run_training_process(
             stop_control_server(server)
 
 
-def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
-    """The summary of a job that ends on its latest checkpoint, with no final evaluation
-    (stopped while a lost ps stayed down): what that checkpoint holds, and the training
-    values last published. Written, so that --summary-json is never an earlier run's."""
-    from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
-
-    view = control.view()
-    board = view.board
-    found = checkpoints_in(settings.checkpoint_dir) if settings.checkpoint_dir else []
-    workers = sum(t.type == "worker" for t in view.tasks)
-    return Summary(
-        job=settings.job,
-        global_step=found[0].step if found else 0,  # the steps since are lost with the ps
-        start_step=0,  # the job's, from its first training process (``complete``)
-        target_steps=view.target_steps,
-        loss=board.loss if math.isfinite(board.loss) else None,
-        accuracy=accuracy_of(board.metrics),
-        eval_accuracy=None,
-        eval_loss=None,
-        examples_per_sec=0.0,
-        steps_per_sec=0.0,
-        wall_seconds=0.0,  # the job's (``complete``)
-        train_seconds=0.0,
-        num_workers=workers,
-        num_ps=sum(t.type == "ps" for t in view.tasks),
-        batch_size=settings.batch_size,
-        steps_per_execution=view.steps_per_execution,
-        checkpoint=found[0].prefix if found else None,
-        stopped_early=True,
-        metrics=dict(board.metrics),
-    )
-
-
-def complete(
-    summary: Summary,
-    *,
-    settings: TrainSettings,
-    control: JobControl,
-    counters: Counters,
-    metrics: CoordinatorMetrics | None,
-    report: bool = True,
-) -> int:
-    """The training process's end after a run that finished: the summary with what this
-    process and its supervisor counted, printed and written (``report``: the chief's to
-    do), DONE, and (so that no alert takes this exit for a crash) the final state scraped
-    once; exit 0."""
-    if report:
-        failures = counters.failures_seen(control.failure_counts())
-        summary.restarts = counters.restarts
-        # The job's, over every training process: where and when the first one started
-        # (this process's own would be only the last part of the run).
-        if counters.job_start_step >= 0:
-            summary.start_step = counters.job_start_step
-        if counters.job_started:
-            summary.wall_seconds = max(summary.wall_seconds, time.time() - counters.job_started)
-        first_loop = counters.job_started or counters.process_started
-        if counters.launched and first_loop:
-            summary.startup_seconds = round(max(0.0, first_loop - counters.launched), 1)
-        summary.ps_failures = failures["ps"]
-        summary.worker_failures = failures["worker"]
-        summary.coordinator_failures = counters.coordinator_failures
-        summary.recoveries = control.recoveries
-        summary.resizes = list(counters.resizes)
-        # Workers that left while this process trained: out of the cluster it ends on.
-        summary.num_workers -= sum(entry[0] == "worker" for entry in counters.left)
-        print_summary(summary)
-        if settings.summary_json:
-            write_summary(summary, settings.summary_json)
-            log.info("summary written to %s", settings.summary_json)
-    control.finish(State.DONE)
-    if metrics is not None:
-        metrics.wait_until_scraped()
-    return 0
-
-
 # After a stop while waiting for a lost ps: how long it may take to serve again, so that one
 # more training process can run the final evaluation (psctl local restarts a ps in seconds).
 STOP_GRACE = 30.0
@@ -407,74 +329,6 @@ def failed_tasks(err: BaseException, control: JobControl) -> str:
     return ", ".join(shown) or "a task TensorFlow did not name"
 
 
-def start_metrics(
-    port: int,
-    settings: TrainSettings,
-    cluster: ClusterConfig,
-    counters: Counters,
-    *,
-    examples_per_step: int = 0,
-) -> CoordinatorMetrics | None:
-    """The coordinator's /metrics (its own registry), counting on from the earlier training
-    processes' ``counters``; port 0 turns it off. ``examples_per_step``: see
-    CoordinatorMetrics."""
-    if not port:
-        return None
-    from prometheus_client import CollectorRegistry
-
-    from psctl.coordinator.operations.metrics import CoordinatorMetrics
-
-    ports.check_port_free(port, field="--metrics-port")
-    registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(
-        registry=registry,
-        job=settings.job,
-        num_workers=cluster.num_workers,
-        num_ps=cluster.num_ps,
-        batch_size=settings.batch_size,
-        examples_per_step=examples_per_step,
-        sync=settings.strategy == "sync",
-    )
-    earlier = counters.failures_seen({})
-    metrics.carry_over(
-        restarts=counters.restarts,
-        task_recoveries=counters.task_recoveries,
-        ps_failures=earlier["ps"],
-        worker_failures=earlier["worker"],
-        nonfinite_losses=counters.nonfinite_losses,
-        resize_seconds=[float(str(r.get("seconds", 0.0))) for r in counters.resizes],
-    )
-    _serve(registry, bind_host(None, os.environ, cluster.task_address("chief", 0).host), port)
-    return metrics
-
-
-def start_worker_metrics(port: int, *, host: str, index: int) -> ProcessMetrics:
-    """A sync worker's /metrics but the chief's: a worker task's series (its task info,
-    health state and process), as a worker-server's in the parameter-server mode."""
-    from prometheus_client import CollectorRegistry
-
-    from psctl.cluster.metrics import ProcessMetrics
-
-    ports.check_port_free(port, host=host, field="--metrics-port")
-    registry = CollectorRegistry()
-    metrics = ProcessMetrics(registry=registry, task_type="worker", task_index=index)
-    _serve(registry, host, port)
-    return metrics
-
-
-def _serve(registry: Any, host: str, port: int) -> None:
-    from psctl.cluster.metrics import serve_metrics
-
-    cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
-    serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
-    log.info("metrics on %s://%s:%d/metrics", _metrics_scheme(), host, port)
-
-
-def _metrics_scheme() -> str:
-    """How this process serves /metrics: over TLS when it has a certificate (``_serve``)."""
-    return "https" if os.environ.get(TLS_CERT_ENV) else "http"
-
-
 def follow_tasks_file(
     tasks_file: str | None, control: JobControl, *, every: float = 1.0
 ) -> threading.Thread | None:
@@ -534,7 +388,7 @@ def load_tasks(
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
         if task_type == "chief" and chief_metrics_port:
-            metrics_url = f"{_metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
+            metrics_url = f"{metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
         if task_type in ("ps", "worker"):
             found = health.get(task_type, index, address)
             health_address = str(found) if found else ""

@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psctl.cluster import netns, ports
 from psctl.cluster.address import Address
@@ -43,19 +43,19 @@ from psctl.coordinator.launch.process import (
     handed_counters,
     load_tasks,
     run_training_process,
-    start_metrics,
-    start_worker_metrics,
 )
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
 from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.metrics import (
+    CoordinatorMetrics,
+    start_metrics,
+    start_worker_metrics,
+)
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.reporting.summary import Summary
 from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
-
-if TYPE_CHECKING:
-    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.sync")
 _KEEP_ALIVE: list[object] = []

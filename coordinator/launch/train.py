@@ -31,7 +31,6 @@ from psctl.coordinator.launch.process import (
     handed_counters,
     load_tasks,
     run_training_process,
-    start_metrics,
 )
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.task_book import TaskInfo
@@ -163,6 +162,8 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     # /metrics first (STARTING, the counts carried from the earlier processes): a process
     # that restarts waits for its servers, and one stopped meanwhile would otherwise leave
     # Prometheus without its restart (seen in bench/soak.py --netns).
+    from psctl.coordinator.operations.metrics import start_metrics
+
     metrics = start_metrics(metrics_port, settings, cluster, counters)
     netns.enter()  # the side ports are open: from here on, TensorFlow's side
     try:
