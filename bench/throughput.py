@@ -441,8 +441,9 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_psctl_metrics(args: argparse.Namespace) -> dict[str, Any]:
     """``run_psctl`` with the coordinator's metrics on, as ``psctl train --metrics-port`` has
-    them (``start_metrics``, psctl.coordinator.launch.process): a ``CoordinatorMetrics`` on its own
-    registry, served on /metrics; the parent scrapes it every second while this runs."""
+    them (``start_metrics``, psctl.coordinator.operations.metrics): a ``CoordinatorMetrics``
+    on its own registry, served on /metrics; the parent scrapes it every second while this
+    runs."""
     from prometheus_client import CollectorRegistry
 
     from psctl.cluster.metrics import serve_metrics

@@ -163,6 +163,13 @@ def parse_steps_per_execution(value: Any) -> int:
     return value
 
 
+def length_of(settings: TrainSettings) -> str:
+    """How long a run trains, in words: ``1500 steps``, ``2 epoch(s)``, ``following its input``."""
+    if settings.follow:
+        return f"following {settings.train_data}"
+    return f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps"
+
+
 def show_steps_per_execution(value: int) -> str:
     """How --steps-per-execution reads: ``auto`` for 0."""
     return str(value) if value else AUTO

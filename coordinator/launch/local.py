@@ -31,17 +31,16 @@ from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
 from psctl.cluster.spec import ClusterConfig, format_table, summary
 from psctl.coordinator.argv import psctl_argv, run_settings_argv, server_argv
-from psctl.coordinator.launch.resize import elastic, local_prepare, shape_of
+from psctl.coordinator.launch.assembly import Resizing, TrainingAssembly
+from psctl.coordinator.launch.resize import local_prepare, shape_of
 from psctl.coordinator.launch.supervisor import (
     Counters,
     RestartBudget,
     RestartPolicy,
-    TrainingSupervisor,
     describe_exit,
-    forward_stop_signals,
 )
 from psctl.coordinator.launch.train import WARNING as CHECK_WARNING
-from psctl.coordinator.operations.front import Refused, launch_control
+from psctl.coordinator.operations.front import Refused
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings, env_name, load_toml
 
@@ -690,8 +689,11 @@ def local_ps_main(
     # behind this process's control front, which answers while one restarts.
     security = ControlSecurity.from_args(args, os.environ)
     watchdog = FrozenServerWatchdog(lambda: local.servers)
+    assembly = TrainingAssembly(
+        job=settings.job, control_address=args.control_address, security=security
+    )
     try:
-        with launch_control(args.control_address, security, job=settings.job) as (front, security):
+        with assembly:
             local.start()
             check = JobCheck(train_argv(local, flags, args), workdir / "logs" / "check-job.log")
             source = str(local.cluster_file)
@@ -714,7 +716,7 @@ def local_ps_main(
             local.write_tasks()
             watchdog.start()
             log.info("psctl status --address %s: the job's status", args.control_address)
-            argv = train_argv(local, flags, args, security, front.backend_address)
+            argv = train_argv(local, flags, args, assembly.security, assembly.address)
 
             def start(counters: Counters) -> subprocess.Popen[bytes]:
                 # Without the launcher the servers go too, and a coordinator waiting for them
@@ -726,36 +728,31 @@ def local_ps_main(
                     [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
                 )
 
-            supervisor = TrainingSupervisor(
-                start,
-                policy=RestartPolicy(max_restarts=settings.max_restarts),
-                tick=local.restart_failed_servers,
-                counters=local.counters,
-                finish_after_stop=True,
-            )
-            front.on_stop = supervisor.control_stop
-
             def left(server: ServerProcess) -> None:
                 log.warning("%s (pid %d) left: stopped by a signal", server.name, server.proc.pid)
-                supervisor.depart([(server.task_type, server.index, server.address)])
+                if assembly.supervisor is not None:  # it ticks this: it is running
+                    assembly.supervisor.depart([(server.task_type, server.index, server.address)])
 
             local.on_left = left
-            elastic(
-                front,
-                supervisor,
-                prepare=local_prepare(
-                    local, timeout=args.start_timeout, epochs=settings.data_service
-                ),
-                cluster=lambda: local.cluster,
-                without=lambda tasks: local.mark_left([address for _, _, address in tasks]),
-                checkpoints=bool(settings.checkpoint_dir),
-            )
             try:
-                with forward_stop_signals(supervisor):
-                    return supervisor.run()
+                return assembly.run(
+                    start,
+                    policy=RestartPolicy(max_restarts=settings.max_restarts),
+                    tick=local.restart_failed_servers,
+                    counters=local.counters,
+                    finish_after_stop=True,
+                    resizing=Resizing(
+                        prepare=local_prepare(
+                            local, timeout=args.start_timeout, epochs=settings.data_service
+                        ),
+                        cluster=lambda: local.cluster,
+                        without=lambda tasks: local.mark_left([address for _, _, address in tasks]),
+                        checkpoints=bool(settings.checkpoint_dir),
+                    ),
+                )
             finally:
-                if supervisor.child is not None:
-                    stop_processes([supervisor.child], timeout=60.0)
+                if assembly.supervisor is not None and assembly.supervisor.child is not None:
+                    stop_processes([assembly.supervisor.child], timeout=60.0)
     except ServerFailed as err:
         print(f"psctl: error: {err}", file=sys.stderr)
         return err.exit_status

@@ -1,7 +1,8 @@
-"""What every training process does, whatever the strategy: run under its supervisor (the
-restart policy, the control front), serve its /metrics, list the job's tasks for status,
-and end a run that raised as the failure policy decides. `psctl train`'s parameter-server
-process (train.py) and sync mode's worker processes (sync.py) both use it.
+"""What every training process does, whatever the strategy: serve its /metrics, list the
+job's tasks for status, and end its run: a finished one with its summary, one that raised
+as the failure policy decides. `psctl train`'s parameter-server process (train.py) and sync
+mode's worker processes (sync.py) both use it; their launchers (the supervisor, the control
+front) are assembled in assembly.py.
 """
 
 from __future__ import annotations
@@ -10,29 +11,19 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psctl.cluster import ports
-from psctl.cluster.address import Address
 from psctl.cluster.errors import ConfigError
-from psctl.cluster.processes.procs import TrainingProcess, die_with_parent
-from psctl.cluster.processes.signals import LAUNCHER_GONE
-from psctl.cluster.server import TLS_CERT_ENV, TLS_KEY_ENV, bind_host
 from psctl.cluster.spec import ClusterConfig
-from psctl.control.v1 import control_pb2
-from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.data import bad_records
 from psctl.coordinator.failures import (
     EXIT_RESTART,
@@ -48,15 +39,10 @@ from psctl.coordinator.failures import (
     tasks_named,
     unstaged,
 )
-from psctl.coordinator.launch.resize import ClusterFile, Rejoins, Resizer, elastic, shape_of
-from psctl.coordinator.launch.supervisor import (
-    Counters,
-    RestartPolicy,
-    TrainingSupervisor,
-    forward_stop_signals,
-)
-from psctl.coordinator.operations.front import Refused, launch_control
+from psctl.coordinator.launch.resize import shape_of
+from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.metrics import metrics_scheme
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.service import start_control_server, stop_control_server
 from psctl.coordinator.operations.state import State
@@ -64,16 +50,19 @@ from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.reporting.summary import (
     Summary,
-    accuracy_of,
-    print_summary,
-    write_summary,
+    complete,
+    kept_summary,
 )
 
 if TYPE_CHECKING:
-    from psctl.cluster.metrics import ProcessMetrics
     from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.train")
+
+
+def handed_counters(args: argparse.Namespace) -> Counters:
+    """What the supervisor handed this training process (``--supervisor-counters``)."""
+    return Counters(**json.loads(args.supervisor_counters or "{}"))
 
 
 def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> None:
@@ -161,14 +150,15 @@ def run_training_process(
     counters: Counters,
     metrics: CoordinatorMetrics | None,
     serve_control: bool,
-    run: Callable[[JobControl, FailurePolicy], int],
+    train: Callable[[JobControl, FailurePolicy], Summary],
     at_exit: Callable[[], None] = lambda: None,
 ) -> int:
-    """A training process, whatever the strategy, around ``run(control, policy)``: the
+    """A training process, whatever the strategy, around ``train(control, policy)``: the
     job's state (its tasks followed in ``--tasks-file``, its failures and recoveries on
     /metrics), the Control API when this process serves it (``serve_control``: the
-    coordinator, sync mode's worker 0), and the end of a run that raised as the policy
-    decides (``end_on_error``); ``at_exit`` runs last, whatever happened."""
+    coordinator, sync mode's worker 0, which also reports the summary), the end of a run
+    that finished (``complete``), and of one that raised as the policy decides
+    (``end_on_error``); ``at_exit`` runs last, whatever happened."""
     failures = FailurePolicy()
     control = JobControl(
         job=settings.job,
@@ -221,7 +211,14 @@ def run_training_process(
             control, args.control_address, ControlSecurity.from_args(args, os.environ)
         )
     try:
-        return run(control, failures)
+        return complete(
+            train(control, failures),
+            settings=settings,
+            control=control,
+            counters=counters,
+            metrics=metrics,
+            report=serve_control,
+        )
     except ResizeRequested as err:
         log.info("resizing: %s; a fresh training process goes on on the new cluster", err)
         control.set_state(State.RECOVERING, f"resizing the cluster ({err})")
@@ -247,81 +244,6 @@ def run_training_process(
         at_exit()
         if server is not None:
             stop_control_server(server)
-
-
-def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
-    """The summary of a job that ends on its latest checkpoint, with no final evaluation
-    (stopped while a lost ps stayed down): what that checkpoint holds, and the training
-    values last published. Written, so that --summary-json is never an earlier run's."""
-    from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
-
-    view = control.view()
-    board = view.board
-    found = checkpoints_in(settings.checkpoint_dir) if settings.checkpoint_dir else []
-    workers = sum(t.type == "worker" for t in view.tasks)
-    return Summary(
-        job=settings.job,
-        global_step=found[0].step if found else 0,  # the steps since are lost with the ps
-        start_step=0,  # the job's, from its first training process (``complete``)
-        target_steps=view.target_steps,
-        loss=board.loss if math.isfinite(board.loss) else None,
-        accuracy=accuracy_of(board.metrics),
-        eval_accuracy=None,
-        eval_loss=None,
-        examples_per_sec=0.0,
-        steps_per_sec=0.0,
-        wall_seconds=0.0,  # the job's (``complete``)
-        train_seconds=0.0,
-        num_workers=workers,
-        num_ps=sum(t.type == "ps" for t in view.tasks),
-        batch_size=settings.batch_size,
-        steps_per_execution=view.steps_per_execution,
-        checkpoint=found[0].prefix if found else None,
-        stopped_early=True,
-        metrics=dict(board.metrics),
-    )
-
-
-def complete(
-    summary: Summary,
-    *,
-    settings: TrainSettings,
-    control: JobControl,
-    counters: Counters,
-    metrics: CoordinatorMetrics | None,
-    report: bool = True,
-) -> int:
-    """The training process's end after a run that finished: the summary with what this
-    process and its supervisor counted, printed and written (``report``: the chief's to
-    do), DONE, and (so that no alert takes this exit for a crash) the final state scraped
-    once; exit 0."""
-    if report:
-        failures = counters.failures_seen(control.failure_counts())
-        summary.restarts = counters.restarts
-        # The job's, over every training process: where and when the first one started
-        # (this process's own would be only the last part of the run).
-        if counters.job_start_step >= 0:
-            summary.start_step = counters.job_start_step
-        if counters.job_started:
-            summary.wall_seconds = max(summary.wall_seconds, time.time() - counters.job_started)
-        first_loop = counters.job_started or counters.process_started
-        if counters.launched and first_loop:
-            summary.startup_seconds = round(max(0.0, first_loop - counters.launched), 1)
-        summary.ps_failures = failures["ps"]
-        summary.worker_failures = failures["worker"]
-        summary.coordinator_failures = counters.coordinator_failures
-        summary.recoveries = control.recoveries
-        summary.resizes = list(counters.resizes)
-        # Workers that left while this process trained: out of the cluster it ends on.
-        summary.num_workers -= sum(entry[0] == "worker" for entry in counters.left)
-        print_summary(summary)
-        if settings.summary_json:
-            write_summary(summary, settings.summary_json)
-            log.info("summary written to %s", settings.summary_json)
-    control.finish(State.DONE)
-    if metrics is not None:
-        metrics.wait_until_scraped()
-    return 0
 
 
 # After a stop while waiting for a lost ps: how long it may take to serve again, so that one
@@ -407,179 +329,6 @@ def failed_tasks(err: BaseException, control: JobControl) -> str:
     return ", ".join(shown) or "a task TensorFlow did not name"
 
 
-NO_CHECKPOINTS = (
-    "no --checkpoint-dir: no checkpoint is written, so a lost ps task, a restart of the "
-    "training process or of this command starts the job again from step 0; give "
-    "--checkpoint-dir DIR (PSCTL_CHECKPOINT_DIR) to keep its progress"
-)
-
-
-def supervise_train(
-    args: argparse.Namespace, settings: TrainSettings, *, serve_control: bool = True
-) -> int:
-    """`psctl train` without --once: run the training process under the restart policy,
-    serving the job's control address (``serve_control``; not on sync mode's workers > 0)."""
-    control = Address.parse(args.control_address, field="--control-address", allow_port_zero=True)
-    if control.port == 0:  # one port for every training process, and for the token files
-        control = control.with_port(ports.free_ports(1, control.host)[0])
-    # The job's tokens, written once for this user and kept by every training process;
-    # the control address is the launcher's, the training process listens behind it.
-    security = ControlSecurity.from_args(args, os.environ)
-    with contextlib.ExitStack() as stack:
-        address = str(control)
-        if serve_control:
-            front, security = stack.enter_context(
-                launch_control(str(control), security, job=settings.job)
-            )
-            address = front.backend_address
-        argv = psctl_argv(
-            *args.raw_argv, *security.as_argv(), "--control-address", address, "--once"
-        )
-        # The parameter-server mode resizes (psctl scale --cluster, SIGHUP): each training
-        # process starts on the cluster file of the latest generation.
-        cluster_file = None
-        if serve_control and settings.strategy == "async" and getattr(args, "cluster", None):
-            cluster_file = ClusterFile(args.cluster, timeout=settings.connect_timeout)
-
-        def start(counters: Counters) -> subprocess.Popen[bytes]:
-            counters_json = json.dumps(asdict(counters))
-            current = with_cluster(argv, cluster_file.path) if cluster_file else argv
-            # If the launcher dies (SIGKILL, OOM), the training process stops as at a stop,
-            # with its final checkpoint, instead of training on unsupervised.
-            return TrainingProcess(
-                [*current, "--supervisor-counters", counters_json],
-                verbose=args.verbose,
-                preexec_fn=die_with_parent(LAUNCHER_GONE),
-            )
-
-        if serve_control and not settings.checkpoint_dir:  # once, not at every restart
-            log.warning("%s", NO_CHECKPOINTS)
-        supervisor = TrainingSupervisor(
-            start,
-            policy=RestartPolicy(max_restarts=settings.max_restarts),
-            finish_after_stop=settings.strategy == "async",
-        )
-        if serve_control:
-            front.on_stop = supervisor.control_stop
-        if cluster_file is not None:
-            resizer = elastic(
-                front,
-                supervisor,
-                prepare=cluster_file.prepare,
-                cluster=lambda: cluster_file.cluster,
-                without=cluster_file.without,
-                checkpoints=bool(settings.checkpoint_dir),
-            )
-            stack.enter_context(reread_on_sighup(cluster_file.source, resizer))
-            stack.enter_context(Rejoins(cluster_file, resizer, supervisor))
-        with forward_stop_signals(supervisor):
-            return supervisor.run()
-
-
-def with_cluster(argv: list[str], path: str) -> list[str]:
-    """``argv`` with its ``--cluster`` value replaced by ``path``."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg == "--cluster" and i + 1 < len(out):
-            out[i + 1] = path
-            return out
-        if arg.startswith("--cluster="):
-            out[i] = f"--cluster={path}"
-            return out
-    return out
-
-
-@contextlib.contextmanager
-def reread_on_sighup(path: str, resizer: Resizer) -> Iterator[None]:
-    """SIGHUP: read ``path`` again and resize to it (on a thread of its own: the new
-    servers' health checks take time); a bad file is one line and the job goes on."""
-
-    def resize() -> None:
-        try:
-            text = Path(path).read_text()
-            response = resizer(control_pb2.ScaleRequest(cluster_json=text))
-            log.info("SIGHUP: %s", response.message)
-        except (ConfigError, Refused, OSError) as err:
-            log.error("SIGHUP: %s not applied: %s", path, err)
-
-    def handle(signum: int, _frame: FrameType | None) -> None:
-        threading.Thread(target=resize, name="psctl-sighup", daemon=True).start()
-
-    old = signal.signal(signal.SIGHUP, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, old)
-
-
-def start_metrics(
-    port: int,
-    settings: TrainSettings,
-    cluster: ClusterConfig,
-    counters: Counters,
-    *,
-    examples_per_step: int = 0,
-) -> CoordinatorMetrics | None:
-    """The coordinator's /metrics (its own registry), counting on from the earlier training
-    processes' ``counters``; port 0 turns it off. ``examples_per_step``: see
-    CoordinatorMetrics."""
-    if not port:
-        return None
-    from prometheus_client import CollectorRegistry
-
-    from psctl.coordinator.operations.metrics import CoordinatorMetrics
-
-    ports.check_port_free(port, field="--metrics-port")
-    registry = CollectorRegistry()
-    metrics = CoordinatorMetrics(
-        registry=registry,
-        job=settings.job,
-        num_workers=cluster.num_workers,
-        num_ps=cluster.num_ps,
-        batch_size=settings.batch_size,
-        examples_per_step=examples_per_step,
-        sync=settings.strategy == "sync",
-    )
-    earlier = counters.failures_seen({})
-    metrics.carry_over(
-        restarts=counters.restarts,
-        task_recoveries=counters.task_recoveries,
-        ps_failures=earlier["ps"],
-        worker_failures=earlier["worker"],
-        nonfinite_losses=counters.nonfinite_losses,
-        resize_seconds=[float(str(r.get("seconds", 0.0))) for r in counters.resizes],
-    )
-    _serve(registry, bind_host(None, os.environ, cluster.task_address("chief", 0).host), port)
-    return metrics
-
-
-def start_worker_metrics(port: int, *, host: str, index: int) -> ProcessMetrics:
-    """A sync worker's /metrics but the chief's: a worker task's series (its task info,
-    health state and process), as a worker-server's in the parameter-server mode."""
-    from prometheus_client import CollectorRegistry
-
-    from psctl.cluster.metrics import ProcessMetrics
-
-    ports.check_port_free(port, host=host, field="--metrics-port")
-    registry = CollectorRegistry()
-    metrics = ProcessMetrics(registry=registry, task_type="worker", task_index=index)
-    _serve(registry, host, port)
-    return metrics
-
-
-def _serve(registry: Any, host: str, port: int) -> None:
-    from psctl.cluster.metrics import serve_metrics
-
-    cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
-    serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
-    log.info("metrics on %s://%s:%d/metrics", _metrics_scheme(), host, port)
-
-
-def _metrics_scheme() -> str:
-    """How this process serves /metrics: over TLS when it has a certificate (``_serve``)."""
-    return "https" if os.environ.get(TLS_CERT_ENV) else "http"
-
-
 def follow_tasks_file(
     tasks_file: str | None, control: JobControl, *, every: float = 1.0
 ) -> threading.Thread | None:
@@ -639,7 +388,7 @@ def load_tasks(
     for task_type, index, address in cluster.task_addresses():
         health_address = metrics_url = ""
         if task_type == "chief" and chief_metrics_port:
-            metrics_url = f"{_metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
+            metrics_url = f"{metrics_scheme()}://{address.with_port(chief_metrics_port)}/metrics"
         if task_type in ("ps", "worker"):
             found = health.get(task_type, index, address)
             health_address = str(found) if found else ""

@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psctl.cluster import netns, ports
 from psctl.cluster.address import Address
@@ -38,25 +38,24 @@ from psctl.cluster.spec import ClusterConfig, format_table
 from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.argv import psctl_argv, run_settings_argv
 from psctl.coordinator.failures import FailurePolicy
+from psctl.coordinator.launch.assembly import TrainingAssembly, supervise_train
 from psctl.coordinator.launch.process import (
-    complete,
+    handed_counters,
     load_tasks,
     run_training_process,
-    start_metrics,
-    start_worker_metrics,
-    supervise_train,
 )
 from psctl.coordinator.launch.supervisor import Counters, RestartPolicy, TrainingSupervisor
-from psctl.coordinator.operations.front import launch_control
 from psctl.coordinator.operations.job_state import JobControl
+from psctl.coordinator.operations.metrics import (
+    CoordinatorMetrics,
+    start_metrics,
+    start_worker_metrics,
+)
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.task_book import TaskInfo
-from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
+from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings, length_of
 from psctl.coordinator.training.reporting.summary import Summary
 from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
-
-if TYPE_CHECKING:
-    from psctl.coordinator.operations.metrics import CoordinatorMetrics
 
 log = logging.getLogger("psctl.sync")
 _KEEP_ALIVE: list[object] = []
@@ -95,7 +94,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             source,
             cluster.num_workers,
         )
-    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
+    counters = handed_counters(args)
     is_chief = index == 0
     address = cluster.task_address("worker", index)
     host = bind_host(None, os.environ, address.host)
@@ -147,16 +146,8 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     if (os.cpu_count() or 1) < cluster.num_workers + 2:
         tf.config.threading.set_inter_op_parallelism_threads(cluster.num_workers + 2)
 
-    def run(control: JobControl, failures: FailurePolicy) -> int:
-        summary = _train(cluster, index, settings, control, metrics, args, health)
-        return complete(
-            summary,
-            settings=settings,
-            control=control,
-            counters=counters,
-            metrics=metrics,
-            report=is_chief,
-        )
+    def train(control: JobControl, failures: FailurePolicy) -> Summary:
+        return _train(cluster, index, settings, control, metrics, args, health)
 
     return run_training_process(
         args,
@@ -164,8 +155,8 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         tasks=tasks,
         counters=counters,
         metrics=metrics,
-        serve_control=is_chief,
-        run=run,
+        serve_control=is_chief,  # the chief's: the Control API, the summary
+        train=train,
         at_exit=lambda: health.set_serving(False),
     )
 
@@ -256,7 +247,7 @@ def _train(
         index,
         cluster.num_workers,
         cluster.task_address("worker", index),
-        f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
+        length_of(settings),
         settings.batch_size,
     )
     # Before the job is loaded: a job that runs TensorFlow ops when imported would set up
@@ -500,11 +491,15 @@ def local_sync_main(
     old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
-        with launch_control(args.control_address, security, job=settings.job) as (front, security):
-            job.control_address = front.backend_address
-            front.on_stop = job.control_stop
+        with TrainingAssembly(
+            job=settings.job,
+            control_address=args.control_address,
+            security=security,
+            on_stop=job.control_stop,  # every worker's supervisor, not one
+        ) as assembly:
+            job.control_address = assembly.address
             try:
-                job.start(flags, args, security, max_restarts=settings.max_restarts)
+                job.start(flags, args, assembly.security, max_restarts=settings.max_restarts)
                 return job.wait()
             finally:
                 job.stop()

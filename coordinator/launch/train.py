@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
@@ -27,19 +26,18 @@ from psctl.coordinator.failures import (
     classify,
     exit_status,
 )
+from psctl.coordinator.launch.assembly import supervise_train
 from psctl.coordinator.launch.process import (
-    complete,
+    handed_counters,
     load_tasks,
     run_training_process,
-    start_metrics,
-    supervise_train,
 )
-from psctl.coordinator.launch.supervisor import Counters
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,
+    length_of,
     show_steps_per_execution,
 )
 from psctl.coordinator.training.reporting.summary import Summary
@@ -162,11 +160,13 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     netns.run_inside(
         lambda: ports.wait_port_free(chief_port, field="cluster.chief[0] port", grace=PORT_GRACE)
     )
-    counters = Counters(**json.loads(args.supervisor_counters or "{}"))
+    counters = handed_counters(args)
     metrics_port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     # /metrics first (STARTING, the counts carried from the earlier processes): a process
     # that restarts waits for its servers, and one stopped meanwhile would otherwise leave
     # Prometheus without its restart (seen in bench/soak.py --netns).
+    from psctl.coordinator.operations.metrics import start_metrics
+
     metrics = start_metrics(metrics_port, settings, cluster, counters)
     netns.enter()  # the side ports are open: from here on, TensorFlow's side
     try:
@@ -188,13 +188,8 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
 
-    def run(control: JobControl, failures: FailurePolicy) -> int:
-        summary = _train(
-            job, cluster, source, settings, control, metrics, dispatcher, failures, early
-        )
-        return complete(
-            summary, settings=settings, control=control, counters=counters, metrics=metrics
-        )
+    def train(control: JobControl, failures: FailurePolicy) -> Summary:
+        return _train(job, cluster, source, settings, control, metrics, dispatcher, failures, early)
 
     return run_training_process(
         args,
@@ -203,7 +198,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         counters=counters,
         metrics=metrics,
         serve_control=True,
-        run=run,
+        train=train,
     )
 
 
@@ -228,7 +223,7 @@ def _train(
         cluster.num_ps,
         cluster.num_workers,
         source,
-        f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps",
+        length_of(settings),
         settings.batch_size,
         show_steps_per_execution(settings.steps_per_execution),
     )

@@ -20,6 +20,8 @@ serves: they never go back when a new process takes over.
 from __future__ import annotations
 
 import collections
+import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,7 +30,16 @@ from itertools import pairwise
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from psctl.cluster.metrics import ProcessMetrics, StateGauge
+from psctl.cluster import ports
+from psctl.cluster.metrics import (
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    ProcessMetrics,
+    StateGauge,
+    serve_metrics,
+)
+from psctl.cluster.server import bind_host
+from psctl.cluster.spec import ClusterConfig
 from psctl.coordinator.operations.catalogue import (
     ALLREDUCE_SECONDS,
     BATCH_SIZE,
@@ -74,6 +85,11 @@ from psctl.coordinator.operations.catalogue import (
     WORKER_FAILURES_TOTAL,
     WORKERS,
 )
+from psctl.coordinator.operations.counters import Counters
+from psctl.coordinator.settings import TrainSettings
+
+# The training process's lines (/metrics served), as when launch/process.py logged them.
+log = logging.getLogger("psctl.train")
 
 STATES = [
     "starting",
@@ -471,3 +487,64 @@ class CoordinatorMetrics:
 def _age(stamp: float) -> float:
     """Seconds since the Unix time ``stamp``; 0 while it is 0 (nothing yet)."""
     return max(0.0, time.time() - stamp) if stamp else 0.0
+
+
+# -- a training process's /metrics served ------------------------------------------------
+
+
+def start_metrics(
+    port: int,
+    settings: TrainSettings,
+    cluster: ClusterConfig,
+    counters: Counters,
+    *,
+    examples_per_step: int = 0,
+) -> CoordinatorMetrics | None:
+    """The coordinator's /metrics (its own registry), counting on from the earlier training
+    processes' ``counters``; port 0 turns it off. ``examples_per_step``: see
+    CoordinatorMetrics."""
+    if not port:
+        return None
+    ports.check_port_free(port, field="--metrics-port")
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(
+        registry=registry,
+        job=settings.job,
+        num_workers=cluster.num_workers,
+        num_ps=cluster.num_ps,
+        batch_size=settings.batch_size,
+        examples_per_step=examples_per_step,
+        sync=settings.strategy == "sync",
+    )
+    earlier = counters.failures_seen({})
+    metrics.carry_over(
+        restarts=counters.restarts,
+        task_recoveries=counters.task_recoveries,
+        ps_failures=earlier["ps"],
+        worker_failures=earlier["worker"],
+        nonfinite_losses=counters.nonfinite_losses,
+        resize_seconds=[float(str(r.get("seconds", 0.0))) for r in counters.resizes],
+    )
+    _serve(registry, bind_host(None, os.environ, cluster.task_address("chief", 0).host), port)
+    return metrics
+
+
+def start_worker_metrics(port: int, *, host: str, index: int) -> ProcessMetrics:
+    """A sync worker's /metrics but the chief's: a worker task's series (its task info,
+    health state and process), as a worker-server's in the parameter-server mode."""
+    ports.check_port_free(port, host=host, field="--metrics-port")
+    registry = CollectorRegistry()
+    metrics = ProcessMetrics(registry=registry, task_type="worker", task_index=index)
+    _serve(registry, host, port)
+    return metrics
+
+
+def _serve(registry: CollectorRegistry, host: str, port: int) -> None:
+    cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
+    serve_metrics(registry, host=host, port=port, certfile=cert, keyfile=key)
+    log.info("metrics on %s://%s:%d/metrics", metrics_scheme(), host, port)
+
+
+def metrics_scheme() -> str:
+    """How this process serves /metrics: over TLS when it has a certificate (``_serve``)."""
+    return "https" if os.environ.get(TLS_CERT_ENV) else "http"

@@ -65,7 +65,8 @@ CHECKPOINT_STATES: frozenset[State] = frozenset({State.RUNNING, State.PAUSED})
 
 # Where each transition happens: loop = TrainingLoop in coordinator/training/loop.py (both
 # strategies; train() sets STOPPING), process = the training process's end in
-# coordinator/launch/process.py (complete, end_on_error, recover). No other code sets one.
+# coordinator/launch/process.py (end_on_error, recover; complete, from
+# coordinator/training/reporting/summary.py). No other code sets one.
 # Every non-final state may fail: end_on_error calls finish(FAILED) whatever the state was.
 TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
     {
@@ -97,7 +98,7 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType(
         State.CHECKPOINTING: frozenset({State.FAILED}),
         State.STOPPING: frozenset(
             {
-                State.DONE,  # process.complete: DONE after the final checkpoint and eval
+                State.DONE,  # complete: DONE after the final checkpoint and eval
                 State.RECOVERING,  # process: the final save refused a NaN, or a ps failed
                 State.FAILED,
             }

@@ -6,7 +6,8 @@ pause/resume/stop, checkpoint requests, the cadenced actions after every call (s
 the NaN guard, checkpoint-every, eval-every), the loop's hooks and its timing; ``end_run``
 reads the final metrics, saves the final checkpoint, evaluates and builds the ``Summary``.
 The loop is the only writer of RUNNING, PAUSED and STOPPING; the training process's end
-(launch/process.py) writes DONE, RECOVERING and FAILED. What differs between the strategies
+(launch/process.py, with ``complete`` in reporting/summary.py) writes DONE, RECOVERING
+and FAILED. What differs between the strategies
 is the runner's:
 
 - ``ScheduledRunner`` (scheduled.py, ``--strategy async``): schedules packed calls of the
