@@ -163,13 +163,6 @@ def parse_steps_per_execution(value: Any) -> int:
     return value
 
 
-def length_of(settings: TrainSettings) -> str:
-    """How long a run trains, in words: ``1500 steps``, ``2 epoch(s)``, ``following its input``."""
-    if settings.follow:
-        return f"following {settings.train_data}"
-    return f"{settings.epochs} epoch(s)" if settings.epochs else f"{settings.steps} steps"
-
-
 def show_steps_per_execution(value: int) -> str:
     """How --steps-per-execution reads: ``auto`` for 0."""
     return str(value) if value else AUTO
@@ -230,6 +223,14 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)
+
+    @property
+    def length(self) -> str:
+        """How long the run trains, in words: ``1500 steps``, ``2 epoch(s)``, ``following
+        GLOB``."""
+        if self.follow:
+            return f"following {self.train_data}"
+        return f"{self.epochs} epoch(s)" if self.epochs else f"{self.steps} steps"
 
     @property
     def data_service(self) -> bool:

@@ -53,7 +53,7 @@ from psctl.coordinator.operations.metrics import (
 )
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.operations.task_book import TaskInfo
-from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings, length_of
+from psctl.coordinator.settings import DEFAULT_METRICS_PORT, TrainSettings
 from psctl.coordinator.training.reporting.summary import Summary
 from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
 
@@ -247,7 +247,7 @@ def _train(
         index,
         cluster.num_workers,
         cluster.task_address("worker", index),
-        length_of(settings),
+        settings.length,
         settings.batch_size,
     )
     # Before the job is loaded: a job that runs TensorFlow ops when imported would set up

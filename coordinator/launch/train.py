@@ -37,7 +37,6 @@ from psctl.coordinator.operations.task_book import TaskInfo
 from psctl.coordinator.settings import (
     DEFAULT_METRICS_PORT,
     TrainSettings,
-    length_of,
     show_steps_per_execution,
 )
 from psctl.coordinator.training.reporting.summary import Summary
@@ -223,7 +222,7 @@ def _train(
         cluster.num_ps,
         cluster.num_workers,
         source,
-        length_of(settings),
+        settings.length,
         settings.batch_size,
         show_steps_per_execution(settings.steps_per_execution),
     )
