@@ -142,6 +142,8 @@ class Trainer(TrainerBase):
                 train_data=follow.newest_files if follow is not None else lambda: s.train_data,
             )
             publisher.start()
+            if follow is not None:
+                follow.on_round_recorded = publisher.poke
         actions: list[Action] = []
         evals = None
         if state.dynamic_layers:

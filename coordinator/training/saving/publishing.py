@@ -7,8 +7,8 @@ training loop is never held up) into
 ``--export-dir/<global step>/``: TensorFlow Serving's file-system source layout, each
 version written aside and renamed into place (saving/saved_model.py). The newest
 ``--export-keep`` versions are kept. In follow mode the newest checkpoint is the last
-round's, so a version holds whole partitions, and it goes out as soon as it is written
-(once ``--export-every`` has passed since the last version); otherwise a checkpoint is
+round's, so a version holds whole partitions, and it goes out as soon as the round ends
+(``poke``; once ``--export-every`` has passed since the last version); otherwise a checkpoint is
 written first, on the cadence.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import queue
 import shutil
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT = 900.0  # seconds one export may take before it is given up
-POLL_SECONDS = 0.5  # follow mode: between looks for a round's new checkpoint
 
 
 def versions_in(base: str) -> list[int]:
@@ -84,6 +84,7 @@ class VersionPublisher:
         self.exporter: ExportProcess | None = None  # started with the first version
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._poke = threading.Event()
         self._thread: threading.Thread | None = None
         self.control.update(fresh=True, export_dir=self.base)
         if metrics is not None:
@@ -95,21 +96,30 @@ class VersionPublisher:
         self._thread = threading.Thread(target=self._run, name="psctl-publish", daemon=True)
         self._thread.start()
 
+    def poke(self) -> None:
+        """A round's checkpoint is written (follow mode): publish it as soon as
+        ``--export-every`` has passed since the last version."""
+        self._poke.set()
+
     def _run(self) -> None:
-        # In follow mode a version goes out as soon as a round's checkpoint is there and
-        # --export-every has passed since the last one; otherwise on the cadence itself.
-        last = time.monotonic()
-        while not self._stop.wait(
-            POLL_SECONDS if self.settings.follow else self.settings.export_every
-        ):
-            if time.monotonic() - last < self.settings.export_every:
-                continue
-            if self.publish() is not None or not self.settings.follow:
+        follow, every = self.settings.follow, self.settings.export_every
+        last = -math.inf
+        while not self._stop.is_set():
+            if follow:
+                self._poke.wait()
+                self._poke.clear()
+                due = every - (time.monotonic() - last)
+                if self._stop.is_set() or (due > 0 and self._stop.wait(due)):
+                    break
+            elif self._stop.wait(every):
+                break
+            if self.publish() is not None or not follow:
                 last = time.monotonic()
 
     def finish(self) -> None:
         """Stop the cadence and publish the final checkpoint if it is not in serving yet."""
         self._stop.set()
+        self._poke.set()
         if self._thread is not None:
             self._thread.join(timeout=EXPORT_TIMEOUT)
         self.publish()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.data.files import file_list
+from psctl.coordinator.data.files import file_list, has_scheme
 from psctl.coordinator.data.follow import Listing, Partition, PartitionWatcher
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.saving.follow_journal import FollowJournal, Round
@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0  # between looks at the glob while no partition is ready
+# Between looks at the glob while no partition is ready: a local directory is cheap to
+# list; an object store's listing costs a request (and money) each time.
+POLL_SECONDS = 0.5
+REMOTE_POLL_SECONDS = 5.0
 
 
 def wait_for_partition(
@@ -70,7 +73,7 @@ def wait_for_partition(
             )
             said = True
         on_idle()
-        stop.wait(POLL_SECONDS)
+        stop.wait(REMOTE_POLL_SECONDS if has_scheme(watcher.pattern) else POLL_SECONDS)
 
 
 class FollowProgram(EpochProgram):
@@ -176,6 +179,7 @@ class FollowInput:
         )
         self.journal = FollowJournal(settings.checkpoint_dir)
         self.rounds: list[Round] = []
+        self.on_round_recorded: Callable[[], None] = lambda: None  # a round's checkpoint is there
         control.update(fresh=True, following=True)
         first = wait_for_partition(
             self.watcher,
@@ -231,6 +235,7 @@ class FollowInput:
         save()
         entry = self.journal.record(step(), partition.files, partition.completed_at)
         self.rounds.append(entry)
+        self.on_round_recorded()
         if self.metrics is not None:
             for _ in partition.files:
                 self.metrics.file_trained(partition.completed_at)

@@ -35,8 +35,13 @@ for i, path in enumerate(sys.argv[1:]):
 """
 LOAD = """
 import sys, tensorflow as tf
-loaded = tf.saved_model.load(sys.argv[1])
-print(sorted(loaded.signatures))
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+request = {}
+for name, spec in serve.structured_input_signature[1].items():  # two raw examples
+    shape = [2 if d is None else d for d in spec.shape]
+    request[name] = tf.fill(shape, "1" if spec.dtype == tf.string else tf.constant(1, spec.dtype))
+outputs = serve(**request)["outputs"].numpy()
+print("answered", outputs.shape)
 """
 
 
@@ -137,7 +142,7 @@ def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
         [sys.executable, "-c", LOAD, str(exported / str(versions[-1]))],
         capture_output=True, text=True, env=child_env(), timeout=120,
     )  # fmt: skip
-    assert "serving_default" in loaded.stdout, loaded.stderr[-2000:]
+    assert "answered (2, 1)" in loaded.stdout, loaded.stderr[-2000:]
     assert "Traceback" not in text
 
 
