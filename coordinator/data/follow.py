@@ -91,6 +91,7 @@ class PartitionWatcher:
         self.clock = clock
         self.field = field
         self.markers_seen = False
+        self._marks: dict[str, float] = {}  # directory -> its marker's time, once seen
 
     def look(self, trained: Collection[str]) -> Listing:
         by_dir: dict[str, list[str]] = {}
@@ -99,27 +100,37 @@ class PartitionWatcher:
             if name.startswith(("_", ".")):
                 continue
             by_dir.setdefault(_dirname(path), []).append(path)
+        marked = {d: self._marked_at(d) for d in sorted(by_dir)}
+        # Trained partitions count too: a restarted process that finds only a half-written
+        # partition left to train must still know that this pipeline writes markers.
+        self.markers_seen = self.markers_seen or any(t is not None for t in marked.values())
         ready: list[Partition] = []
         waiting = 0
         now = self.clock()
-        for directory in sorted(by_dir):
+        for directory, marker_time in marked.items():
             files = [p for p in by_dir[directory] if p not in trained]
             if not files:
                 continue
-            completed = self._completed_at(directory, by_dir[directory], now)
+            completed = marker_time
+            if completed is None and not self.markers_seen:
+                completed = self._settled_at(by_dir[directory], now)
             if completed is None:
                 waiting += len(files)
             else:
                 ready.append(Partition(directory, tuple(sorted(files)), completed))
         return Listing(tuple(ready), waiting)
 
-    def _completed_at(self, directory: str, files: list[str], now: float) -> float | None:
-        marked = _mtime(_join(directory, self.marker))
-        if marked is not None:
-            self.markers_seen = True
-            return marked
-        if self.markers_seen:
-            return None
+    def _marked_at(self, directory: str) -> float | None:
+        """When the partition's marker was written; None without one. A marker seen once is
+        remembered: trained partitions are not looked at again."""
+        if directory in self._marks:
+            return self._marks[directory]
+        stamp = _mtime(_join(directory, self.marker))
+        if stamp is not None:
+            self._marks[directory] = stamp
+        return stamp
+
+    def _settled_at(self, files: list[str], now: float) -> float | None:
         times = [_mtime(p) for p in files]
         if any(t is None for t in times):
             return None  # a file went away while we looked: look again later

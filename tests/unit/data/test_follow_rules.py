@@ -80,6 +80,15 @@ def test_once_markers_are_seen_a_settled_partition_without_one_waits(tmp_path: P
     assert listing.waiting == 1
 
 
+def test_after_a_restart_trained_partitions_still_say_markers_are_written(tmp_path: Path):
+    done = write(tmp_path / "a" / "part-0", age=120)
+    write(tmp_path / "a" / "_SUCCESS", "")
+    write(tmp_path / "b" / "part-0", age=120)  # half-written, settled: its writer stalled
+    fresh = watcher(tmp_path, settle=60)  # a new training process's watcher
+    listing = fresh.look(trained={str(done)})
+    assert listing.ready == () and listing.waiting == 1
+
+
 def test_hidden_and_underscore_files_are_never_trained(tmp_path: Path):
     pattern = str(tmp_path / "d" / "*")
     write(tmp_path / "d" / "part-0")
