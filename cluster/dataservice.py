@@ -59,10 +59,11 @@ def _from_file(path: str) -> str | None:
     return address
 
 
-def require_dispatcher(address: str | None) -> str:
+def require_dispatcher(address: str | None, flag: str = "--epochs") -> str:
+    """``address``, or a ConfigError naming ``flag`` (--epochs, --follow), which needs it."""
     if address is None:
         raise ConfigError(
-            "--epochs",
+            flag,
             "needs the tf.data service, and no dispatcher address is configured",
             f"{_FILE_HINT}, or set {ENV_DISPATCHER} (psctl local does it for you)",
         )

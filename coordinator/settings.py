@@ -233,6 +233,11 @@ class TrainSettings:
         return f"{self.epochs} epoch(s)" if self.epochs else f"{self.steps} steps"
 
     @property
+    def exactly_once_flag(self) -> str:
+        """The flag that trains the input exactly once (--follow, --epochs), or ""."""
+        return "--follow" if self.follow else "--epochs" if self.epochs else ""
+
+    @property
     def data_service(self) -> bool:
         """Whether the tf.data service hands out the input (--epochs, --follow): the data,
         not --steps, decides when training ends."""

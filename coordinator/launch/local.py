@@ -743,7 +743,9 @@ def local_ps_main(
                     finish_after_stop=True,
                     resizing=Resizing(
                         prepare=local_prepare(
-                            local, timeout=args.start_timeout, epochs=settings.data_service
+                            local,
+                            timeout=args.start_timeout,
+                            exactly_once=settings.exactly_once_flag,
                         ),
                         cluster=lambda: local.cluster,
                         without=lambda tasks: local.mark_left([address for _, _, address in tasks]),

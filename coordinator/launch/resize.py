@@ -222,9 +222,10 @@ def elastic(
 
 
 def local_prepare(
-    local: Any, *, timeout: float, epochs: bool
+    local: Any, *, timeout: float, exactly_once: str = ""
 ) -> Callable[[Any, float | None], tuple[str, str]]:
-    """psctl local's: start (or retire) servers for the requested counts."""
+    """psctl local's: start (or retire) servers for the requested counts; refused for a job
+    trained through the tf.data service (``exactly_once`` names its flag)."""
 
     def prepare(request: Any, time_left: float | None = None) -> tuple[str, str]:
         local.drop_left()  # workers that left: a resize re-forms the cluster without them
@@ -234,11 +235,12 @@ def local_prepare(
                 "psctl local runs its own servers",
                 "give --workers N and/or --ps M (a cluster file is for psctl train)",
             )
-        if epochs:
+        if exactly_once:  # --epochs, --follow: the tf.data service's data workers
             raise ConfigError(
-                "--epochs",
-                "a resize cannot yet keep an epoch's exactly-once guarantee",
-                "resize a job trained by --steps",
+                exactly_once,
+                "a resize cannot yet keep its exactly-once guarantee",
+                "resize a job trained by --steps, or restart this one on the new cluster "
+                "with the same --checkpoint-dir",
             )
         old = local.cluster
         workers = request.workers or old.num_workers

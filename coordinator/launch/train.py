@@ -147,7 +147,8 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     dispatcher = None
     if settings.data_service:
         dispatcher = require_dispatcher(
-            dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ)
+            dispatcher_address(flag=None, cluster_file=args.cluster, environ=os.environ),
+            settings.exactly_once_flag,
         )
     if not args.once:
         return supervise_train(args, settings)

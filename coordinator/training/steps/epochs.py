@@ -133,7 +133,7 @@ class EpochProgram:
         """``train_data``: the files to read instead of --train-data's (follow mode)."""
         s = rt.settings
         self.rt = rt
-        self.address = require_dispatcher(dispatcher)
+        self.address = require_dispatcher(dispatcher, s.exactly_once_flag)
         self.worker_failures = worker_failures  # seen by the health checks so far
         self.finished_workers: set[int] = set()
         self.examples = 0
@@ -143,7 +143,7 @@ class EpochProgram:
         dataset = rt.job.dataset_fn(self.context)
         if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
             raise ConfigError(
-                "--follow" if s.follow else "--epochs",
+                s.exactly_once_flag,
                 f"the job's dataset_fn ({rt.job.name}) returns an endless dataset",
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )
