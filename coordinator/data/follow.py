@@ -92,6 +92,7 @@ class PartitionWatcher:
         self.field = field
         self.markers_seen = False
         self._marks: dict[str, float] = {}  # directory -> its marker's time, once seen
+        self._first_seen: dict[str, float] = {}  # files of a file system keeping no times
 
     def look(self, trained: Collection[str]) -> Listing:
         by_dir: dict[str, list[str]] = {}
@@ -127,12 +128,20 @@ class PartitionWatcher:
             return self._marks[directory]
         stamp = _mtime(_join(directory, self.marker))
         if stamp is not None:
+            stamp = self._known(stamp)
             self._marks[directory] = stamp
         return stamp
+
+    def _known(self, stamp: float, path: str = "") -> float:
+        """``stamp``, or where the file system keeps no times (0: ram://, some object
+        stores' directories) when psctl first saw it."""
+        if stamp > 0:
+            return stamp
+        return self._first_seen.setdefault(path, self.clock()) if path else self.clock()
 
     def _settled_at(self, files: list[str], now: float) -> float | None:
         times = [_mtime(p) for p in files]
         if any(t is None for t in times):
             return None  # a file went away while we looked: look again later
-        newest = max(t for t in times if t is not None)
+        newest = max(self._known(t, p) for t, p in zip(times, files, strict=True) if t is not None)
         return newest if now - newest >= self.settle_seconds else None

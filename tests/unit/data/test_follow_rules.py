@@ -89,6 +89,24 @@ def test_after_a_restart_trained_partitions_still_say_markers_are_written(tmp_pa
     assert listing.ready == () and listing.waiting == 1
 
 
+def test_a_file_system_of_tensorflows_own_is_followed_too():
+    """ram:// (TensorFlow's in-process file system) stands for gs:// and hdfs://: listed
+    and stat'ed through tf.io.gfile."""
+    import tensorflow as tf
+
+    root = "ram://follow-test"
+    for hour in ("00", "01"):
+        tf.io.gfile.makedirs(f"{root}/hour={hour}")
+        with tf.io.gfile.GFile(f"{root}/hour={hour}/part-0", "w") as f:
+            f.write("x\n")
+    with tf.io.gfile.GFile(f"{root}/hour=00/_SUCCESS", "w") as f:
+        f.write("")
+    w = PartitionWatcher(f"{root}/*/part-*", marker="_SUCCESS", settle_seconds=60)
+    listing = w.look(trained=())
+    assert [p.files for p in listing.ready] == [(f"{root}/hour=00/part-0",)]
+    assert listing.waiting == 1 and listing.ready[0].completed_at > 0
+
+
 def test_hidden_and_underscore_files_are_never_trained(tmp_path: Path):
     pattern = str(tmp_path / "d" / "*")
     write(tmp_path / "d" / "part-0")
