@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export-every", default="10s", help="follow run's cadence (10s)")
     p.add_argument("--ttl-seconds", type=int, default=600, help="dynamic table ttl (600)")
     p.add_argument("--skip-baseline", action="store_true", help="the follow run alone")
+    p.add_argument(
+        "--skip-quality", action="store_true", help="no next-partition AUC (long memory runs)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 2 partitions of 2048 rows")
     p.add_argument("--out", help="results directory (default bench/results/freshness-TIME)")
     args = p.parse_args(argv)
@@ -397,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     follow = follow_run(args, out, staged)
-    follow["auc"] = next_partition_auc(follow["checkpoints"], staged, out, "follow", args)
+    follow["auc"] = (
+        []
+        if args.skip_quality
+        else next_partition_auc(follow["checkpoints"], staged, out, "follow", args)
+    )
     results: dict[str, Any] = {"args": vars(args), "follow": follow}
     memory = rss_slopes(follow.get("rss_samples", []))
     print(f"follow:   freshness per partition (s): {[round(s, 1) for s in follow['freshness_s']]}")
@@ -410,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         f"p95 {percentile(follow['freshness_s'], 0.95):.1f} s"
     )
     if args.skip_baseline:
-        line += f"; next-partition auc {statistics.mean(follow['auc']):.4f}"
+        if follow["auc"]:
+            line += f"; next-partition auc {statistics.mean(follow['auc']):.4f}"
     else:
         restarts = restarts_run(args, out, staged)
         restarts["auc"] = next_partition_auc(restarts["checkpoints"], staged, out, "restarts", args)
