@@ -416,22 +416,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{LAST_LINE} p50 {percentile(follow['freshness_s'], 0.5):.1f} s, "
         f"p95 {percentile(follow['freshness_s'], 0.95):.1f} s"
     )
-    if args.skip_baseline:
-        if follow["auc"]:
-            line += f"; next-partition auc {statistics.mean(follow['auc']):.4f}"
-    else:
+    auc = f"next-partition auc {statistics.mean(follow['auc']):.4f}" if follow["auc"] else ""
+    if not args.skip_baseline:
         restarts = restarts_run(args, out, staged)
-        restarts["auc"] = next_partition_auc(restarts["checkpoints"], staged, out, "restarts", args)
+        if not args.skip_quality:
+            restarts["auc"] = next_partition_auc(
+                restarts["checkpoints"], staged, out, "restarts", args
+            )
+            auc += f" vs {statistics.mean(restarts['auc']):.4f}"
         results["restarts"] = restarts
         print(
             f"restarts: freshness per partition (s): "
             f"{[round(s, 1) for s in restarts['freshness_s']]}"
         )
-        line += (
-            f" (per-partition restarts: p50 {percentile(restarts['freshness_s'], 0.5):.1f} s);"
-            f" next-partition auc {statistics.mean(follow['auc']):.4f} vs "
-            f"{statistics.mean(restarts['auc']):.4f}"
-        )
+        line += f" (per-partition restarts: p50 {percentile(restarts['freshness_s'], 0.5):.1f} s)"
+    if auc:
+        line += f"; {auc}"
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results in {out}")
     print(line, flush=True)
