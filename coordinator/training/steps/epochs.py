@@ -203,7 +203,7 @@ class EpochProgram:
             "training %d make-up pass(es) so that every example is trained at least %d times",
             passes,
             passes,
-            self.rt.settings.epochs,
+            max(self.rt.settings.epochs, 1),  # follow mode: one pass a round
         )
         # Calls still in flight read the old iterator: let them end first, so that their
         # end-of-data reports don't count for the new one.
