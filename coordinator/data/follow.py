@@ -44,14 +44,6 @@ class Listing:
     waiting: int
 
 
-def _dirname(path: str) -> str:
-    return posixpath.dirname(path) if has_scheme(path) else os.path.dirname(path)
-
-
-def _basename(path: str) -> str:
-    return posixpath.basename(path) if has_scheme(path) else os.path.basename(path)
-
-
 def _mtime(path: str) -> float | None:
     """Seconds since the epoch of the last change; None when the file is gone."""
     if not has_scheme(path):
@@ -67,14 +59,9 @@ def _mtime(path: str) -> float | None:
         return None
 
 
-def _join(directory: str, name: str) -> str:
-    if has_scheme(directory):
-        return posixpath.join(directory, name)
-    return os.path.join(directory, name)
-
-
 class PartitionWatcher:
-    """Looks at ``pattern`` (a glob) and says which partitions are ready to train."""
+    """Looks at ``pattern`` (a glob) and says which partitions are ready to train. Paths
+    are split with ``posixpath``: a URL's and a local path's alike (psctl runs on POSIX)."""
 
     def __init__(
         self,
@@ -97,10 +84,10 @@ class PartitionWatcher:
     def look(self, trained: Collection[str]) -> Listing:
         by_dir: dict[str, list[str]] = {}
         for path in matching(self.pattern, self.field):
-            name = _basename(path)
+            name = posixpath.basename(path)
             if name.startswith(("_", ".")):
                 continue
-            by_dir.setdefault(_dirname(path), []).append(path)
+            by_dir.setdefault(posixpath.dirname(path), []).append(path)
         marked = {d: self._marked_at(d) for d in sorted(by_dir)}
         # Trained partitions count too: a restarted process that finds only a half-written
         # partition left to train must still know that this pipeline writes markers.
@@ -126,7 +113,7 @@ class PartitionWatcher:
         remembered: trained partitions are not looked at again."""
         if directory in self._marks:
             return self._marks[directory]
-        stamp = _mtime(_join(directory, self.marker))
+        stamp = _mtime(posixpath.join(directory, self.marker))
         if stamp is not None:
             stamp = self._known(stamp)
             self._marks[directory] = stamp

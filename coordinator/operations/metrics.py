@@ -457,8 +457,9 @@ class CoordinatorMetrics:
         time.sleep(0.2)  # the scrape read every series; let its response go out
         return True
 
-    def file_trained(self, completed_at: float) -> None:
-        self._files_trained.inc()
+    def files_trained(self, count: int, completed_at: float) -> None:
+        """A round of ``count`` files trained, its partition complete at ``completed_at``."""
+        self._files_trained.inc(count)
         self._completed_at = max(completed_at, self._completed_at)
         self._input_completed.set(self._completed_at)
 

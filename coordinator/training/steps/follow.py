@@ -24,7 +24,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.coordinator.data.files import file_list, has_scheme
 from psctl.coordinator.data.follow import Listing, Partition, PartitionWatcher
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.saving.follow_journal import FollowJournal, Round
+from psctl.coordinator.training.saving.follow_journal import FollowJournal
 from psctl.coordinator.training.steps.epochs import EpochProgram, make_epoch_train_fn
 from psctl.coordinator.training.steps.programs import Runtime
 
@@ -90,7 +90,7 @@ class FollowProgram(EpochProgram):
         first: Partition,
         trained: Collection[str],
         stop: threading.Event,
-        on_round: Callable[[Partition], None],
+        on_round: Callable[[Partition], None],  # records the round: ``trained`` grows
         on_look: Callable[[Listing], None],
         on_idle: Callable[[], None],
     ) -> None:
@@ -102,7 +102,7 @@ class FollowProgram(EpochProgram):
             train_data=file_list(list(first.files)),
         )
         self.watcher = watcher
-        self.trained = set(trained)
+        self.trained = trained  # the files recorded, kept up by ``on_round``
         self.stop = stop
         self.on_round = on_round
         self.on_look = on_look
@@ -124,7 +124,6 @@ class FollowProgram(EpochProgram):
                 return True
             self._settle()
             self.on_round(self.current)
-            self.trained.update(self.current.files)
             self.current = None
         partition = wait_for_partition(
             self.watcher,
@@ -178,7 +177,7 @@ class FollowInput:
             settle_seconds=settings.settle_seconds,
         )
         self.journal = FollowJournal(settings.checkpoint_dir)
-        self.rounds: list[Round] = []
+        self.trained: set[str] = set()  # the journal's files, for the watcher's lookups
         self.on_round_recorded: Callable[[], None] = lambda: None  # a round's checkpoint is there
         control.update(fresh=True, following=True)
         first = wait_for_partition(
@@ -204,8 +203,9 @@ class FollowInput:
 
     def resume(self, start_step: int) -> None:
         """After the restore: the rounds the restored checkpoint holds."""
-        self.rounds = self.journal.begin(start_step)
+        self.journal.begin(start_step)
         trained = self.trained_files()
+        self.trained.update(trained)
         if trained:
             log.info(
                 "follow mode: %d file(s) trained before (newest %s); going on with the next",
@@ -215,11 +215,12 @@ class FollowInput:
         self._show()
 
     def trained_files(self) -> list[str]:
-        return [path for r in self.rounds for path in r.files]
+        return [path for r in self.journal.rounds for path in r.files]
 
     def newest_files(self) -> str:
         """The last round's files (all complete), as a --train-data value."""
-        files = self.rounds[-1].files if self.rounds else self.first.files
+        rounds = self.journal.rounds
+        files = rounds[-1].files if rounds else self.first.files
         return file_list(list(files))
 
     def show_waiting(self, listing: Listing) -> None:
@@ -234,26 +235,25 @@ class FollowInput:
         """Checkpoint, then record: a round is trained once its checkpoint is written."""
         save()
         entry = self.journal.record(step(), partition.files, partition.completed_at)
-        self.rounds.append(entry)
+        self.trained.update(partition.files)
         self.on_round_recorded()
         if self.metrics is not None:
-            for _ in partition.files:
-                self.metrics.file_trained(partition.completed_at)
+            self.metrics.files_trained(len(partition.files), partition.completed_at)
         log.info(
             "follow mode: trained %s (%d file(s)) to global step %d; %d file(s) so far",
             partition.directory,
             len(partition.files),
             entry.step,
-            len(self.trained_files()),
+            len(self.trained),
         )
         self._show()
 
     def _show(self) -> None:
-        newest = self.rounds[-1] if self.rounds else None
+        rounds = self.journal.rounds
         self.control.update(
-            files_trained=len(self.trained_files()),
-            newest_file=newest.files[-1] if newest else "",
-            newest_completed=max((r.completed_at for r in self.rounds), default=0.0),
+            files_trained=len(self.trained),
+            newest_file=rounds[-1].files[-1] if rounds else "",
+            newest_completed=max((r.completed_at for r in rounds), default=0.0),
         )
 
     def program(
@@ -272,7 +272,7 @@ class FollowInput:
             worker_failures=worker_failures,
             watcher=self.watcher,
             first=self.first,
-            trained=self.trained_files(),
+            trained=self.trained,
             stop=self.control.stop_requested,
             on_round=lambda partition: self.round_done(partition, save=save, step=step),
             on_look=self.show_waiting,
