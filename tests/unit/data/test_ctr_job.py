@@ -9,6 +9,7 @@ import gzip
 import json
 import math
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -393,21 +394,37 @@ def test_the_dynamic_table_model(monkeypatch):
     assert model(tf.constant(x[:8])).shape == (8, 1)
 
 
-def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatch):
+class DynamicExport(NamedTuple):
+    job: Any
+    settings: Any
+    made: Any  # the model built for export, its table on this process
+    drawn: Any  # block 0's raw fields
+    x: Any  # block 0's features
+
+
+def dynamic_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DynamicExport:
+    """The ctr job with a dynamic table, its model built as export builds it, and block 0
+    of its synthetic stream (raw fields and features)."""
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
-    from psctl.coordinator.training.saving.saved_model import export
     from tests.unit.training.saving.test_serving import export_model
 
     monkeypatch.setenv("CTR_TABLE", "dynamic")
     monkeypatch.setenv("CTR_ROWS", "10k")
     job = load_job("ctr")
-    ckpt = tmp_path / "checkpoints"
-    settings = TrainSettings(job="ctr", checkpoint_dir=str(ckpt))
+    settings = TrainSettings(job="ctr", checkpoint_dir=str(tmp_path / "checkpoints"))
     made = export_model(job, settings)
     source = ctr.SyntheticData(ctr.config())
     drawn = source.draw(tf.constant(0, tf.int64))
     x, _ = source.block(tf.constant(0, tf.int64))
+    return DynamicExport(job, settings, made, drawn, x)
+
+
+def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatch):
+    from psctl.coordinator.training.saving.saved_model import export
+
+    job, settings, made, drawn, x = dynamic_export(tmp_path, monkeypatch)
+    ckpt = tmp_path / "checkpoints"
     # Rows for the first half of the examples' ids; the rest are unknown (zeros).
     shard = made.model.get_layer("embedding").shards[0]
     keys = tf.reshape(x[:256, 13:], [-1])
@@ -427,20 +444,10 @@ def test_the_dynamic_export_answers_raw_criteo_fields(tmp_path: Path, monkeypatc
 def test_one_exporter_serves_each_checkpoint_as_a_fresh_export_would(tmp_path: Path, monkeypatch):
     """--export-every's exporter keeps its model between versions: a row evicted between
     two checkpoints must not linger in the second version."""
-    from psctl.coordinator.job import load_job
-    from psctl.coordinator.settings import TrainSettings
     from psctl.coordinator.training.saving.saved_model import Exporter, export
-    from tests.unit.training.saving.test_serving import export_model
 
-    monkeypatch.setenv("CTR_TABLE", "dynamic")
-    monkeypatch.setenv("CTR_ROWS", "10k")
-    job = load_job("ctr")
+    job, settings, made, drawn, x = dynamic_export(tmp_path, monkeypatch)
     ckpt = tmp_path / "checkpoints"
-    settings = TrainSettings(job="ctr", checkpoint_dir=str(ckpt))
-    made = export_model(job, settings)
-    source = ctr.SyntheticData(ctr.config())
-    drawn = source.draw(tf.constant(0, tf.int64))
-    x, _ = source.block(tf.constant(0, tf.int64))
     shard = made.model.get_layer("embedding").shards[0]
     first, second = tf.reshape(x[:256, 13:], [-1]), tf.reshape(x[256:, 13:], [-1])
     shard.embeddings.insert(first, tf.random.stateless_normal([first.shape[0], 16], seed=[1, 2]))
