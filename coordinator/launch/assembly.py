@@ -175,7 +175,11 @@ def supervise_train(
         # process starts on the cluster file of the latest generation.
         cluster_file = None
         if serve_control and settings.strategy == "async" and getattr(args, "cluster", None):
-            cluster_file = ClusterFile(args.cluster, timeout=settings.connect_timeout)
+            cluster_file = ClusterFile(
+                args.cluster,
+                timeout=settings.connect_timeout,
+                exactly_once=settings.exactly_once_flag,
+            )
 
         def start(counters: Counters) -> subprocess.Popen[bytes]:
             counters_json = json.dumps(asdict(counters))

@@ -196,12 +196,16 @@ class LocalCluster:
             for task_type, count in keep.items()
             for index in range(sum(1 for s in kept if s.task_type == task_type), count)
         ]
+        # A data worker for each new worker server (--follow): the tf.data service's
+        # dispatcher takes it in as it registers.
+        data = [i for t, i in new if t == "worker" and self.dispatcher]
         # At once: never the same port twice.
-        free = iter(ports.free_ports(3 * len(new), avoid=self.reserved_ports))
+        free = iter(ports.free_ports(3 * len(new) + len(data), avoid=self.reserved_ports))
         plan = [
             (task_type, index, f"127.0.0.1:{next(free)}", next(free), next(free))
             for task_type, index in new
         ]
+        self._data_ports.update((index, next(free)) for index in data)
         previous = self.cluster
         jobs = {"chief": previous.jobs["chief"]}
         for task_type in keep:

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,11 +221,42 @@ def elastic(
     return resizer
 
 
+def check_data_service_resize(
+    exactly_once: str, workers: Sequence[str], new_workers: Sequence[str]
+) -> None:
+    """Refuse a resize that a job trained through the tf.data service cannot take, in one
+    line naming its flag (``exactly_once``: --epochs, --follow, or "" for neither).
+
+    --epochs: refused (its passes would start again in the fresh training process).
+    --follow: the workers may grow and the ps change (the fresh process restores the last
+    recorded round's checkpoint and goes on from the first file not recorded, as after a
+    failure); a worker taken out is refused: TensorFlow never drops the tasks of a data
+    worker that stopped, and the next round would wait on it for good (seen: no step for
+    180 s after 3 -> 1 workers).
+    """
+    if exactly_once == "--epochs":
+        raise ConfigError(
+            exactly_once,
+            "a resize cannot yet keep its exactly-once guarantee",
+            "resize a job trained by --steps, or restart this one on the new cluster "
+            "with the same --checkpoint-dir",
+        )
+    gone = [address for address in workers if address not in new_workers]
+    if exactly_once == "--follow" and gone:
+        raise ConfigError(
+            exactly_once,
+            f"a resize cannot take out workers ({', '.join(gone)}): their tf.data service "
+            "data workers would hold up every later round",
+            "add workers or change the ps; for fewer workers, stop the job and start it on "
+            "the smaller cluster with the same --checkpoint-dir",
+        )
+
+
 def local_prepare(
     local: Any, *, timeout: float, exactly_once: str = ""
 ) -> Callable[[Any, float | None], tuple[str, str]]:
     """psctl local's: start (or retire) servers for the requested counts; refused for a job
-    trained through the tf.data service (``exactly_once`` names its flag)."""
+    trained by ``--epochs`` (``exactly_once``: the job's exactly-once flag, if any)."""
 
     def prepare(request: Any, time_left: float | None = None) -> tuple[str, str]:
         local.drop_left()  # workers that left: a resize re-forms the cluster without them
@@ -235,16 +266,10 @@ def local_prepare(
                 "psctl local runs its own servers",
                 "give --workers N and/or --ps M (a cluster file is for psctl train)",
             )
-        if exactly_once:  # --epochs, --follow: the tf.data service's data workers
-            raise ConfigError(
-                exactly_once,
-                "a resize cannot yet keep its exactly-once guarantee",
-                "resize a job trained by --steps, or restart this one on the new cluster "
-                "with the same --checkpoint-dir",
-            )
         old = local.cluster
         workers = request.workers or old.num_workers
         num_ps = request.ps or old.num_ps
+        check_data_service_resize(exactly_once, old.workers, old.workers[:workers])
         if workers < 1 or num_ps < 1:
             raise ConfigError("--workers", "a cluster needs a ps and a worker", "give 1 or more")
         if (workers, num_ps) == (old.num_workers, old.num_ps):
@@ -263,8 +288,10 @@ class ClusterFile:
     """psctl train's cluster, as a file the launcher rewrites for each generation: the
     operator's ``--cluster`` FILE first, then a copy of each new description."""
 
-    def __init__(self, path: str, *, timeout: float) -> None:
+    def __init__(self, path: str, *, timeout: float, exactly_once: str = "") -> None:
+        """``exactly_once``: the job's --epochs or --follow, if any (check_data_service_resize)."""
         self.source = path
+        self.exactly_once = exactly_once
         self.path = path
         self.timeout = timeout
         self.cluster = load(Path(path).read_text(), source=path)
@@ -295,6 +322,7 @@ class ClusterFile:
             raise ConfigError(
                 "--cluster", f"the job already runs on this cluster ({shape(old)})", "change it"
             )
+        check_data_service_resize(self.exactly_once, old.workers, new.workers)
         wait_serving(new, json.loads(text), timeout=server_wait(self.timeout, time_left))
         self._write(json.loads(text))
         self.cluster = new

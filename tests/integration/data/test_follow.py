@@ -22,7 +22,14 @@ import pytest
 from psctl.cluster.ports import free_ports
 from psctl.control.v1 import control_pb2
 from psctl.coordinator.operations.client import ControlError, call, status_dict
-from tests.conftest import REPO, child_env, kill_if_running, processes_mentioning, psctl_argv
+from tests.conftest import (
+    REPO,
+    child_env,
+    control_cli,
+    kill_if_running,
+    processes_mentioning,
+    psctl_argv,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -169,3 +176,44 @@ def test_follow_settings_are_refused_in_one_line(
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert line in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_following_job_grows_with_each_file_trained_once(workdir: Path, tmp_path: Path):
+    """psctl scale of a --follow job: 2 -> 3 workers, then 1 -> 2 ps, a partition landing
+    after each resize: the fresh training process goes on from the last recorded round, the
+    new worker's data worker joins the tf.data service. Taking a worker out is refused in
+    one line (its data worker would hold up every later round)."""
+    data, out, log = tmp_path / "data", tmp_path / "summary.json", tmp_path / "stderr.log"
+    write_partitions(*(data / f"hour=0{h}" / "part-0" for h in range(3)))
+    (data / "hour=00" / "_SUCCESS").touch()
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    argv = psctl_argv(
+        "local", "--workdir", str(workdir), "--control-address", address, "--job", "ctr",
+        "--workers", "2", "--train-data", str(data / "*" / "part-*"), "--follow",
+        "--idle-timeout", "15s", "--summary-json", str(out),
+    )  # fmt: skip
+    with log.open("w") as stderr:
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                               env=child_env(CTR_EVAL_EXAMPLES="2000"), cwd=REPO)  # fmt: skip
+        try:
+            wait_until(address, job, lambda f: f.get("files_trained") == 1)
+            for hour, flag, count in ((1, "--workers", "3"), (2, "--ps", "2")):
+                proc = control_cli(address, "scale", flag, count, timeout=240)
+                assert proc.returncode == 0, proc.stderr
+                (data / f"hour=0{hour}" / "_SUCCESS").touch()
+                wait_until(address, job, lambda f, n=hour + 1: f.get("files_trained") == n)
+            proc = control_cli(address, "scale", "--workers", "1", timeout=60)
+            assert proc.returncode == 78, proc.stderr
+            assert "--follow: a resize cannot take out workers" in proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            code = job.wait(timeout=180)  # --idle-timeout ends it
+        finally:
+            kill_if_running(job)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["freshness"]["files"] == [str(data / f"hour=0{h}" / "part-0") for h in range(3)]
+    assert (summary["num_ps"], summary["num_workers"]) == (2, 3)
+    assert [r["to"] for r in summary["resizes"]] == ["1 ps + 3 workers", "2 ps + 3 workers"]
+    assert "Traceback" not in text
