@@ -26,10 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError, echo
 from psctl.coordinator.data.context import DataContext
+
+if TYPE_CHECKING:
+    from psctl.coordinator.settings import TrainSettings
 
 REQUIRED = ("create_model", "dataset_fn")
 # What a compiled model can give instead (its compile() arguments).
@@ -72,6 +75,15 @@ class Job:
                 "return one pass over the eval split: drop repeat() from eval_dataset_fn",
             )
         return dataset
+
+    def whole_eval_split(self, settings: TrainSettings) -> Any:
+        """The eval split as one reader reads it whole (worker 0 of 1, batches of
+        --eval-batch-size): what the final and the sidecar evaluations read."""
+        return self.eval_dataset(
+            DataContext.from_settings(
+                settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
+            )
+        )
 
 
 def _job_file(spec: str) -> Path | None:

@@ -145,12 +145,12 @@ def end_on_error(
 def run_training_process(
     args: argparse.Namespace,
     settings: TrainSettings,
-    *,
     tasks: list[TaskInfo],
     counters: Counters,
     metrics: CoordinatorMetrics | None,
-    serve_control: bool,
     train: Callable[[JobControl, FailurePolicy], Summary],
+    *,
+    serve_control: bool,
     at_exit: Callable[[], None] = lambda: None,
 ) -> int:
     """A training process, whatever the strategy, around ``train(control, policy)``: the

@@ -152,11 +152,11 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     return run_training_process(
         args,
         settings,
-        tasks=tasks,
-        counters=counters,
-        metrics=metrics,
+        tasks,
+        counters,
+        metrics,
+        train,
         serve_control=is_chief,  # the chief's: the Control API, the summary
-        train=train,
         at_exit=lambda: health.set_serving(False),
     )
 

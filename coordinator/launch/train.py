@@ -191,15 +191,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     def train(control: JobControl, failures: FailurePolicy) -> Summary:
         return _train(job, cluster, source, settings, control, metrics, dispatcher, failures, early)
 
-    return run_training_process(
-        args,
-        settings,
-        tasks=tasks,
-        counters=counters,
-        metrics=metrics,
-        serve_control=True,
-        train=train,
-    )
+    return run_training_process(args, settings, tasks, counters, metrics, train, serve_control=True)
 
 
 def _train(

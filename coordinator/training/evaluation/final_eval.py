@@ -19,7 +19,6 @@ import keras
 import tensorflow as tf
 
 from psctl.coordinator.argv import psctl_argv
-from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.job import Job
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.evaluation.report import eval_line
@@ -68,11 +67,7 @@ def evaluate_final(
     """
     if job.eval_dataset_fn is None:
         return {}
-    # One reader sees the whole split: the context says worker 0 of 1.
-    ctx = DataContext.from_settings(
-        settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
-    )
-    dataset = job.eval_dataset(ctx)
+    dataset = job.whole_eval_split(settings)
     # Eager on purpose: a new tf.function is registered on every worker, and a frozen
     # worker would block that registration (seen); the eval set is read once anyway.
     evaluator = DatasetEvaluator(model, job.loss_fn, factories, compiled=False)

@@ -43,18 +43,14 @@ class SidecarEvaluator:
     def __init__(self, job: Job, settings: TrainSettings, *, logdir: str = "") -> None:
         import tensorflow as tf
 
-        from psctl.coordinator.data.context import DataContext
         from psctl.coordinator.training.evaluation.final_eval import DatasetEvaluator
         from psctl.coordinator.training.job_model.model import JobModel
         from psctl.coordinator.training.reporting.tensorboard import ScalarWriter
 
         self.job = job
         self.settings = settings
-        # Evaluation's context, as the trainer gives it: worker 0 of 1, the whole split.
-        ctx = DataContext.from_settings(
-            settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
-        )
-        self.dataset = job.eval_dataset(ctx)  # checks --eval-data files now, before waiting
+        # As the final evaluation reads it; --eval-data's files checked now, before waiting.
+        self.dataset = job.whole_eval_split(settings)
         x_spec, y_spec = self.dataset.element_spec[0], self.dataset.element_spec[1]
         built = JobModel(job, x_spec, y_spec, source="eval_dataset_fn")
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
