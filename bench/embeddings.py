@@ -458,6 +458,7 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
                 work=workdir,
                 timeout=args.start_timeout,
                 tunnel=rtt.endswith(TUNNEL),
+                mtu=args.mtu,
             )
         )
         stack.callback(_ignore_interrupts)
@@ -881,6 +882,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the direct network, or each --rtt): TensorFlow's ports open, and every host behind "
         "its WireGuard tunnel as psctl deploy render --keys runs them (root, wireguard-go, "
         "wg); the last line is psctl's steps/s behind the tunnels over open",
+    )
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="network-namespace hosts (--rtt, --tunnel-overhead): their links' MTU (default "
+        "1500; 9000: jumbo frames, the tunnels then 8920)",
     )
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")

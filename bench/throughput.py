@@ -1018,7 +1018,9 @@ def tunnelled_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
     tunnel as the units of `psctl deploy render --keys` run (bench/harness/netlab.py)."""
     from bench.harness.netlab import LabBench
 
-    cluster = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir / "tunnel", tunnel=True)
+    cluster = LabBench(
+        args.ps, args.workers, rtt_ms=args.rtt, work=workdir / "tunnel", tunnel=True, mtu=args.mtu
+    )
     try:
         cluster.start(timeout=args.start_timeout)
         print(f"{len(cluster.servers)} servers SERVING behind their tunnels", flush=True)
@@ -1136,6 +1138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "between them (bench/harness/netlab.py; 0: the relay with no delay; needs root, iproute2, "
         "cc); default: loopback",
     )
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="network-namespace hosts (--rtt, --tunnel-overhead): their links' MTU (default "
+        "1500; 9000: jumbo frames, the tunnels then 8920)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
     parser.add_argument(
@@ -1163,12 +1172,15 @@ def open_bench(
     if getattr(args, "rtt", None) is not None or getattr(args, "tunnel_overhead", False):
         from bench.harness.netlab import LabBench  # namespace hosts (through the delaying relay)
 
-        local = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir)
+        mtu = getattr(args, "mtu", 1500)
+        local = LabBench(args.ps, args.workers, rtt_ms=args.rtt, work=workdir, mtu=mtu)
         chief_port = 0  # in the coordinator's own namespace: never held by an earlier run here
         if args.rtt is None:
             where += "; network: namespace hosts, direct"
         else:
             where += f"; network: namespace hosts, {args.rtt:g} ms added round-trip time"
+        if mtu != 1500:
+            where += f", links of MTU {mtu}"
     else:
         local = LocalCluster(num_ps=args.ps, num_workers=args.workers, workdir=workdir)
         chief_port = local.cluster.task_address("chief", 0).port

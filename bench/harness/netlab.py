@@ -103,6 +103,7 @@ class NetLab:
     work: Path
     ports: Sequence[int] = (TF_PORT,)
     tunnel: bool = False
+    mtu: int = 1500  # each host's link (9000: a network with jumbo frames)
     hosts: dict[str, Host] = field(default_factory=dict)
     router: str = ""
     relay: subprocess.Popen[bytes] | None = None
@@ -130,6 +131,8 @@ class NetLab:
                 "peer", "name", "eth0", "netns", host.ns,
             )  # fmt: skip
             _ip("addr", "add", f"10.78.{number}.1/24", "dev", f"h{number}", ns=self.router)
+            _ip("link", "set", f"h{number}", "mtu", str(self.mtu), ns=self.router)
+            _ip("link", "set", "eth0", "mtu", str(self.mtu), ns=host.ns)
             _ip("link", "set", f"h{number}", "up", ns=self.router)
             _ip("addr", "add", f"{host.ip}/24", "dev", "eth0", ns=host.ns)
             _ip("link", "set", "eth0", "up", ns=host.ns)
@@ -290,13 +293,14 @@ def lab_cluster(
     work: Path,
     timeout: float = 120.0,
     tunnel: bool = False,
+    mtu: int = 1500,
 ) -> Iterator[LabCluster]:
     """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
     from psctl.cluster.processes.procs import spawn, stop_processes
     from psctl.coordinator.argv import server_argv
 
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
-    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work, tunnel=tunnel)
+    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work, tunnel=tunnel, mtu=mtu)
     servers: list[LabServer] = []
     # A short path: AF_UNIX names stop at 107 bytes, a results folder can be deeper.
     sockets = Path(tempfile.mkdtemp(prefix="psrtt"))
@@ -354,9 +358,10 @@ class LabBench:
         rtt_ms: float | None,
         work: Path,
         tunnel: bool = False,
+        mtu: int = 1500,
     ):
         self._args = (num_ps, num_workers)
-        self._rtt_ms, self._work, self._tunnel = rtt_ms, work, tunnel
+        self._rtt_ms, self._work, self._tunnel, self._mtu = rtt_ms, work, tunnel, mtu
         self._stack = contextlib.ExitStack()
         self.cluster: LabCluster | None = None
 
@@ -368,6 +373,7 @@ class LabBench:
                 work=self._work,
                 timeout=timeout,
                 tunnel=self._tunnel,
+                mtu=self._mtu,
             )
         )
 

@@ -110,3 +110,22 @@ def test_a_proxy_instance_is_escaped_and_back(address: str):
     instance = escape_instance(address)
     assert ":" not in instance and "[" not in instance, instance
     assert unescape_instance(instance) == address
+
+
+@pytest.mark.parametrize(
+    ("route", "link", "mtu"),
+    [
+        ("10.0.0.2 dev eth0 src 10.0.0.1 uid 0", "2: eth0: <UP> mtu 1500 qdisc", 1420),
+        ("10.0.0.2 dev eth0 src 10.0.0.1 uid 0", "2: eth0: <UP> mtu 9000 qdisc", 8920),
+        ("10.0.0.2 via 10.0.0.254 dev eth0 mtu 1400", "2: eth0: <UP> mtu 9000 qdisc", 1320),
+        ("", "", tunnel.DEFAULT_MTU),  # no route to the peer: wireguard-go's own
+    ],
+)
+def test_the_tunnels_mtu_is_the_paths_less_wireguards_overhead(monkeypatch, route, link, mtu):
+    def fake_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        out = route if args[:2] == ("route", "get") else link
+        return subprocess.CompletedProcess(["ip", *args], 0 if out else 2, out, "")
+
+    monkeypatch.setattr(tunnel, "_ip", fake_ip)
+    peers = [tunnel.Peer("key=", ("10.0.0.2/32",), "10.0.0.2:51820")]
+    assert tunnel.tunnel_mtu(peers) == mtu
