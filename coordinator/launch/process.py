@@ -74,6 +74,23 @@ def count_nonfinite(counters: Counters, metrics: CoordinatorMetrics | None) -> N
         metrics.nonfinite_loss()
 
 
+def let_workers_leave(
+    control: JobControl,
+    settings: TrainSettings,
+    counters: Counters,
+    metrics: CoordinatorMetrics | None = None,
+) -> None:
+    """The parameter-server mode's departures: a worker that stops, or stays down for
+    --drop-after, leaves the cluster (``leave_cluster``). Not in a job fed by the tf.data
+    service (--epochs, --follow): its data worker's tasks would stay in every later pass and
+    hold it up (TensorFlow drops none), so it stays a failure until it serves again at its
+    address, where psctl local restarts it (LocalCluster._left)."""
+    if settings.strategy != "async" or settings.data_service:
+        return
+    control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
+    control.drop_after = settings.drop_after
+
+
 def leave_cluster(
     control: JobControl,
     counters: Counters,
@@ -177,9 +194,8 @@ def run_training_process(
             "restoring the latest checkpoint for the final evaluation and summary"
         )
         control.request_stop()
-    if serve_control and settings.strategy == "async":
-        control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
-        control.drop_after = settings.drop_after
+    if serve_control:
+        let_workers_leave(control, settings, counters, metrics)
     # After on_task_leaving: a task marked left before this line leaves at the first read.
     follow_tasks_file(args.tasks_file, control)  # a restarted task's new pid
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from psctl.coordinator.launch.process import follow_tasks_file
+from psctl.coordinator.launch.process import follow_tasks_file, let_workers_leave
+from psctl.coordinator.operations.counters import Counters
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.operations.task_book import (
     DRAINING,
@@ -21,11 +22,13 @@ from psctl.coordinator.operations.task_book import (
     UNREACHABLE,
     TaskInfo,
 )
+from psctl.coordinator.settings import TrainSettings
 
 pytestmark = pytest.mark.timeout(30)
 
 WORKER = TaskInfo("worker", 1, "127.0.0.1:2")
 PS = TaskInfo("ps", 0, "127.0.0.1:1")
+WORKER2 = TaskInfo("worker", 0, "127.0.0.1:3")
 
 
 def control_with(
@@ -147,3 +150,27 @@ def test_a_worker_marked_left_in_the_tasks_file_before_it_is_followed_leaves(tmp
         time.sleep(0.01)
     assert leaving == [gone]
     assert state(control, WORKER) in (DRAINING, LEFT)
+
+
+@pytest.mark.parametrize(
+    ("settings", "leaves"),
+    [
+        (TrainSettings(), True),
+        (TrainSettings(epochs=1), False),  # the tf.data service: its data worker stays needed
+        (TrainSettings(follow=True, train_data="d/*", checkpoint_dir="c"), False),
+        (TrainSettings(strategy="sync"), False),
+    ],
+)
+def test_workers_leave_unless_the_tf_data_service_feeds_the_job(settings, leaves):
+    control = JobControl(
+        job="j", target_steps=10, steps_per_execution=1, tasks=[PS, WORKER, WORKER2],
+        can_checkpoint=True,
+    )  # fmt: skip
+    let_workers_leave(control, settings, Counters())
+    assert (control.on_task_leaving is not None) == leaves
+    assert control.drop_after == (settings.drop_after if leaves else 0.0)
+    if not leaves:  # a stopping worker is a failure, retried at its address
+        control.set_health(WORKER, SERVING)
+        control.set_health(WORKER, NOT_SERVING)
+        assert state(control, WORKER) == SERVING  # in the cluster still, its health failing
+        assert control.failure_counts()["worker"] == 1
