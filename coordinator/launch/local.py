@@ -199,8 +199,10 @@ class LocalCluster:
         # A data worker for each new worker server (--follow): the tf.data service's
         # dispatcher takes it in as it registers.
         data = [i for t, i in new if t == "worker" and self.dispatcher]
-        # At once: never the same port twice.
-        free = iter(ports.free_ports(3 * len(new) + len(data), avoid=self.reserved_ports))
+        # At once: never the same port twice, nor a data worker's (bound only once the
+        # dispatcher answers).
+        avoid = self.reserved_ports | set(self._data_ports.values())
+        free = iter(ports.free_ports(3 * len(new) + len(data), avoid=avoid))
         plan = [
             (task_type, index, f"127.0.0.1:{next(free)}", next(free), next(free))
             for task_type, index in new
