@@ -208,6 +208,12 @@ _ABORTED = 10
 _UNAVAILABLE = 14
 _WORKER_LOSS_CODES = frozenset({_UNAVAILABLE, _ABORTED})
 _CLUSTER_CODES = frozenset({_UNAVAILABLE, _ABORTED, _CANCELLED, _DEADLINE_EXCEEDED})
+_INTERNAL = 13
+# A task that could not read a request the coordinator sent: the request was garbled on its
+# way (seen once in CI, on a worker just added by psctl scale, beside the coordinator's
+# "String field 'tensorflow.eager.Operation.device' contains invalid UTF-8 data"). Nothing
+# of the job's code is wrong: a new coordinator, from the latest checkpoint, recovers it.
+_GARBLED = "Unable to parse request"
 
 
 def unstaged(err: BaseException) -> BaseException:
@@ -291,6 +297,8 @@ def _is_cluster_failure(err: BaseException, *, seen: set[int]) -> bool:
             and id(original) not in seen
             and _is_cluster_failure(original, seen=seen)
         )
+    if code == _INTERNAL and _GARBLED in str(err):
+        return True
     return code == _INVALID_ARGUMENT and "unknown device" in str(err).lower()
 
 

@@ -56,6 +56,7 @@ from tests.fakes import FakeOpError
 pytestmark = pytest.mark.timeout(10)
 
 CANCELLED, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ABORTED, UNAVAILABLE = 1, 3, 4, 5, 10, 14
+INTERNAL = 13
 
 
 class FakeWrapper(Exception):
@@ -107,6 +108,13 @@ CLASSIFICATION = [
     ("unknown device", FakeOpError(INVALID_ARGUMENT, f"Unknown device: {PS}"), Failure.PS_LOST),
     ("invalid argument", FakeOpError(INVALID_ARGUMENT, "shapes (2,) and (3,)"), Failure.JOB_ERROR),
     ("not found", FakeOpError(NOT_FOUND, f"no file {WORKER}"), Failure.JOB_ERROR),
+    # A request garbled on its way to a task (seen in CI): a new coordinator recovers it.
+    (
+        "garbled request",
+        FakeOpError(INTERNAL, f"Unable to parse request from remote target {WORKER}"),
+        Failure.PS_LOST,
+    ),
+    ("internal", FakeOpError(INTERNAL, "Check failed: 2 == 3"), Failure.JOB_ERROR),
     # Wrappers pass a cluster failure through, never a worker's (the loop never saw it).
     ("wrapped ps", FakeWrapper(FakeOpError(UNAVAILABLE, PS)), Failure.PS_LOST),
     ("wrapped worker", FakeWrapper(FakeOpError(UNAVAILABLE, WORKER)), Failure.PS_LOST),
