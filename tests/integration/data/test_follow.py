@@ -191,7 +191,7 @@ def test_a_following_job_grows_with_each_file_trained_once(workdir: Path, tmp_pa
     argv = psctl_argv(
         "local", "--workdir", str(workdir), "--control-address", address, "--job", "ctr",
         "--workers", "2", "--train-data", str(data / "*" / "part-*"), "--follow",
-        "--idle-timeout", "45s", "--summary-json", str(out),
+        "--idle-timeout", "60s", "--summary-json", str(out),
     )  # fmt: skip
     with log.open("w") as stderr:
         job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -207,7 +207,7 @@ def test_a_following_job_grows_with_each_file_trained_once(workdir: Path, tmp_pa
             assert proc.returncode == 78, proc.stderr
             assert "--follow: a resize cannot take out workers" in proc.stderr
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-            code = job.wait(timeout=180)  # --idle-timeout ends it (45 s: longer than a resize
+            code = job.wait(timeout=180)  # --idle-timeout ends it (60 s: longer than a resize
             # takes on a busy machine, where 15 s ended the job during one)
         finally:
             kill_if_running(job)
