@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput
 from bench.harness import results_dir
+from bench.harness.netlab import add_mtu_flag
 
 JOB = "ctr"
 REPO = throughput.REPO
@@ -883,13 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its WireGuard tunnel as psctl deploy render --keys runs them (root, wireguard-go, "
         "wg); the last line is psctl's steps/s behind the tunnels over open",
     )
-    parser.add_argument(
-        "--mtu",
-        type=int,
-        default=1500,
-        help="network-namespace hosts (--rtt, --tunnel-overhead): their links' MTU (default "
-        "1500; 9000: jumbo frames, the tunnels then 8920)",
-    )
+    add_mtu_flag(parser)
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
     parser.add_argument(

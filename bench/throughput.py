@@ -94,6 +94,7 @@ if str(REPO) not in sys.path:  # run as a script: the bench package (bench.harne
     sys.path.insert(0, str(REPO))
 
 from bench.harness import spawn  # noqa: E402
+from bench.harness.netlab import add_mtu_flag  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -1138,13 +1139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "between them (bench/harness/netlab.py; 0: the relay with no delay; needs root, iproute2, "
         "cc); default: loopback",
     )
-    parser.add_argument(
-        "--mtu",
-        type=int,
-        default=1500,
-        help="network-namespace hosts (--rtt, --tunnel-overhead): their links' MTU (default "
-        "1500; 9000: jumbo frames, the tunnels then 8920)",
-    )
+    add_mtu_flag(parser)
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
     parser.add_argument(

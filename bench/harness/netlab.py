@@ -28,6 +28,7 @@ Needs root, iproute2 and a C compiler; a missing one is one clear line (``LabErr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -51,6 +52,17 @@ _LABS = itertools.count()  # this process's labs: a second one (--tunnel-overhea
 
 class LabError(RuntimeError):
     """The lab cannot be built here (not root, no iproute2 or compiler, a command failed)."""
+
+
+def add_mtu_flag(parser: argparse.ArgumentParser) -> None:
+    """``--mtu``, for a bench whose cluster may run on NetLab's hosts."""
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="network-namespace hosts (--rtt, --tunnel-overhead): their links' MTU (default "
+        "1500; 9000: jumbo frames, the tunnels then 8920)",
+    )
 
 
 @dataclass
