@@ -147,7 +147,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.coordinator.settings import TrainSettings
     from psctl.hooks import LoopHooks
 
-    settings = TrainSettings(
+    settings = TrainSettings.of(
         job=JOB,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -339,7 +339,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.coordinator.training.steps.programs import make_replica_step
 
     job = load_job(JOB)
-    settings = TrainSettings(
+    settings = TrainSettings.of(
         job=JOB, batch_size=args.batch_size, max_shards=args.max_shards, checkpoint_dir=""
     )
     data = job.dataset_fn(DataContext(0, 1, args.batch_size, throughput.SEED))

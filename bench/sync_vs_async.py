@@ -87,7 +87,7 @@ class Scorer:
         from psctl.coordinator.settings import TrainSettings
         from psctl.coordinator.training.evaluation.sidecar_eval import SidecarEvaluator
 
-        settings = TrainSettings(job=args.job, checkpoint_dir="", seed=throughput.SEED)
+        settings = TrainSettings.of(job=args.job, checkpoint_dir="", seed=throughput.SEED)
         self.sidecar = SidecarEvaluator(load_job(args.job), settings)
         self.points: dict[str, list[float]] = {}  # path: [wall time, step, accuracy, loss]
 

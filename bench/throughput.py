@@ -143,8 +143,8 @@ def _new_trainer(
 
     control = JobControl(
         job=settings.job,
-        target_steps=settings.steps,
-        steps_per_execution=settings.steps_per_execution,
+        target_steps=settings.loop.steps,
+        steps_per_execution=settings.loop.steps_per_execution,
         tasks=[],
         can_checkpoint=False,
         on_state=metrics.set_state if metrics is not None else None,
@@ -204,7 +204,7 @@ def run_psctl(args: argparse.Namespace, metrics: Any = None) -> dict[str, Any]:
     from psctl.coordinator.job import load_job
     from psctl.coordinator.settings import TrainSettings
 
-    settings = TrainSettings(
+    settings = TrainSettings.of(
         job=JOB,
         steps=args.steps,
         batch_size=args.batch_size,

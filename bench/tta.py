@@ -424,7 +424,7 @@ def run_psctl(args: argparse.Namespace) -> dict[str, Any]:
     from psctl.hooks import LoopHooks
 
     local = args.run_mode == "psctl-local"
-    settings = TrainSettings(
+    settings = TrainSettings.of(
         job=args.job,
         steps=10**8,  # until the target or --max-seconds
         batch_size=args.batch_size,

@@ -81,7 +81,10 @@ class Job:
         --eval-batch-size): what the final and the sidecar evaluations read."""
         return self.eval_dataset(
             DataContext.from_settings(
-                settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
+                settings,
+                worker_index=0,
+                num_workers=1,
+                batch_size=settings.evaluation.eval_batch_size,
             )
         )
 

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +169,9 @@ def show_steps_per_execution(value: int) -> str:
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """What a training run needs besides the cluster and the job code."""
+class LoopSettings:
+    """How the training loop runs its steps (coordinator/training/loop.py)."""
 
-    job: str = "mlp"
-    strategy: str = "async"  # "async": parameter servers; "sync": all-reduce over the workers
     steps: int = 1500
     batch_size: int = 64  # per worker
     # steps per scheduled call; 0 = "auto" (coordinator/training/steps/packing.py)
@@ -181,18 +179,23 @@ class TrainSettings:
     update_mode: str = "default"  # "default": the ps optimizer every step; "local": local steps
     local_steps: int = 50  # --update-mode local: steps per call between variable round trips
     local_scale: float = 1.0  # --update-mode local: factor on each call's pushed change
-    checkpoint_dir: str = ""  # "" = no checkpoints
-    checkpoint_every: int = 500  # steps
-    keep_checkpoints: int = 3
-    eval_batch_size: int = 1024
+    max_in_flight: int = 0  # scheduled calls not yet finished; 0 = IN_FLIGHT_PER_WORKER
+    stall_timeout: float = 60.0  # seconds without a finished step before the watchdog acts
     seed: int = 42
-    log_every: float = 5.0  # seconds between progress lines
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """How the model's variables are spread over the ps tasks."""
+
     max_shards: int = 1  # >1 partitions large variables over the ps tasks
     min_shard_bytes: int = 256 << 10
-    max_in_flight: int = 0  # scheduled calls not yet finished; 0 = IN_FLIGHT_PER_WORKER
-    summary_json: str = ""
-    stall_timeout: float = 60.0  # seconds without a finished step before the watchdog acts
-    logdir: str = ""  # TensorBoard scalar summaries; "" = none
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What the job trains and evaluates on, and how it is read (coordinator/data/)."""
+
     train_data: str = ""  # file glob handed to the job's dataset_fn (DataContext.train_data)
     eval_data: str = ""
     label_column: str = "label"
@@ -201,47 +204,153 @@ class TrainSettings:
     # check costs about 30 MB/s per core: 5 GB would wait minutes for the first step).
     full_check_mb: int = 256
     bad_records: str = "fail"  # a bad record the workers find: "fail" (exit 78) or "skip"
-    eval_every: int = 0  # >0: distributed evaluation on the workers every N steps
     epochs: int = 0  # >0: train this many passes over the data through the tf.data service
-    # The training process's supervision (launchers: psctl train and psctl local).
-    connect_timeout: float = 120.0  # seconds to wait for every server, then exit 69
-    max_restarts: int = 10  # restarts of the training process within 10 minutes
-    recovery_timeout: float = 300.0  # seconds to wait for failed ps tasks before a restart
-    # Seconds a worker may stay unreachable before the job resizes without it (the
-    # parameter-server mode): longer than a host's reboot or a unit's restarts, so that a
-    # worker that comes back keeps its slot; short enough that a lost host does not.
-    drop_after: float = 900.0
     # Follow mode (coordinator/data/follow.py): train each new complete file of
-    # --train-data once, as it lands, and publish serving versions on a cadence.
+    # --train-data once, as it lands.
     follow: bool = False
     follow_marker: str = DEFAULT_FOLLOW_MARKER  # a partition is complete when this is in it
     settle_seconds: float = 60.0  # else: when its files have not changed for this long
     idle_timeout: float = 0.0  # end after this long with no new file; 0 = never
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where and how often the model is saved (coordinator/training/saving/)."""
+
+    checkpoint_dir: str = ""  # "" = no checkpoints
+    checkpoint_every: int = 500  # steps
+    keep_checkpoints: int = 3
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Evaluation: inline on the workers, and the final one (coordinator/training/evaluation/)."""
+
+    eval_every: int = 0  # >0: distributed evaluation on the workers every N steps
+    eval_batch_size: int = 1024
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the run tells while and after it trains (coordinator/training/reporting/)."""
+
+    log_every: float = 5.0  # seconds between progress lines
+    summary_json: str = ""
+    logdir: str = ""  # TensorBoard scalar summaries; "" = none
+
+
+@dataclass(frozen=True)
+class SupervisionSettings:
+    """The training process's supervision by its launcher (psctl train, psctl local)."""
+
+    connect_timeout: float = 120.0  # seconds to wait for every server, then exit 69
+    max_restarts: int = 10  # restarts of the training process within 10 minutes
+    recovery_timeout: float = 300.0  # seconds to wait for failed ps tasks before a restart
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """The cluster changing under the job (the parameter-server mode)."""
+
+    # Seconds a worker may stay unreachable before the job resizes without it: longer than
+    # a host's reboot or a unit's restarts, so that a worker that comes back keeps its
+    # slot; short enough that a lost host does not.
+    drop_after: float = 900.0
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    """Serving versions written on a cadence while training (coordinator/training/saving/)."""
+
     export_every: float = 0.0  # seconds between serving versions; 0 = none
     export_dir: str = ""  # where they go: EXPORT_DIR/<global step>/
     export_keep: int = 5  # serving versions kept
 
+
+# TrainSettings' groups: its field name -> the settings it holds. Every setting is a field
+# of one group, named as its flag, environment variable and TOML key are (flag_for,
+# env_name): the names users write are flat, the code reads them by concern.
+_GROUPS: dict[str, type] = {
+    "loop": LoopSettings,
+    "placement": PlacementSettings,
+    "data": DataSettings,
+    "checkpoints": CheckpointSettings,
+    "evaluation": EvalSettings,
+    "reporting": ReportSettings,
+    "supervision": SupervisionSettings,
+    "elastic": ElasticSettings,
+    "publishing": PublishSettings,
+}
+_TOP = ("job", "strategy")  # the settings that belong to no group: the run as a whole
+GROUP_OF = {f.name: group for group, kind in _GROUPS.items() for f in fields(kind)}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a training run needs besides the cluster and the job code, grouped by concern.
+
+    Built from flat setting names (``TrainSettings.of(steps=100, checkpoint_dir="c")``,
+    or ``resolve_settings`` from flags, environment and TOML); read by concern
+    (``settings.loop.steps``, ``settings.checkpoints.checkpoint_dir``).
+    """
+
+    job: str = "mlp"
+    strategy: str = "async"  # "async": parameter servers; "sync": all-reduce over the workers
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoints: CheckpointSettings = field(default_factory=CheckpointSettings)
+    evaluation: EvalSettings = field(default_factory=EvalSettings)
+    reporting: ReportSettings = field(default_factory=ReportSettings)
+    supervision: SupervisionSettings = field(default_factory=SupervisionSettings)
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
+    publishing: PublishSettings = field(default_factory=PublishSettings)
+
     def __post_init__(self) -> None:
-        check_values({f.name: getattr(self, f.name) for f in fields(self)}, flag_for)
+        check_values(self.values(), flag_for)
+
+    @classmethod
+    def of(cls, **values: Any) -> TrainSettings:
+        """Settings from flat setting names (``steps``, ``checkpoint_dir``...); the rest
+        take their defaults. An unknown name is a TypeError, as a dataclass's would be."""
+        unknown = sorted(set(values) - set(_TOP) - set(GROUP_OF))
+        if unknown:
+            raise TypeError(f"TrainSettings has no setting {', '.join(unknown)}")
+        groups = {
+            group: kind(**{f.name: values[f.name] for f in fields(kind) if f.name in values})
+            for group, kind in _GROUPS.items()
+        }
+        return cls(**{name: values[name] for name in _TOP if name in values}, **groups)
+
+    def values(self) -> dict[str, Any]:
+        """Every setting by its flat name: what ``of`` takes back."""
+        out = {name: getattr(self, name) for name in _TOP}
+        for group in _GROUPS:
+            out.update(asdict(getattr(self, group)))
+        return out
+
+    def replace(self, **values: Any) -> TrainSettings:
+        """These settings with ``values`` (flat names) changed."""
+        return TrainSettings.of(**{**self.values(), **values})
 
     @property
     def length(self) -> str:
         """How long the run trains, in words: ``1500 steps``, ``2 epoch(s)``, ``following
         GLOB``."""
-        if self.follow:
-            return f"following {self.train_data}"
-        return f"{self.epochs} epoch(s)" if self.epochs else f"{self.steps} steps"
+        if self.data.follow:
+            return f"following {self.data.train_data}"
+        return f"{self.data.epochs} epoch(s)" if self.data.epochs else f"{self.loop.steps} steps"
 
     @property
     def exactly_once_flag(self) -> str:
         """The flag that trains the input exactly once (--follow, --epochs), or ""."""
-        return "--follow" if self.follow else "--epochs" if self.epochs else ""
+        return "--follow" if self.data.follow else "--epochs" if self.data.epochs else ""
 
     @property
     def data_service(self) -> bool:
         """Whether the tf.data service hands out the input (--epochs, --follow): the data,
         not --steps, decides when training ends."""
-        return self.epochs > 0 or self.follow
+        return self.data.epochs > 0 or self.data.follow
 
 
 def _range_fix(name: str, low: int, high: int) -> str:
@@ -258,7 +367,7 @@ def check_values(values: Mapping[str, Any], where: Callable[[str], str]) -> None
     ``where(name)`` names where it came from: ``--steps``, ``PSCTL_STEPS``, ``job.toml:
     train.steps``."""
     for name, value in values.items():
-        kind = _TYPES.get(name)
+        kind = SETTING_TYPES.get(name)
         if kind == "int":
             low, high = _int_range(name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -370,13 +479,18 @@ def parse_duration(text: str, where: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-_TYPES = {f.name: f.type for f in fields(TrainSettings)}
+# Every setting's type, by name: ``{"steps": "int", ...}``.
+SETTING_TYPES: dict[str, str] = {
+    **{f.name: str(f.type) for f in fields(TrainSettings) if f.name in _TOP},
+    **{f.name: str(f.type) for kind in _GROUPS.values() for f in fields(kind)},
+}
 DEFAULTS = TrainSettings()
+_DEFAULT_VALUES = DEFAULTS.values()
 
 
 def default_help(name: str, show: Callable[[Any], str] = str) -> str:
     """``(default 1500)``: a setting's default as help text shows it, from TrainSettings."""
-    return f"(default {show(getattr(DEFAULTS, name))})"
+    return f"(default {show(_DEFAULT_VALUES[name])})"
 
 
 def _toml(value: Any) -> str:
@@ -412,7 +526,7 @@ def _coerce(name: str, value: Any, where: str, *, text: bool) -> Any:
     """``value`` as setting ``name`` holds it. ``text``: a string may spell a number or a
     boolean (flags, PSCTL_*); otherwise (TOML) the value must have the setting's own type:
     a TOML float for a whole number, or a boolean for a path, is an error, not converted."""
-    kind = _TYPES[name]
+    kind = SETTING_TYPES[name]
     is_text = isinstance(value, str)
     if name == "steps_per_execution" and is_text and value.strip(" \t").lower() == AUTO:
         return 0
@@ -515,12 +629,14 @@ def _load_toml(path: str) -> dict[str, tuple[Any, str]]:
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")
-        if name not in _TYPES:
-            close = difflib.get_close_matches(name, _TYPES, n=1)
+        if name not in SETTING_TYPES:
+            close = difflib.get_close_matches(name, SETTING_TYPES, n=1)
             raise ConfigError(
                 f"{path}: {prefix}{key if _KEY.fullmatch(key) else echo(key)}",
                 "is not a setting",
-                f"did you mean {close[0]}?" if close else f"use one of {', '.join(sorted(_TYPES))}",
+                f"did you mean {close[0]}?"
+                if close
+                else f"use one of {', '.join(sorted(SETTING_TYPES))}",
             )
         where = f"{path}: {prefix}{key}"
         out[name] = (_coerce(name, value, where, text=False), where)
@@ -557,7 +673,7 @@ def check_environ(environ: Mapping[str, str]) -> None:
     The one-line error names the closest valid variable: a misspelt setting would otherwise
     be ignored, and the run would quietly use its default.
     """
-    known = {env_name(name) for name in _TYPES} | set(OTHER_ENV)
+    known = {env_name(name) for name in SETTING_TYPES} | set(OTHER_ENV)
     # Compared without the prefix: every name shares it, which makes any two look alike.
     suffixes = {name.removeprefix(ENV_PREFIX): name for name in known}
     for key in sorted(environ):
@@ -589,12 +705,12 @@ def resolve_settings(
     if config_file:
         for name, (value, where) in _load_toml(config_file).items():
             merged[name], source[name] = value, where
-    for name in _TYPES:
+    for name in SETTING_TYPES:
         key = env_name(name)
         if env.get(key):
             merged[name], source[name] = _coerce(name, env[key], key, text=True), key
     for name, value in flags.items():
-        if value is not None and name in _TYPES:
+        if value is not None and name in SETTING_TYPES:
             where = flag_for(name)
             merged[name], source[name] = _coerce(name, value, where, text=True), where
     if merged.get("follow") and "steps" in merged:
@@ -604,6 +720,5 @@ def resolve_settings(
             "drop it: follow mode trains each new file once until --idle-timeout or a stop",
         )
     # Checked here, to name where each value came from; TrainSettings checks them again.
-    values = {name: getattr(DEFAULTS, name) for name in _TYPES}
-    check_values({**values, **merged}, lambda name: source.get(name, flag_for(name)))
-    return TrainSettings(**merged)
+    check_values({**_DEFAULT_VALUES, **merged}, lambda name: source.get(name, flag_for(name)))
+    return TrainSettings.of(**merged)

@@ -227,7 +227,7 @@ def _train_env(unit: str) -> str:
         **_NAMES,
         unit=unit,
         job=DEFAULTS.job,
-        steps=DEFAULTS.steps,
+        steps=DEFAULTS.loop.steps,
         control_address=CONTROL_ADDRESS,
         default_config_dir=DEFAULT_CONFIG_DIR,
         coordinator_metrics_port=COORDINATOR_METRICS_PORT,

@@ -92,7 +92,10 @@ class TablePlan:
 
     @classmethod
     def of(cls, settings: TrainSettings) -> TablePlan:
-        return cls(min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards)
+        return cls(
+            min_shard_bytes=settings.placement.min_shard_bytes,
+            max_shards=settings.placement.max_shards,
+        )
 
     def wants(self, layer: Any) -> bool:
         itemsize = np.dtype(keras.backend.standardize_dtype(layer.variable_dtype)).itemsize
@@ -103,10 +106,10 @@ class TablePlan:
 
 def partitioner(settings: TrainSettings) -> Callable[..., list[int]] | None:
     """The strategy's ``variable_partitioner``: splits psctl tables only."""
-    if settings.max_shards <= 1:
+    if settings.placement.max_shards <= 1:
         return None
     split = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=settings.min_shard_bytes, max_shards=settings.max_shards
+        min_shard_bytes=settings.placement.min_shard_bytes, max_shards=settings.placement.max_shards
     )
 
     def partition(shape: Any, dtype: Any, axis: int = 0) -> list[int]:

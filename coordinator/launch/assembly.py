@@ -177,7 +177,7 @@ def supervise_train(
         if serve_control and settings.strategy == "async" and getattr(args, "cluster", None):
             cluster_file = ClusterFile(
                 args.cluster,
-                timeout=settings.connect_timeout,
+                timeout=settings.supervision.connect_timeout,
                 exactly_once=settings.exactly_once_flag,
             )
 
@@ -192,11 +192,11 @@ def supervise_train(
                 preexec_fn=die_with_parent(LAUNCHER_GONE),
             )
 
-        if serve_control and not settings.checkpoint_dir:  # once, not at every restart
+        if serve_control and not settings.checkpoints.checkpoint_dir:  # once, not at every restart
             log.warning("%s", NO_CHECKPOINTS)
         return assembly.run(
             start,
-            policy=RestartPolicy(max_restarts=settings.max_restarts),
+            policy=RestartPolicy(max_restarts=settings.supervision.max_restarts),
             finish_after_stop=settings.strategy == "async",
             resizing=None if cluster_file is None else cluster_file_resizes(cluster_file, settings),
         )
@@ -218,7 +218,7 @@ def cluster_file_resizes(cluster_file: ClusterFile, settings: TrainSettings) -> 
         prepare=cluster_file.prepare,
         cluster=lambda: cluster_file.cluster,
         without=cluster_file.without,
-        checkpoints=bool(settings.checkpoint_dir),
+        checkpoints=bool(settings.checkpoints.checkpoint_dir),
         watch=watch,
     )
 

@@ -743,7 +743,7 @@ def local_ps_main(
             try:
                 return assembly.run(
                     start,
-                    policy=RestartPolicy(max_restarts=settings.max_restarts),
+                    policy=RestartPolicy(max_restarts=settings.supervision.max_restarts),
                     tick=local.restart_failed_servers,
                     counters=local.counters,
                     finish_after_stop=True,
@@ -755,7 +755,7 @@ def local_ps_main(
                         ),
                         cluster=lambda: local.cluster,
                         without=lambda tasks: local.mark_left([address for _, _, address in tasks]),
-                        checkpoints=bool(settings.checkpoint_dir),
+                        checkpoints=bool(settings.checkpoints.checkpoint_dir),
                     ),
                 )
             finally:

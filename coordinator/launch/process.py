@@ -88,7 +88,7 @@ def let_workers_leave(
     if settings.strategy != "async" or settings.data_service:
         return
     control.on_task_leaving = lambda task: leave_cluster(control, counters, task, metrics)
-    control.drop_after = settings.drop_after
+    control.drop_after = settings.elastic.drop_after
 
 
 def leave_cluster(
@@ -179,10 +179,10 @@ def run_training_process(
     failures = FailurePolicy()
     control = JobControl(
         job=settings.job,
-        target_steps=0 if settings.data_service else settings.steps,  # 0: the data decides
-        steps_per_execution=settings.steps_per_execution,
+        target_steps=0 if settings.data_service else settings.loop.steps,  # 0: the data decides
+        steps_per_execution=settings.loop.steps_per_execution,
         tasks=tasks,
-        can_checkpoint=serve_control and bool(settings.checkpoint_dir),
+        can_checkpoint=serve_control and bool(settings.checkpoints.checkpoint_dir),
         on_state=metrics.set_state if metrics else None,
     )
     control.recoveries = counters.restarts + counters.task_recoveries
@@ -246,7 +246,9 @@ def run_training_process(
         bad_record = bad_records.as_config_error(error)  # one line naming the file and line
         if bad_record is not None:
             error = bad_record
-        code = end_on_error(error, control, failures, recovery_timeout=settings.recovery_timeout)
+        code = end_on_error(
+            error, control, failures, recovery_timeout=settings.supervision.recovery_timeout
+        )
         if code == 0 and serve_control:  # stopped while a lost ps stayed down: no evaluation
             return complete(
                 kept_summary(settings, control),

@@ -15,7 +15,7 @@ log = logging.getLogger("psctl.export")
 
 def export_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     settings = resolve_settings(flags=flags, config_file=args.config)
-    if not settings.checkpoint_dir and not args.checkpoint and not args.requests:
+    if not settings.checkpoints.checkpoint_dir and not args.checkpoint and not args.requests:
         raise ConfigError(
             "--checkpoint-dir", "is required", "give the training run's checkpoint directory"
         )

@@ -80,7 +80,7 @@ def resolve(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[TrainSetti
         flags = {**flags, "checkpoint_dir": os.path.dirname(os.path.abspath(chosen))
                  if "://" not in chosen else chosen.rsplit("/", 1)[0]}  # fmt: skip
     settings = resolve_settings(flags=flags, config_file=args.config)
-    if not settings.checkpoint_dir:
+    if not settings.checkpoints.checkpoint_dir:
         raise ConfigError(
             "--checkpoint-dir", "is required", "give the training run's checkpoint directory"
         )
@@ -98,7 +98,7 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     from psctl.coordinator.job import load_job
 
     job = load_job(settings.job)
-    paths = _chosen_checkpoints(args, settings.checkpoint_dir)
+    paths = _chosen_checkpoints(args, settings.checkpoints.checkpoint_dir)
     if job.eval_dataset_fn is None:
         raise ConfigError(
             f"--job {settings.job}",
@@ -110,13 +110,13 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         SignalRelay(lambda _signum: stop.set(), [signal.SIGTERM])
     sidecar = SidecarEvaluator(job, settings, logdir=args.logdir or "")
     summary = EvaluateSummary(
-        job=settings.job, checkpoint_dir=settings.checkpoint_dir, final_step=final_step
+        job=settings.job, checkpoint_dir=settings.checkpoints.checkpoint_dir, final_step=final_step
     )
     if paths is not None:
         return _evaluate_each(sidecar, summary, paths, args)
     log.info(
         "watching %s for checkpoints (job %s%s)",
-        settings.checkpoint_dir,
+        settings.checkpoints.checkpoint_dir,
         settings.job,
         f", final step {final_step}" if final_step else "",
     )
@@ -146,7 +146,7 @@ def evaluate_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         write_json(summary, args.summary_json)
     if not summary.evaluations and reason == "timeout":
         print(
-            f"psctl: error: no checkpoint appeared in {settings.checkpoint_dir} "
+            f"psctl: error: no checkpoint appeared in {settings.checkpoints.checkpoint_dir} "
             f"within {args.timeout:g}s",
             file=sys.stderr,
         )

@@ -54,7 +54,11 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     workdir, flags = prepare_local(args, flags)
     settings = resolve_settings(flags=flags, config_file=args.config)
     check_job_found(settings.job)
-    check_output_dirs(settings.checkpoint_dir, settings.summary_json, settings.export_dir)
+    check_output_dirs(
+        settings.checkpoints.checkpoint_dir,
+        settings.reporting.summary_json,
+        settings.publishing.export_dir,
+    )
     with job_network(args, os.environ):
         return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)
 

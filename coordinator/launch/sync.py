@@ -81,7 +81,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train --strategy sync`: this worker's training process, supervised."""
     full, index, source = resolve_sync_cluster(args.cluster, getattr(args, "task_index", None))
     if index == 0:  # the only one that writes them
-        check_output_dirs(settings.checkpoint_dir, settings.summary_json)
+        check_output_dirs(settings.checkpoints.checkpoint_dir, settings.reporting.summary_json)
     if not args.once:
         return supervise_train(args, settings, serve_control=index == 0)
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
@@ -117,7 +117,7 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
             cluster.with_chief(str(address.with_port(metrics_port))),
             counters,
             # A sync step reads a batch on every worker: examples are counted per step so.
-            examples_per_step=settings.batch_size * cluster.num_workers,
+            examples_per_step=settings.loop.batch_size * cluster.num_workers,
         )
     elif metrics_port:
         process_metrics = start_worker_metrics(metrics_port, host=host, index=index)
@@ -248,11 +248,11 @@ def _train(
         cluster.num_workers,
         cluster.task_address("worker", index),
         settings.length,
-        settings.batch_size,
+        settings.loop.batch_size,
     )
     # Before the job is loaded: a job that runs TensorFlow ops when imported would set up
     # the eager context before the strategy could configure collectives (seen: ctr).
-    strategy = sync_strategy(cluster, index, connect_timeout=settings.connect_timeout)
+    strategy = sync_strategy(cluster, index, connect_timeout=settings.supervision.connect_timeout)
     if health is not None:
         health.set_serving(True)
     # Again: TensorFlow's coordination service (started with the strategy) takes SIGTERM
@@ -499,7 +499,9 @@ def local_sync_main(
         ) as assembly:
             job.control_address = assembly.address
             try:
-                job.start(flags, args, assembly.security, max_restarts=settings.max_restarts)
+                job.start(
+                    flags, args, assembly.security, max_restarts=settings.supervision.max_restarts
+                )
                 return job.wait()
             finally:
                 job.stop()

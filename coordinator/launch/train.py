@@ -142,7 +142,9 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train` in the parameter-server mode: the coordinator, supervised."""
     cluster, source = resolve_chief_cluster(args.cluster)
     check_output_dirs(
-        settings.checkpoint_dir, settings.summary_json, settings.export_dir
+        settings.checkpoints.checkpoint_dir,
+        settings.reporting.summary_json,
+        settings.publishing.export_dir,
     )  # not after training
     dispatcher = None
     if settings.data_service:
@@ -170,7 +172,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     metrics = start_metrics(metrics_port, settings, cluster, counters)
     netns.enter()  # the side ports are open: from here on, TensorFlow's side
     try:
-        wait_for_tf_ports(cluster, timeout=settings.connect_timeout, tick=early.die)
+        wait_for_tf_ports(cluster, timeout=settings.supervision.connect_timeout, tick=early.die)
     except Unreachable as err:
         # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
         # systemd nor Kubernetes starts the job again (docs/operations.md).
@@ -216,8 +218,8 @@ def _train(
         cluster.num_workers,
         source,
         settings.length,
-        settings.batch_size,
-        show_steps_per_execution(settings.steps_per_execution),
+        settings.loop.batch_size,
+        show_steps_per_execution(settings.loop.steps_per_execution),
     )
     trainer = Trainer(
         job=job,

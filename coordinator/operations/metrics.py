@@ -513,7 +513,7 @@ def start_metrics(
         job=settings.job,
         num_workers=cluster.num_workers,
         num_ps=cluster.num_ps,
-        batch_size=settings.batch_size,
+        batch_size=settings.loop.batch_size,
         examples_per_step=examples_per_step,
         sync=settings.strategy == "sync",
     )

@@ -120,19 +120,19 @@ def status_and_checkpoints(
     start_step: int,
 ) -> tuple[PublishStatus, list[Action]]:
     """The chief's status action (progress lines on stderr) and the actions a loop starts
-    with: that status, then a checkpoint every ``settings.checkpoint_every`` steps."""
+    with: that status, then a checkpoint every ``settings.checkpoints.checkpoint_every`` steps."""
     progress = Progress(total=progress_total, start=start_step, stream=sys.stderr)
     status = PublishStatus(
         state=state,
         publisher=publisher,
         progress=progress,
-        every=min(STATUS_EVERY, settings.log_every),
-        log_every=settings.log_every,
+        every=min(STATUS_EVERY, settings.reporting.log_every),
+        log_every=settings.reporting.log_every,
         batch_size=batch_size,
         start_step=start_step,
     )
     checkpoints = CheckpointEvery(
-        checkpointer, every=settings.checkpoint_every, start_step=start_step
+        checkpointer, every=settings.checkpoints.checkpoint_every, start_step=start_step
     )
     return status, [status, checkpoints]
 

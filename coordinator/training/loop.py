@@ -24,7 +24,6 @@ the time the loop ran minus the time it was paused, in both strategies.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
@@ -349,7 +348,7 @@ class TrainerBase:
         self.settings = (
             settings
             if is_chief
-            else dataclasses.replace(settings, checkpoint_dir="", logdir="", summary_json="")
+            else settings.replace(checkpoint_dir="", logdir="", summary_json="")
         )
 
     def attach_state(
@@ -368,7 +367,7 @@ class TrainerBase:
         self.publisher = Publisher(
             control=self.control,
             metrics=self.metrics,
-            logdir=self.settings.logdir,
+            logdir=self.settings.reporting.logdir,
             batch_size=self.examples_per_step,
         )
         self.state = state
@@ -505,7 +504,8 @@ def _data_ended(trainer: TrainerBase) -> ConfigError:
         kept = f"the {step} steps trained are in {path}"
     return ConfigError(
         f"--job {trainer.job.name}",
-        f"dataset_fn's dataset ran out at global step {step} of {trainer.settings.steps} ({kept})",
+        f"dataset_fn's dataset ran out at global step {step} of "
+        f"{trainer.settings.loop.steps} ({kept})",
         "repeat() the training data in dataset_fn (psctl trains --steps steps), or give "
         "--epochs N to train whole passes over it",
     )
@@ -564,7 +564,7 @@ def end_run(
         train_seconds=train_seconds,
         num_workers=trainer.num_workers,
         num_ps=trainer.num_ps,
-        batch_size=settings.batch_size,
+        batch_size=settings.loop.batch_size,
         steps_per_execution=steps_per_execution,
         checkpoint=checkpoint,
         stopped_early=program.stopped_early(final_step),

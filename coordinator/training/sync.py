@@ -207,8 +207,8 @@ class SyncProgram(DefaultProgram):
         self.index = index
         self.dataset = dataset
         self.steps_per_epoch = steps_per_epoch
-        if rt.settings.epochs:
-            self.target = self.progress_total = rt.settings.epochs * steps_per_epoch
+        if rt.settings.data.epochs:
+            self.target = self.progress_total = rt.settings.data.epochs * steps_per_epoch
 
     def make_iterator(self) -> Any:
         return iter(self.rt.strategy.distribute_datasets_from_function(lambda _: self.dataset))
@@ -317,7 +317,7 @@ class ChiefEvalEvery:
                 "define eval_dataset_fn(ctx) in the job, or drop --eval-every",
             )
         self.job, self.settings, self.state, self.publisher = job, settings, state, publisher
-        self.every = settings.eval_every
+        self.every = settings.evaluation.eval_every
         self.next_step = (start_step // self.every + 1) * self.every
 
     def __call__(self, loop: Any) -> None:
@@ -351,7 +351,7 @@ class SyncTrainer(TrainerBase):
         # Worker 0 is the chief; a step reads a batch on every worker; no ps.
         super().__init__(
             job, cluster, settings, control, metrics, hooks,
-            is_chief=index == 0, examples_per_step=settings.batch_size * cluster.num_workers,
+            is_chief=index == 0, examples_per_step=settings.loop.batch_size * cluster.num_workers,
             num_ps=0,
         )  # fmt: skip
         self.index = index
@@ -384,15 +384,20 @@ class SyncTrainer(TrainerBase):
     def _dataset(self) -> tuple[Any, int]:
         """This worker's training data, and with ``--epochs`` the steps of one pass."""
         s, n, i = self.settings, self.num_workers, self.index
-        if not s.epochs:
+        if not s.data.epochs:
             ctx = DataContext.from_settings(
-                s, worker_index=tf.constant(i, tf.int64), num_workers=n, batch_size=s.batch_size
+                s,
+                worker_index=tf.constant(i, tf.int64),
+                num_workers=n,
+                batch_size=s.loop.batch_size,
             )
             return shard_for(self.job.dataset_fn(ctx), i, n), 0
         # One pass over all the data, its batches dealt out over the workers: every
         # example once per epoch, but the last few batches of a pass that do not fill a
         # step for every worker.
-        whole = DataContext.from_settings(s, worker_index=0, num_workers=1, batch_size=s.batch_size)
+        whole = DataContext.from_settings(
+            s, worker_index=0, num_workers=1, batch_size=s.loop.batch_size
+        )
         dataset = self.job.dataset_fn(dataclasses.replace(whole, one_pass=True))
         if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
             raise ConfigError(
@@ -449,7 +454,7 @@ class SyncTrainer(TrainerBase):
             self.rt, index=self.index, dataset=self.dataset, steps_per_epoch=self.steps_per_epoch
         )
         actions: list[Action] = []
-        if self.is_chief and s.eval_every:
+        if self.is_chief and s.evaluation.eval_every:
             actions.append(
                 ChiefEvalEvery(self.job, s, state, self.publisher, start_step=start_step)
             )

@@ -65,7 +65,7 @@ class Trainer(TrainerBase):
         # The coordinator reports, checkpoints and evaluates; a call's steps read a batch each.
         super().__init__(
             job, cluster, settings, control, metrics, hooks,
-            is_chief=True, examples_per_step=settings.batch_size, num_ps=cluster.num_ps,
+            is_chief=True, examples_per_step=settings.loop.batch_size, num_ps=cluster.num_ps,
         )  # fmt: skip
         self.data_dispatcher = data_dispatcher
         self.policy = policy or FailurePolicy()
@@ -74,9 +74,9 @@ class Trainer(TrainerBase):
         # The element spec, from a dataset built here but never iterated, tells the
         # model's input shape and which accuracy fits the labels.
         ctx = DataContext.from_settings(
-            s, worker_index=0, num_workers=self.num_workers, batch_size=s.batch_size
+            s, worker_index=0, num_workers=self.num_workers, batch_size=s.loop.batch_size
         )
-        self.follow = FollowInput(s, control, metrics) if s.follow else None
+        self.follow = FollowInput(s, control, metrics) if s.data.follow else None
         if self.follow is not None:  # the first complete partition's files tell the spec
             ctx = dataclasses.replace(ctx, train_data=file_list(list(self.follow.first.files)))
         x_spec, y_spec = job.dataset_fn(ctx).element_spec[:2]
@@ -112,13 +112,13 @@ class Trainer(TrainerBase):
                 step=self.state.step,
                 serve_requests=self.checkpointer.serve_requests,
             )
-        if self.settings.epochs:
+        if self.settings.data.epochs:
             return EpochProgram(
                 self.rt,
                 dispatcher=self.data_dispatcher,
                 worker_failures=lambda: self.control.failure_counts().get("worker", 0),
             )
-        if self.settings.update_mode == "local":
+        if self.settings.loop.update_mode == "local":
             return LocalStepProgram(self.rt)
         return DefaultProgram(self.rt)
 
@@ -133,13 +133,13 @@ class Trainer(TrainerBase):
             follow.resume(start_step)
         program = self.program = self._program()
         publisher = None
-        if s.export_every:
+        if s.publishing.export_every:
             publisher = VersionPublisher(
                 settings=s,
                 checkpointer=self.checkpointer,
                 control=self.control,
                 metrics=self.metrics,
-                train_data=follow.newest_files if follow is not None else lambda: s.train_data,
+                train_data=follow.newest_files if follow is not None else lambda: s.data.train_data,
             )
             publisher.start()
             if follow is not None:
@@ -150,9 +150,13 @@ class Trainer(TrainerBase):
             actions.append(
                 Evict(state.dynamic_layers, step=state.step, publish=self.publisher.tables)
             )
-        if s.eval_every:
+        if s.evaluation.eval_every:
             evals = InlineEval(
-                self.rt, self.publisher, self.policy, every=s.eval_every, start_step=start_step
+                self.rt,
+                self.publisher,
+                self.policy,
+                every=s.evaluation.eval_every,
+                start_step=start_step,
             )
             actions.append(EvalEvery(evals))
         runner = ScheduledRunner(
@@ -161,8 +165,8 @@ class Trainer(TrainerBase):
             start_step=start_step,
             coordinator=self.coordinator,
             policy=self.policy,
-            max_in_flight=s.max_in_flight or IN_FLIGHT_PER_WORKER * self.num_workers,
-            stall_timeout=s.stall_timeout,
+            max_in_flight=s.loop.max_in_flight or IN_FLIGHT_PER_WORKER * self.num_workers,
+            stall_timeout=s.loop.stall_timeout,
         )
 
         def evaluate(step: int, checkpoint: str | None) -> dict[str, float]:

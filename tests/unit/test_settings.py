@@ -7,7 +7,6 @@ import math
 import os
 import re
 import subprocess
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from psctl.coordinator.settings import (
     INT32_MAX,
     MAX_STEP,
     OTHER_ENV,
+    SETTING_TYPES,
     TrainSettings,
     check_environ,
     default_help,
@@ -43,7 +43,7 @@ def test_layers_in_order(tmp_path: Path):
     s = resolve_settings(
         flags={"seed": 5}, config_file=str(cfg), environ={"PSCTL_BATCH_SIZE": "16"}
     )
-    assert (s.steps, s.batch_size, s.seed) == (10, 16, 5)
+    assert (s.loop.steps, s.loop.batch_size, s.loop.seed) == (10, 16, 5)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def test_unknown_env_without_a_close_name():
 
 
 def test_known_env_is_accepted():
-    environ = {env_name(f.name): "" for f in fields(TrainSettings)}
+    environ = {env_name(name): "" for name in SETTING_TYPES}
     environ.update(dict.fromkeys(OTHER_ENV, "x"))
     environ.update({"PATH": "/bin", "psctl_lower": "not ours", "TF_CONFIG": "{}"})
     check_environ(environ)
@@ -172,7 +172,7 @@ def test_a_key_outside_the_train_table_is_an_error(tmp_path: Path):
         resolve_settings(flags={}, config_file=str(cfg), environ={})
     cfg.write_text("steps = 20\nbatch_size = 32\n")
     settings = resolve_settings(flags={}, config_file=str(cfg), environ={})
-    assert (settings.steps, settings.batch_size) == (20, 32)
+    assert (settings.loop.steps, settings.loop.batch_size) == (20, 32)
 
 
 def test_invalid_toml(tmp_path: Path):
@@ -188,23 +188,23 @@ def test_missing_toml():
 
 
 def test_flag_names_round_trip():
-    for f in fields(TrainSettings):
-        assert setting_name(flag_for(f.name)) == f.name
+    for name in SETTING_TYPES:
+        assert setting_name(flag_for(name)) == name
     assert flag_for("batch_size") == "--batch-size"
     args = argparse.Namespace(batch_size=8, seed=None)
     assert flag_values(args, ["--batch-size", "--seed"]) == {"batch_size": 8, "seed": None}
 
 
 def test_train_flags_are_settings():
-    names = {f.name for f in fields(TrainSettings)}
+    names = set(SETTING_TYPES)
     assert {setting_name(flag) for flag, _ in TRAIN_FLAGS} <= names
 
 
 def test_help_shows_the_defaults_train_settings_hold():
-    assert default_help("steps") == f"(default {TrainSettings().steps})"
+    assert default_help("steps") == f"(default {TrainSettings().loop.steps})"
     assert default_help("log_every", "{:g}".format) == "(default 5)"
     helps = {flag: text for flag, text in TRAIN_FLAGS}
-    assert helps["--steps"].endswith(f"(default {DEFAULTS.steps})")
+    assert helps["--steps"].endswith(f"(default {DEFAULTS.loop.steps})")
     assert helps["--min-shard-bytes"].endswith("(default 256 KiB)")
     assert helps["--max-in-flight"].endswith("(default 4 per worker)")
     commands = next(a for a in build_parser()._actions if a.choices)
@@ -216,7 +216,7 @@ def test_help_shows_the_defaults_train_settings_hold():
 
 
 def test_data_context_from_settings():
-    settings = TrainSettings(seed=7, train_data="t*", eval_data="e*", label_column="y")
+    settings = TrainSettings.of(seed=7, train_data="t*", eval_data="e*", label_column="y")
     ctx = DataContext.from_settings(settings, worker_index=1, num_workers=3, batch_size=16)
     assert ctx == DataContext(
         worker_index=1,
@@ -261,9 +261,13 @@ def test_the_largest_values_fit_the_control_api():
     Status message, one past them does not."""
     from psctl.control.v1 import control_pb2
 
-    s = TrainSettings(steps=MAX_STEP, steps_per_execution=INT32_MAX, checkpoint_every=MAX_STEP)
-    control_pb2.Status(global_step=s.steps, target_steps=s.steps, eval_step=s.checkpoint_every)
-    control_pb2.Status(steps_per_execution=s.steps_per_execution)
+    s = TrainSettings.of(steps=MAX_STEP, steps_per_execution=INT32_MAX, checkpoint_every=MAX_STEP)
+    control_pb2.Status(
+        global_step=s.loop.steps,
+        target_steps=s.loop.steps,
+        eval_step=s.checkpoints.checkpoint_every,
+    )
+    control_pb2.Status(steps_per_execution=s.loop.steps_per_execution)
     with pytest.raises(ValueError):
         control_pb2.Status(steps_per_execution=INT32_MAX + 1)
     with pytest.raises(ValueError):
@@ -297,8 +301,8 @@ def test_toml_ints_for_floats_and_auto_are_fine(tmp_path: Path):
     cfg = tmp_path / "job.toml"
     cfg.write_text('[train]\nlocal_scale = 2\nlog_every = 1\nsteps_per_execution = "Auto"\n')
     s = resolve_settings(flags={}, config_file=str(cfg), environ={})
-    assert (s.local_scale, s.log_every, s.steps_per_execution) == (2.0, 1.0, 0)
-    assert isinstance(s.local_scale, float)
+    assert (s.loop.local_scale, s.reporting.log_every, s.loop.steps_per_execution) == (2.0, 1.0, 0)
+    assert isinstance(s.loop.local_scale, float)
     cfg.write_text("steps = 0\n")  # no [train] table: the whole file, named without "train."
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(cfg))}: steps: got 0"):
         resolve_settings(flags={}, config_file=str(cfg), environ={})
@@ -322,7 +326,7 @@ def test_toml_ints_for_floats_and_auto_are_fine(tmp_path: Path):
 def test_env_whole_numbers_are_ascii_digits(value: str, ok: int | None):
     environ = {"PSCTL_STEPS": value}
     if ok is not None:
-        assert resolve_settings(flags={}, config_file=None, environ=environ).steps == ok
+        assert resolve_settings(flags={}, config_file=None, environ=environ).loop.steps == ok
         return
     with pytest.raises(ConfigError) as err:
         resolve_settings(flags={}, config_file=None, environ=environ)
@@ -335,7 +339,7 @@ def test_env_floats_are_finite_ascii_numbers(value: str):
         resolve_settings(flags={}, config_file=None, environ={"PSCTL_LOG_EVERY": value})
     good = {"PSCTL_LOG_EVERY": "2", "PSCTL_LOCAL_SCALE": ".5e1"}
     s = resolve_settings(flags={}, config_file=None, environ=good)
-    assert (s.log_every, s.local_scale) == (2.0, 5.0)
+    assert (s.reporting.log_every, s.loop.local_scale) == (2.0, 5.0)
 
 
 def test_every_error_names_where_the_value_came_from(tmp_path: Path):
@@ -418,7 +422,7 @@ def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
     assert problem in str(err.value) and len(str(err.value)) < 250, str(err.value)
     good = build_parser().parse_args(["train", "--steps", " 12", "--steps-per-execution", "Auto"])
     s = resolve_settings(flags=train_flag_values(good), config_file=None, environ={})
-    assert (s.steps, s.steps_per_execution) == (12, 0)
+    assert (s.loop.steps, s.loop.steps_per_execution) == (12, 0)
 
 
 @pytest.mark.parametrize(
@@ -504,7 +508,11 @@ def test_supervision_flags_are_settings_under_systemd_too():
     env file sets them as PSCTL_* (deploy.md), a --config file as [train] keys."""
     env = {"PSCTL_CONNECT_TIMEOUT": "5", "PSCTL_MAX_RESTARTS": "3", "PSCTL_RECOVERY_TIMEOUT": "9"}
     s = resolve_settings(flags={}, config_file=None, environ=env)
-    assert (s.connect_timeout, s.max_restarts, s.recovery_timeout) == (5.0, 3, 9.0)
+    assert (
+        s.supervision.connect_timeout,
+        s.supervision.max_restarts,
+        s.supervision.recovery_timeout,
+    ) == (5.0, 3, 9.0)
     with pytest.raises(ConfigError, match="PSCTL_MAX_RESTARTS: got -1"):
         resolve_settings(flags={}, config_file=None, environ={"PSCTL_MAX_RESTARTS": "-1"})
 
@@ -522,8 +530,28 @@ def test_psctl_local_takes_the_config_files_places_over_its_work_dirs(tmp_path: 
     args = build_parser().parse_args([*argv, "--config", str(cfg)])
     _, flags = prepare_local(args, train_flag_values(args))
     settings = resolve_settings(flags=flags, config_file=str(cfg), environ={})
-    assert settings.checkpoint_dir == str(tmp_path / "ckpt")
-    assert settings.logdir == str(tmp_path / "w" / "tensorboard")  # not in the file
+    assert settings.checkpoints.checkpoint_dir == str(tmp_path / "ckpt")
+    assert settings.reporting.logdir == str(tmp_path / "w" / "tensorboard")  # not in the file
     args = build_parser().parse_args([*argv, "--config", str(cfg), "--checkpoint-dir", "x"])
     _, flags = prepare_local(args, train_flag_values(args))
-    assert resolve_settings(flags=flags, config_file=str(cfg), environ={}).checkpoint_dir == "x"
+    assert (
+        resolve_settings(flags=flags, config_file=str(cfg), environ={}).checkpoints.checkpoint_dir
+        == "x"
+    )
+
+
+def test_settings_are_grouped_by_concern_and_built_from_flat_names():
+    """Every setting lives in one group, under the name its flag, PSCTL_* variable and TOML
+    key use; TrainSettings.of and values() go between the two spellings."""
+    s = TrainSettings.of(steps=7, checkpoint_dir="c", eval_every=3, export_keep=2, follow=False)
+    assert (s.loop.steps, s.checkpoints.checkpoint_dir, s.evaluation.eval_every) == (7, "c", 3)
+    assert s.publishing.export_keep == 2
+    assert TrainSettings.of(**s.values()) == s
+    assert set(s.values()) == set(SETTING_TYPES)
+    changed = s.replace(checkpoint_dir="", logdir="t")
+    assert (changed.checkpoints.checkpoint_dir, changed.reporting.logdir) == ("", "t")
+    assert changed.loop.steps == 7 and s.checkpoints.checkpoint_dir == "c"
+    with pytest.raises(TypeError, match="no setting stepz"):
+        TrainSettings.of(stepz=1)
+    with pytest.raises(ConfigError, match="--steps: got 0"):
+        TrainSettings.of(steps=0)  # each group's values are checked as before

@@ -96,16 +96,16 @@ def evaluate_elsewhere(settings: TrainSettings, checkpoint: str) -> dict[str, fl
         "--job",
         s.job,
         "--eval-batch-size",
-        str(s.eval_batch_size),
+        str(s.evaluation.eval_batch_size),
         "--seed",
-        str(s.seed),
+        str(s.loop.seed),
         "--label-column",
-        s.label_column,
+        s.data.label_column,
         "--summary-json",
         str(out),
     )
-    if s.eval_data:
-        argv += ["--eval-data", s.eval_data]
+    if s.data.eval_data:
+        argv += ["--eval-data", s.data.eval_data]
     log.info("a task is frozen: evaluating %s in a separate process", checkpoint)
     try:
         subprocess.run(argv, check=True, timeout=600, stdin=subprocess.DEVNULL)

@@ -73,7 +73,7 @@ class InlineEval:
     def _make_fn(self) -> Any:
         rt, shards = self.rt, self.num_shards
         model, loss_fn, eval_dataset_fn = rt.state.model, rt.job.loss_fn, rt.job.eval_dataset_fn
-        mean_metrics, batch_size = rt.state.mean_metrics, rt.settings.eval_batch_size
+        mean_metrics, batch_size = rt.state.mean_metrics, rt.settings.evaluation.eval_batch_size
         others = self.others
         assert eval_dataset_fn is not None  # checked in __init__
 

@@ -67,7 +67,7 @@ class SidecarEvaluator:
     def latest_checkpoint(self) -> str | None:
         """The newest checkpoint by its files (``ckpt-<step>.index``), whatever the state
         file says: a garbage state file does not hide the trainer's checkpoints."""
-        found = checkpoints_in(self.settings.checkpoint_dir)
+        found = checkpoints_in(self.settings.checkpoints.checkpoint_dir)
         return found[0].prefix if found else None
 
     def evaluate_checkpoint(self, path: str) -> Evaluation | None:

@@ -42,13 +42,13 @@ def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[st
 
     Returns warnings: a dataset that every worker reads alike (``same_data_warning``)."""
     ctx = DataContext.from_settings(
-        settings, worker_index=0, num_workers=num_workers, batch_size=settings.batch_size
+        settings, worker_index=0, num_workers=num_workers, batch_size=settings.loop.batch_size
     )
-    if settings.follow:  # the first complete partition's files, if one is there yet
+    if settings.data.follow:  # the first complete partition's files, if one is there yet
         watcher = PartitionWatcher(
-            settings.train_data,
-            marker=settings.follow_marker,
-            settle_seconds=settings.settle_seconds,
+            settings.data.train_data,
+            marker=settings.data.follow_marker,
+            settle_seconds=settings.data.settle_seconds,
         )
         ready = watcher.look(()).ready
         if not ready:  # the training process checks the first partition when it lands
@@ -60,7 +60,7 @@ def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[st
     warnings = []
     if num_workers > 1 and not settings.data_service:  # the tf.data service splits it
         second = DataContext.from_settings(
-            settings, worker_index=1, num_workers=num_workers, batch_size=settings.batch_size
+            settings, worker_index=1, num_workers=num_workers, batch_size=settings.loop.batch_size
         )
         warning = same_data_warning(
             job.name,
@@ -82,7 +82,10 @@ def check_job(job: Job, settings: TrainSettings, *, num_workers: int) -> list[st
         check_features(declared, x_spec, job=job.name, source="dataset_fn")
         if job.eval_dataset_fn is not None:
             eval_ctx = DataContext.from_settings(
-                settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
+                settings,
+                worker_index=0,
+                num_workers=1,
+                batch_size=settings.evaluation.eval_batch_size,
             )
             eval_x = job.eval_dataset(eval_ctx).element_spec[0]
             check_features(declared, eval_x, job=job.name, source="eval_dataset_fn")

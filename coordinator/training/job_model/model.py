@@ -79,7 +79,7 @@ class JobModel:
         if job.eval_dataset_fn is None:
             return
         ctx = DataContext.from_settings(
-            settings, worker_index=0, num_workers=1, batch_size=settings.eval_batch_size
+            settings, worker_index=0, num_workers=1, batch_size=settings.evaluation.eval_batch_size
         )
         self.check(job.eval_dataset(ctx).element_spec[0], "eval_dataset_fn")
 
@@ -274,7 +274,7 @@ def _check_dynamic(settings: TrainSettings) -> None:
             "DynamicEmbedding tables live on the ps tasks: sync mode has none",
             "use --strategy async, or FeatureEmbedding (a fixed hashed table) in sync mode",
         )
-    if settings.update_mode == "local":
+    if settings.loop.update_mode == "local":
         raise ConfigError(
             "--update-mode",
             "local steps keep a copy of the variables on the worker, which a dynamic table "

@@ -109,7 +109,11 @@ def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
     values last published. Written, so that --summary-json is never an earlier run's."""
     from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
 
-    found = checkpoints_in(settings.checkpoint_dir) if settings.checkpoint_dir else []
+    found = (
+        checkpoints_in(settings.checkpoints.checkpoint_dir)
+        if settings.checkpoints.checkpoint_dir
+        else []
+    )
     view = control.view()
     board = view.board
     workers = sum(t.type == "worker" for t in view.tasks)
@@ -128,7 +132,7 @@ def kept_summary(settings: TrainSettings, control: JobControl) -> Summary:
         train_seconds=0.0,
         num_workers=workers,
         num_ps=sum(t.type == "ps" for t in view.tasks),
-        batch_size=settings.batch_size,
+        batch_size=settings.loop.batch_size,
         steps_per_execution=view.steps_per_execution,
         checkpoint=found[0].prefix if found else None,
         stopped_early=True,
@@ -169,9 +173,9 @@ def complete(
         # Workers that left while this process trained: out of the cluster it ends on.
         summary.num_workers -= sum(entry[0] == "worker" for entry in counters.left)
         print_summary(summary)
-        if settings.summary_json:
-            write_summary(summary, settings.summary_json)
-            log.info("summary written to %s", settings.summary_json)
+        if settings.reporting.summary_json:
+            write_summary(summary, settings.reporting.summary_json)
+            log.info("summary written to %s", settings.reporting.summary_json)
     control.finish(State.DONE)
     if metrics is not None:
         metrics.wait_until_scraped()

@@ -64,14 +64,15 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.saved_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="saved_step")
         self.manager: Any = None
-        if not settings.checkpoint_dir:
+        directory = settings.checkpoints.checkpoint_dir
+        if not directory:
             return
         self.sharded = sharded_checkpoint(state, job, settings, x_spec, y_spec, self.saved_step)
-        self._keep = settings.keep_checkpoints
-        check_shared(settings.checkpoint_dir, ps_devices(state.num_ps))
-        set_aside_unreadable_state(settings.checkpoint_dir)  # restore() writes a new one
-        remove_unfinished_saves(settings.checkpoint_dir)
-        self.manager = self._manager(settings.checkpoint_dir)
+        self._keep = settings.checkpoints.keep_checkpoints
+        check_shared(directory, ps_devices(state.num_ps))
+        set_aside_unreadable_state(directory)  # restore() writes a new one
+        remove_unfinished_saves(directory)
+        self.manager = self._manager(directory)
 
     def _manager(self, directory: str) -> Any:
         # The manager keeps TensorFlow's rotation and state file; it saves through the

@@ -61,7 +61,7 @@ def prune(base: str, keep: int) -> list[int]:
 
 
 class VersionPublisher:
-    """A thread that publishes a version every ``settings.export_every`` seconds."""
+    """A thread that publishes a version every ``settings.publishing.export_every`` seconds."""
 
     def __init__(
         self,
@@ -79,7 +79,7 @@ class VersionPublisher:
         self.control = control
         self.metrics = metrics
         self.train_data = train_data
-        self.base = settings.export_dir
+        self.base = settings.publishing.export_dir
         self.published_step = max(versions_in(self.base), default=0)
         self.exporter: ExportProcess | None = None  # started with the first version
         self._lock = threading.Lock()
@@ -88,7 +88,7 @@ class VersionPublisher:
         self._thread: threading.Thread | None = None
         self.control.update(fresh=True, export_dir=self.base)
         if metrics is not None:
-            metrics.set_export_every(settings.export_every)
+            metrics.set_export_every(settings.publishing.export_every)
         if self.published_step:
             self._show(self.published_step, self._checkpoint_time(self.published_step))
 
@@ -102,7 +102,7 @@ class VersionPublisher:
         self._poke.set()
 
     def _run(self) -> None:
-        follow, every = self.settings.follow, self.settings.export_every
+        follow, every = self.settings.data.follow, self.settings.publishing.export_every
         last = -math.inf
         while not self._stop.is_set():
             if follow:
@@ -130,9 +130,9 @@ class VersionPublisher:
         """Export the newest checkpoint if it is newer than the version in serving; the
         version published, or None."""
         with self._lock:
-            if not self.settings.follow:
+            if not self.settings.data.follow:
                 self.checkpointer.save()
-            found = checkpoints_in(self.settings.checkpoint_dir)
+            found = checkpoints_in(self.settings.checkpoints.checkpoint_dir)
             if not found or found[0].step <= self.published_step:
                 return None
             newest = found[0]
@@ -142,7 +142,7 @@ class VersionPublisher:
                 self._show(newest.step, checkpoint_time)
                 if self.metrics is not None:
                     self.metrics.published(version=newest.step, checkpoint_time=checkpoint_time)
-                removed = prune(self.base, self.settings.export_keep)
+                removed = prune(self.base, self.settings.publishing.export_keep)
                 log.info(
                     "published serving version %d in %s%s",
                     newest.step,
@@ -159,13 +159,13 @@ class VersionPublisher:
             s = self.settings
             argv = psctl_argv(
                 "export", "--requests", "--job", s.job, "--out", self.base,
-                "--label-column", s.label_column,
+                "--label-column", s.data.label_column,
             )  # fmt: skip
             data = self.train_data()
             if data:
                 argv += ["--train-data", data]
-            if s.eval_data:
-                argv += ["--eval-data", s.eval_data]
+            if s.data.eval_data:
+                argv += ["--eval-data", s.data.eval_data]
             self.exporter = ExportProcess(argv)
         error = self.exporter.export(checkpoint)
         if error is not None:
@@ -174,7 +174,7 @@ class VersionPublisher:
         return True
 
     def _checkpoint_time(self, step: int) -> float:
-        index = Path(self.settings.checkpoint_dir) / f"ckpt-{step}.index"
+        index = Path(self.settings.checkpoints.checkpoint_dir) / f"ckpt-{step}.index"
         try:
             return index.stat().st_mtime
         except OSError:

@@ -143,11 +143,13 @@ class Exporter:
                     "give a checkpoint the --job's training run wrote (its ckpt-<step> prefix)",
                 ) from None
         else:
-            found = restore_newest(self.settings.checkpoint_dir, self.load, repair_state=False)
+            found = restore_newest(
+                self.settings.checkpoints.checkpoint_dir, self.load, repair_state=False
+            )
             if found is None:
                 raise ConfigError(
                     "--checkpoint-dir",
-                    f"no checkpoint in {self.settings.checkpoint_dir}",
+                    f"no checkpoint in {self.settings.checkpoints.checkpoint_dir}",
                     "give the directory a training run wrote its checkpoints to",
                 )
             checkpoint = found.prefix

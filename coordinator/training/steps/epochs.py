@@ -137,7 +137,7 @@ class EpochProgram:
         self.worker_failures = worker_failures  # seen by the health checks so far
         self.finished_workers: set[int] = set()
         self.examples = 0
-        self.context = dataclasses.replace(rt.data_context(0, 1, s.batch_size), one_pass=True)
+        self.context = dataclasses.replace(rt.data_context(0, 1, s.loop.batch_size), one_pass=True)
         if train_data is not None:
             self.context = dataclasses.replace(self.context, train_data=train_data)
         dataset = rt.job.dataset_fn(self.context)
@@ -147,7 +147,7 @@ class EpochProgram:
                 f"the job's dataset_fn ({rt.job.name}) returns an endless dataset",
                 "when ctx.one_pass is true, return one pass over the data (no repeat())",
             )
-        start_dispatcher(self.address, journal_dir(self.address, s.checkpoint_dir))
+        start_dispatcher(self.address, journal_dir(self.address, s.checkpoints.checkpoint_dir))
         self.failures_seen = worker_failures()
         self.makeup_passes = 0
         self.function: Any = None
@@ -158,7 +158,7 @@ class EpochProgram:
     def start(self, settle: Callable[[], None]) -> None:
         self._settle = settle
         self.function = make_epoch_train_fn(self.rt)
-        self.iterator = self._make_iterator(self.rt.settings.epochs)
+        self.iterator = self._make_iterator(self.rt.settings.data.epochs)
 
     def _make_iterator(self, epochs: int) -> Any:
         rt, ctx, dataset_fn = self.rt, self.context, self.rt.job.dataset_fn
@@ -203,7 +203,7 @@ class EpochProgram:
             "training %d make-up pass(es) so that every example is trained at least %d times",
             passes,
             passes,
-            max(self.rt.settings.epochs, 1),  # follow mode: one pass a round
+            max(self.rt.settings.data.epochs, 1),  # follow mode: one pass a round
         )
         # Calls still in flight read the old iterator: let them end first, so that their
         # end-of-data reports don't count for the new one.

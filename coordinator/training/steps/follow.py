@@ -129,7 +129,7 @@ class FollowProgram(EpochProgram):
             self.watcher,
             self.trained,
             stop=self.stop,
-            idle_timeout=self.rt.settings.idle_timeout,
+            idle_timeout=self.rt.settings.data.idle_timeout,
             on_look=self.on_look,
             on_idle=self.on_idle,
         )
@@ -172,11 +172,11 @@ class FollowInput:
         self.control = control
         self.metrics = metrics
         self.watcher = PartitionWatcher(
-            settings.train_data,
-            marker=settings.follow_marker,
-            settle_seconds=settings.settle_seconds,
+            settings.data.train_data,
+            marker=settings.data.follow_marker,
+            settle_seconds=settings.data.settle_seconds,
         )
-        self.journal = FollowJournal(settings.checkpoint_dir)
+        self.journal = FollowJournal(settings.checkpoints.checkpoint_dir)
         self.trained: set[str] = set()  # the journal's files, for the watcher's lookups
         self.on_round_recorded: Callable[[], None] = lambda: None  # a round's checkpoint is there
         control.update(fresh=True, following=True)
@@ -184,7 +184,7 @@ class FollowInput:
             self.watcher,
             (),
             stop=control.stop_requested,
-            idle_timeout=settings.idle_timeout,
+            idle_timeout=settings.data.idle_timeout,
             on_look=self.show_waiting,
         )
         if first is None:
@@ -193,10 +193,10 @@ class FollowInput:
                 raise SystemExit(0)
             raise ConfigError(
                 "--train-data",
-                f"no partition of {settings.train_data!r} was complete within --idle-timeout "
-                f"({settings.idle_timeout:g}s)",
+                f"no partition of {settings.data.train_data!r} was complete within --idle-timeout "
+                f"({settings.data.idle_timeout:g}s)",
                 f"check the glob, and that the partitions get their marker "
-                f"({settings.follow_marker}, --follow-marker) or stop changing "
+                f"({settings.data.follow_marker}, --follow-marker) or stop changing "
                 "(--settle-seconds)",
             )
         self.first = first

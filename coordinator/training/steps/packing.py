@@ -139,7 +139,9 @@ def packer_for(settings: TrainSettings, num_workers: int) -> Packer:
     """Local-step mode runs ``--local-steps`` per call; otherwise ``--steps-per-execution``
     (0 = auto), never more steps per call than between two checkpoints."""
     fixed = (
-        settings.local_steps if settings.update_mode == "local" else settings.steps_per_execution
+        settings.loop.local_steps
+        if settings.loop.update_mode == "local"
+        else settings.loop.steps_per_execution
     )
-    limit = settings.checkpoint_every if settings.checkpoint_dir else MAX_K
-    return Packer(fixed=fixed, num_workers=num_workers, max_steps=min(limit, settings.steps))
+    limit = settings.checkpoints.checkpoint_every if settings.checkpoints.checkpoint_dir else MAX_K
+    return Packer(fixed=fixed, num_workers=num_workers, max_steps=min(limit, settings.loop.steps))

@@ -191,8 +191,8 @@ class DefaultProgram:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.target = rt.settings.steps
-        self.progress_total = rt.settings.steps
+        self.target = rt.settings.loop.steps
+        self.progress_total = rt.settings.loop.steps
         self.function: Any = None
         self.iterator: Any = None
 
@@ -235,7 +235,7 @@ class DefaultProgram:
 
     def make_iterator(self) -> Any:
         rt = self.rt
-        batch_size, dataset_fn = rt.settings.batch_size, rt.job.dataset_fn
+        batch_size, dataset_fn = rt.settings.loop.batch_size, rt.job.dataset_fn
 
         def worker_dataset(_input_context: Any) -> Any:
             # Traced once for all workers: the worker's index is a tensor, not a Python int.
@@ -280,6 +280,6 @@ class LocalStepProgram(DefaultProgram):
             mean_metrics=state.mean_metrics,
             other_metrics=state.other_metrics,
             global_step=state.global_step,
-            scale=self.rt.settings.local_scale,
+            scale=self.rt.settings.loop.local_scale,
             sparse=state.sparse,
         )

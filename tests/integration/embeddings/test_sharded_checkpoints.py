@@ -37,7 +37,7 @@ from psctl.coordinator.training.strategy import connect
 
 mode, cluster_file, prefix, job_file = sys.argv[1:5]
 cluster = load_cluster_file(cluster_file)
-settings = TrainSettings(job=job_file, max_shards=4, min_shard_bytes=1024)
+settings = TrainSettings.of(job=job_file, max_shards=4, min_shard_bytes=1024)
 strategy, coordinator = connect(cluster, settings)
 job = load_job(job_file)
 ctx = DataContext.from_settings(settings, worker_index=0, num_workers=1, batch_size=8)

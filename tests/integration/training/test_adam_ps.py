@@ -18,7 +18,7 @@ from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.job_model.model import apply_adam_atomically
 from psctl.coordinator.training.strategy import connect
 
-strategy, coordinator = connect(load_cluster_file(sys.argv[1]), TrainSettings(job="mlp"))
+strategy, coordinator = connect(load_cluster_file(sys.argv[1]), TrainSettings.of(job="mlp"))
 rng = np.random.default_rng(0)
 x = tf.constant(rng.normal(size=(32, 5)), tf.float32)
 y = tf.constant(rng.normal(size=(32, 1)), tf.float32)

@@ -412,7 +412,7 @@ def dynamic_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DynamicEx
     monkeypatch.setenv("CTR_TABLE", "dynamic")
     monkeypatch.setenv("CTR_ROWS", "10k")
     job = load_job("ctr")
-    settings = TrainSettings(job="ctr", checkpoint_dir=str(tmp_path / "checkpoints"))
+    settings = TrainSettings.of(job="ctr", checkpoint_dir=str(tmp_path / "checkpoints"))
     made = export_model(job, settings)
     source = ctr.SyntheticData(ctr.config())
     drawn = source.draw(tf.constant(0, tf.int64))

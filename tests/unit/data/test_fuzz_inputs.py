@@ -10,7 +10,6 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,13 @@ from psctl.control.v1 import control_pb2
 from psctl.coordinator.data import readers as data
 from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.deploy.render import render
-from psctl.coordinator.settings import DURATIONS, TrainSettings, env_name, resolve_settings
+from psctl.coordinator.settings import (
+    DURATIONS,
+    SETTING_TYPES,
+    TrainSettings,
+    env_name,
+    resolve_settings,
+)
 
 pytestmark = pytest.mark.timeout(120)
 # OUT's own files beside the host directories: the index README, the Prometheus targets.
@@ -173,8 +178,8 @@ def test_cluster_file_bytes_are_a_cluster_or_a_config_error(content: bytes) -> N
 
 # -- settings: TOML file < PSCTL_* environment < flags ----------------------------------------
 
-NAMES = [f.name for f in fields(TrainSettings)]
-KINDS = {f.name: f.type for f in fields(TrainSettings)}
+NAMES = list(SETTING_TYPES)
+KINDS = SETTING_TYPES
 values = st.one_of(
     st.integers(-5, 10),
     st.integers(),
@@ -214,15 +219,15 @@ def check_settings(s: TrainSettings) -> None:
     """Accepted settings have their own types and fit the Control API's fields."""
     event("accepted")
     for name, kind in KINDS.items():
-        value = getattr(s, name)
+        value = s.values()[name]
         assert type(value).__name__ == kind, (name, value)
         if kind == "float":
             assert math.isfinite(value)
     control_pb2.Status(
-        global_step=s.steps,
-        target_steps=s.steps,
-        eval_step=max(s.checkpoint_every, s.eval_every),
-        steps_per_execution=s.steps_per_execution,
+        global_step=s.loop.steps,
+        target_steps=s.loop.steps,
+        eval_step=max(s.checkpoints.checkpoint_every, s.evaluation.eval_every),
+        steps_per_execution=s.loop.steps_per_execution,
     )
 
 
@@ -279,7 +284,7 @@ def test_toml_values_are_never_coerced(name: str, value: Any) -> None:
     assert fits or spelt, (name, value)
     if not spelt:
         expected = 0 if name == "steps_per_execution" and value == "auto" else value
-        assert getattr(s, name) == expected
+        assert s.values()[name] == expected
 
 
 @fuzz(150)

@@ -323,7 +323,7 @@ def summary_of(tables: dict[str, dict[str, int]], *, chief: bool) -> tuple[Summa
     )
     trainer = SimpleNamespace(
         state=State(tables),
-        settings=SimpleNamespace(batch_size=64),
+        settings=SimpleNamespace(loop=SimpleNamespace(batch_size=64)),
         examples_per_step=64,
         job=SimpleNamespace(name="ctr"),
         num_workers=2,

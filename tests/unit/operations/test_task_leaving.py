@@ -156,9 +156,9 @@ def test_a_worker_marked_left_in_the_tasks_file_before_it_is_followed_leaves(tmp
     ("settings", "leaves"),
     [
         (TrainSettings(), True),
-        (TrainSettings(epochs=1), False),  # the tf.data service: its data worker stays needed
-        (TrainSettings(follow=True, train_data="d/*", checkpoint_dir="c"), False),
-        (TrainSettings(strategy="sync"), False),
+        (TrainSettings.of(epochs=1), False),  # the tf.data service: its data worker stays needed
+        (TrainSettings.of(follow=True, train_data="d/*", checkpoint_dir="c"), False),
+        (TrainSettings.of(strategy="sync"), False),
     ],
 )
 def test_workers_leave_unless_the_tf_data_service_feeds_the_job(settings, leaves):
@@ -168,7 +168,7 @@ def test_workers_leave_unless_the_tf_data_service_feeds_the_job(settings, leaves
     )  # fmt: skip
     let_workers_leave(control, settings, Counters())
     assert (control.on_task_leaving is not None) == leaves
-    assert control.drop_after == (settings.drop_after if leaves else 0.0)
+    assert control.drop_after == (settings.elastic.drop_after if leaves else 0.0)
     if not leaves:  # a stopping worker is a failure, retried at its address
         control.set_health(WORKER, SERVING)
         control.set_health(WORKER, NOT_SERVING)

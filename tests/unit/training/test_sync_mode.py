@@ -65,7 +65,7 @@ def test_sync_takes_eval_every():
     settings = resolve_settings(
         flags={"strategy": "sync", "eval_every": "100"}, config_file=None, environ={}
     )
-    assert settings.eval_every == 100
+    assert settings.evaluation.eval_every == 100
 
 
 def test_a_cluster_without_ps_is_read_only_for_sync(tmp_path):

@@ -56,11 +56,11 @@ def dataset_fn(ctx):
 
 
 def test_a_good_job_passes_and_a_renamed_key_is_one_line(tmp_path: Path):
-    assert check_job(load_job("mlp"), TrainSettings(job="mlp"), num_workers=2) == []
+    assert check_job(load_job("mlp"), TrainSettings.of(job="mlp"), num_workers=2) == []
     job = tmp_path / "renamed_job.py"
     job.write_text(RENAMED)
     with pytest.raises(ConfigError) as err:
-        check_job(load_job(str(job)), TrainSettings(job=str(job)), num_workers=2)
+        check_job(load_job(str(job)), TrainSettings.of(job=str(job)), num_workers=2)
     assert "'countri', which the model has no input for" in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -69,7 +69,7 @@ def test_the_model_is_checked_without_its_variables(tmp_path: Path):
     job = tmp_path / "huge_job.py"
     job.write_text(HUGE)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    check_job(load_job(str(job)), TrainSettings(job=str(job)), num_workers=2)
+    check_job(load_job(str(job)), TrainSettings.of(job=str(job)), num_workers=2)
     # Nor later: Keras makes every deferred variable when a stateless scope ends (its own
     # symbolic calls open one); the check leaves none of its own behind.
     with keras.StatelessScope():
@@ -81,7 +81,7 @@ def test_the_model_is_checked_without_its_variables(tmp_path: Path):
 def test_workers_reading_the_same_examples_get_one_warning(tmp_path: Path):
     job = tmp_path / "unsharded_job.py"
     job.write_text(UNSHARDED)
-    settings = TrainSettings(job=str(job))
+    settings = TrainSettings.of(job=str(job))
     (warning,) = check_job(load_job(str(job)), settings, num_workers=2)
     assert "workers 0 and 1 read the same first batch" in warning and "shard" in warning
     assert check_job(load_job(str(job)), settings, num_workers=1) == []  # one worker: fine

@@ -66,7 +66,7 @@ def exported(job_spec: str, tmp_path: Path) -> tuple[Any, Any]:
     (the SavedModel's serving_default, the checkpoint's model)."""
     job = load_job(job_spec)
     ckpt = tmp_path / "checkpoints"
-    settings = TrainSettings(job=job_spec, checkpoint_dir=str(ckpt))
+    settings = TrainSettings.of(job=job_spec, checkpoint_dir=str(ckpt))
     made = export_model(job, settings)
     step = tf.Variable(7, dtype=tf.int64)
     made.checkpoint(step).save(str(ckpt / "ckpt"))
@@ -154,8 +154,8 @@ def test_a_job_reading_eval_files_exports_with_the_training_files_alone(tmp_path
         + "\n\ndef eval_dataset_fn(ctx):\n    return data.eval_dataset(ctx, label_dtype=tf.int64)\n"
     )
     job = load_job(str(path))
-    settings = TrainSettings(job=str(path), train_data=str(tmp_path / "train.csv"))
+    settings = TrainSettings.of(job=str(path), train_data=str(tmp_path / "train.csv"))
     x_spec, _, source = features_spec(job, settings)
     assert source == "dataset_fn" and x_spec.shape.as_list() == [None, 2], (source, x_spec)
     with pytest.raises(ConfigError, match="--eval-data"):  # neither: the eval data's error
-        features_spec(job, TrainSettings(job=str(path)))
+        features_spec(job, TrainSettings.of(job=str(path)))

@@ -117,7 +117,7 @@ def table_model(table: bool) -> keras.Model:
     )
     if not table:
         return model
-    settings = TrainSettings(max_shards=2, min_shard_bytes=1)
+    settings = TrainSettings.of(max_shards=2, min_shard_bytes=1)
     keras.utils.set_random_seed(5)
     with building(settings) as plan:
         psctl_model = keras.Sequential(

@@ -81,16 +81,16 @@ def test_fixed_k_never_changes():
 def test_packer_for_settings():
     assert packer_for(TrainSettings(), 2).auto
     assert packer_for(TrainSettings(), 2).max_k == MAX_K
-    with_ckpt = TrainSettings(checkpoint_dir="x", checkpoint_every=100)
+    with_ckpt = TrainSettings.of(checkpoint_dir="x", checkpoint_every=100)
     assert packer_for(with_ckpt, 2).max_k == 100
-    local = packer_for(TrainSettings(update_mode="local", local_steps=30), 2)
+    local = packer_for(TrainSettings.of(update_mode="local", local_steps=30), 2)
     assert not local.auto and local.k == 30
 
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", 0), ("AUTO", 0), ("12", 12), (5, 5)])
 def test_steps_per_execution_accepts_auto(value, expected):
     flags = {"steps_per_execution": value}
-    assert resolve_settings(flags=flags, config_file=None, environ={}).steps_per_execution == (
+    assert resolve_settings(flags=flags, config_file=None, environ={}).loop.steps_per_execution == (
         expected
     )
 
