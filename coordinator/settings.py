@@ -122,6 +122,7 @@ DEFAULT_FOLLOW_MARKER = "_SUCCESS"
 # would also take other scripts' digits, "1_000", "inf" and surrounding Unicode spaces).
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 _FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,79}")  # a Keras metric's name
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,80}")  # a TOML key shown as is in an error line
 _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 # What 0 means where a whole-number setting may be 0.
@@ -265,6 +266,9 @@ class PublishSettings:
     export_every: float = 0.0  # seconds between serving versions; 0 = none
     export_dir: str = ""  # where they go: EXPORT_DIR/<global step>/
     export_keep: int = 5  # serving versions kept
+    # A metric of the job's evaluation (loss, auc...): publish a version only when it is not
+    # worse on the newest held-out files than the version in serving's ("" = always).
+    export_if_better: str = ""
 
 
 # TrainSettings' groups: its field name -> the settings it holds. Every setting is a field
@@ -439,6 +443,25 @@ def check_follow(values: Mapping[str, Any], where: Callable[[str], str]) -> None
             where("export_dir"),
             "has no --export-every",
             "give --export-every DURATION (e.g. 10m), or psctl export for one version",
+        )
+    gate = values.get("export_if_better")
+    if gate and not values.get("export_every"):
+        raise ConfigError(
+            where("export_if_better"),
+            "has no --export-every",
+            "give --export-every DURATION and --export-dir BASE as well",
+        )
+    if gate and not values.get("eval_data"):
+        raise ConfigError(
+            where("export_if_better"),
+            "has no --eval-data: the held-out files both versions are scored on",
+            "give --eval-data GLOB (its newest partition is the one scored)",
+        )
+    if isinstance(gate, str) and gate and not _METRIC_NAME.fullmatch(gate):
+        raise ConfigError(
+            where("export_if_better"),
+            f"{echo(gate)} is not a metric name",
+            "give the name of one of the job's evaluation metrics, e.g. loss or auc",
         )
     if values.get("export_every") and values.get("strategy") == "sync":
         raise ConfigError(

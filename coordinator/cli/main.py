@@ -176,6 +176,12 @@ TRAIN_FLAGS: list[tuple[str, str]] = [
     ),
     ("--export-dir", "where --export-every publishes: TensorFlow Serving's base directory"),
     ("--export-keep", f"serving versions kept in --export-dir {default_help('export_keep')}"),
+    (
+        "--export-if-better",
+        "--export-every: publish a version only when this evaluation metric (loss, auc, "
+        "accuracy...) on the newest partition of --eval-data is not worse than the version "
+        "in serving's (loss and *error: lower is better; others: higher) (default: always)",
+    ),
 ]
 # Run settings that are switches: ``--follow`` alone means true (``--follow false`` too).
 SWITCH_FLAGS = {"--follow"}

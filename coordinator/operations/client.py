@@ -229,6 +229,8 @@ def format_freshness(fresh: control_pb2.Freshness) -> list[str]:
             )
         else:
             lines.append(f"serving: no version published yet in {fresh.export_dir}")
+    if fresh.publish_decision:
+        lines.append(f"gate: {fresh.publish_decision}")
     return lines
 
 

@@ -76,6 +76,7 @@ class Board:
     published_version: int = 0
     published_time: float = 0.0  # Unix time of the published version's checkpoint
     export_dir: str = ""
+    publish_decision: str = ""  # --export-if-better: the last candidate judged, and how
 
 
 class CheckpointRequest:

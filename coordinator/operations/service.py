@@ -133,6 +133,7 @@ def freshness_proto(board: Board, now: float) -> control_pb2.Freshness:
         publish_age_seconds=age(board.published_time),
         export_dir=board.export_dir,
         following=board.following,
+        publish_decision=board.publish_decision,
     )
 
 

@@ -28,6 +28,7 @@ from psctl.coordinator.training.evaluation.inline_eval import InlineEval
 from psctl.coordinator.training.job_model.model import TrainState
 from psctl.coordinator.training.loop import TrainerBase, run_training
 from psctl.coordinator.training.reporting.summary import Summary
+from psctl.coordinator.training.saving.publish_gate import check_metric
 from psctl.coordinator.training.saving.publishing import VersionPublisher
 from psctl.coordinator.training.scheduled import ScheduledRunner
 from psctl.coordinator.training.steps.epochs import EpochProgram
@@ -133,6 +134,8 @@ class Trainer(TrainerBase):
             follow.resume(start_step)
         program = self.program = self._program()
         publisher = None
+        if s.publishing.export_if_better:
+            check_metric(s.publishing.export_if_better, state.metric_factories)
         if s.publishing.export_every:
             publisher = VersionPublisher(
                 settings=s,

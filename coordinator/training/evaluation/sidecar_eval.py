@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.failures import describe
@@ -70,8 +70,25 @@ class SidecarEvaluator:
         found = checkpoints_in(self.settings.checkpoints.checkpoint_dir)
         return found[0].prefix if found else None
 
-    def evaluate_checkpoint(self, path: str) -> Evaluation | None:
-        """Restore ``path`` and evaluate; None if it vanished first (rotated away)."""
+    def score(self, path: str, eval_data: str, metric: str) -> float:
+        """``metric`` (``loss`` or one of the job's) of checkpoint ``path`` over the files
+        ``eval_data`` names: ``--export-if-better``'s scoring, in the export process."""
+        dataset = self.job.whole_eval_split(self.settings.replace(eval_data=eval_data))
+        result = self.evaluate_checkpoint(path, dataset)
+        if result is None:
+            raise ConfigError("--export-if-better", f"{path} cannot be read", "try a newer one")
+        values = {"loss": result.loss, **result.metrics}
+        if metric not in values:
+            raise ConfigError(
+                "--export-if-better",
+                f"the job's evaluation has no metric {metric!r}",
+                f"use one of {', '.join(values)}",
+            )
+        return values[metric]
+
+    def evaluate_checkpoint(self, path: str, dataset: Any = None) -> Evaluation | None:
+        """Restore ``path`` and evaluate (over ``dataset``, else the eval split); None if it
+        vanished first (rotated away)."""
         import tensorflow as tf
 
         try:
@@ -88,7 +105,7 @@ class SidecarEvaluator:
         status.expect_partial()
         step = int(self.step.numpy())
         started = time.monotonic()
-        values, examples = self.evaluator.run(self.dataset)
+        values, examples = self.evaluator.run(self.dataset if dataset is None else dataset)
         loss = values.pop("loss")
         result = Evaluation(
             step=step,

@@ -9,13 +9,15 @@ version written aside and renamed into place (saving/saved_model.py). The newest
 ``--export-keep`` versions are kept. In follow mode the newest checkpoint is the last
 round's, so a version holds whole partitions, and it goes out as soon as the round ends
 (``poke``; once ``--export-every`` has passed since the last version); otherwise a checkpoint is
-written first, on the cadence.
+written first, on the cadence. With ``--export-if-better`` a version goes out only when it
+scores no worse than the one in serving (saving/publish_gate.py).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import math
 import os
@@ -29,9 +31,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psctl.coordinator.argv import psctl_argv
+from psctl.coordinator.data.files import file_list
+from psctl.coordinator.data.follow import PartitionWatcher
 from psctl.coordinator.settings import TrainSettings
-from psctl.coordinator.training.saving.checkpoint_files import checkpoints_in
-from psctl.coordinator.training.saving.saved_model import READY
+from psctl.coordinator.training.saving.checkpoint_files import Found, checkpoints_in
+from psctl.coordinator.training.saving.publish_gate import (
+    Pins,
+    Verdict,
+    eval_watcher,
+    held_out_files,
+)
+from psctl.coordinator.training.saving.saved_model import READY, SCORED
 
 if TYPE_CHECKING:
     from psctl.coordinator.operations.job_state import JobControl
@@ -86,6 +96,10 @@ class VersionPublisher:
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._thread: threading.Thread | None = None
+        self.gate = settings.publishing.export_if_better
+        self.pins = Pins(settings.checkpoints.checkpoint_dir)
+        self.judged_step = 0  # the newest candidate the gate judged
+        self._watcher: PartitionWatcher | None = None  # --eval-data's partitions
         self.control.update(fresh=True, export_dir=self.base)
         if metrics is not None:
             metrics.set_export_every(settings.publishing.export_every)
@@ -136,25 +150,94 @@ class VersionPublisher:
             if not found or found[0].step <= self.published_step:
                 return None
             newest = found[0]
+            if self.gate:
+                return self._publish_if_better(newest)
             if self._export(newest.prefix):
-                self.published_step = newest.step
-                checkpoint_time = self._checkpoint_time(newest.step)
-                self._show(newest.step, checkpoint_time)
-                if self.metrics is not None:
-                    self.metrics.published(version=newest.step, checkpoint_time=checkpoint_time)
-                removed = prune(self.base, self.settings.publishing.export_keep)
-                log.info(
-                    "published serving version %d in %s%s",
-                    newest.step,
-                    self.base,
-                    f" (removed {', '.join(map(str, removed))})" if removed else "",
-                )
+                self._published(newest)
                 return newest.step
             if self.metrics is not None:
                 self.metrics.publish_failed()
             return None
 
-    def _export(self, checkpoint: str) -> bool:
+    def _publish_if_better(self, newest: Found) -> int | None:
+        """``--export-if-better``: score ``newest`` and the version in serving on the newest
+        held-out files; publish ``newest`` only if it is no worse."""
+        if newest.step == self.judged_step:
+            return None  # held back already; wait for a newer one
+        self.judged_step = newest.step
+        candidate = self.pins.keep(newest)  # the trainer's rotation cannot take it now
+        verdict = self._judge(newest.step, candidate)
+        if verdict is None:
+            self.pins.drop_all_but(self.published_step)
+            return None
+        log.info("--export-if-better: %s", verdict.line)
+        self.control.update(publish_decision=verdict.line)
+        if not verdict.publish:
+            self.pins.drop_all_but(self.published_step)
+            return None
+        if not self._export(candidate):
+            self.pins.drop_all_but(self.published_step)
+            if self.metrics is not None:
+                self.metrics.publish_failed()
+            return None
+        self.pins.drop_all_but(newest.step)
+        self._published(newest)
+        return newest.step
+
+    def _judge(self, step: int, candidate: str) -> Verdict | None:
+        """Both versions scored on the same files; None when that cannot be done now (no
+        complete held-out partition while a version serves, or the export process
+        failed): the candidate is dropped and a newer one judged next time."""
+        files = held_out_files(self.watcher())
+        if not files and not self.published_step:  # the first version: nothing to beat
+            return Verdict(self.gate, step, None, 0, None, 0)
+        if not files:
+            self.control.update(
+                publish_decision=f"version {step} not judged: no complete partition of "
+                "--eval-data to score it on"
+            )
+            return None
+        serving = self.pins.serving(self.published_step) if self.published_step else None
+        if self.published_step and serving is None:
+            log.warning(
+                "--export-if-better: serving version %d's checkpoint is not kept (published "
+                "before the gate was on); version %d is compared with nothing",
+                self.published_step,
+                step,
+            )
+        scored = self._exporter().score([p for p in (candidate, serving) if p], files)
+        if isinstance(scored, str):
+            log.error("--export-if-better: scoring version %d failed: %s", step, scored)
+            return None
+        return Verdict(
+            metric=self.gate,
+            step=step,
+            score=scored[candidate],
+            serving_version=self.published_step,
+            serving_score=scored[serving] if serving else None,
+            files=len(files),
+        )
+
+    def watcher(self) -> PartitionWatcher:
+        if self._watcher is None:
+            self._watcher = eval_watcher(self.settings)
+        return self._watcher
+
+    def _published(self, newest: Found) -> None:
+        self.published_step = newest.step
+        checkpoint_time = self._checkpoint_time(newest.step)
+        self._show(newest.step, checkpoint_time)
+        if self.metrics is not None:
+            self.metrics.published(version=newest.step, checkpoint_time=checkpoint_time)
+        removed = prune(self.base, self.settings.publishing.export_keep)
+        log.info(
+            "published serving version %d in %s%s",
+            newest.step,
+            self.base,
+            f" (removed {', '.join(map(str, removed))})" if removed else "",
+        )
+
+    def _exporter(self) -> ExportProcess:
         if self.exporter is None:
             s = self.settings
             argv = psctl_argv(
@@ -166,8 +249,11 @@ class VersionPublisher:
                 argv += ["--train-data", data]
             if s.data.eval_data:
                 argv += ["--eval-data", s.data.eval_data]
-            self.exporter = ExportProcess(argv)
-        error = self.exporter.export(checkpoint)
+            self.exporter = ExportProcess(argv, metric=s.publishing.export_if_better)
+        return self.exporter
+
+    def _export(self, checkpoint: str) -> bool:
+        error = self._exporter().export(checkpoint)
         if error is not None:
             log.error("publishing %s failed: %s", checkpoint, error)
             return False
@@ -188,11 +274,14 @@ class ExportProcess:
     """``psctl export --requests``, kept up between versions: TensorFlow imported and the
     model built once. Started again when it died; its last lines of stderr say why."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], *, metric: str = "") -> None:
+        """``metric``: what ``score`` asks for (``--export-if-better``'s)."""
         self.argv = argv
+        self.metric = metric
         self.proc: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: collections.deque[str] = collections.deque(maxlen=20)
+        self.answer = ""  # the last good answer line
 
     def _start(self) -> str | None:
         self.lines = queue.Queue()
@@ -233,20 +322,34 @@ class ExportProcess:
                 self.proc = None
                 last = [e for e in self.stderr if e.strip()][-1:] or ["(no output)"]
                 return f"the export process exited ({code}): {last[0]}"
-            if line == expected or line.startswith("exported "):
+            if line == expected or line.startswith(("exported ", SCORED)):
+                self.answer = line
                 return None
             if line.startswith("error: "):
                 return line.removeprefix("error: ")
 
     def export(self, checkpoint: str) -> str | None:
         """Export ``checkpoint``; None, or why it failed."""
+        return self._ask(checkpoint)
+
+    def score(self, checkpoints: list[str], files: list[str]) -> dict[str, float] | str:
+        """``--export-if-better``'s metric of each checkpoint over ``files``, by
+        checkpoint; or why they could not be scored."""
+        request = {"score": checkpoints, "eval_data": file_list(files), "metric": self.metric}
+        error = self._ask(json.dumps(request))
+        if error is not None:
+            return error
+        scores = json.loads(self.answer.removeprefix(SCORED))
+        return {path: float(scores[path]) for path in checkpoints}
+
+    def _ask(self, request: str) -> str | None:
         if self.proc is None or self.proc.poll() is not None:
             error = self._start()
             if error is not None:
                 return error
         assert self.proc is not None and self.proc.stdin is not None
         try:
-            self.proc.stdin.write(checkpoint + "\n")
+            self.proc.stdin.write(request + "\n")
             self.proc.stdin.flush()
         except OSError as err:
             return f"the export process is gone: {err}"

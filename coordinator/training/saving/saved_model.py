@@ -94,6 +94,9 @@ def serving_module(
 
 
 READY = "ready"  # psctl export --requests: the model is built, checkpoints may come
+# psctl export --requests' answer to a scoring request (--export-if-better): SCORED + JSON
+# {checkpoint prefix: the metric's value over the request's files}.
+SCORED = "scored "
 
 
 class Exported(NamedTuple):

@@ -153,9 +153,63 @@ def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
     assert "Traceback" not in text
 
 
+def test_export_if_better_scores_each_version_against_the_one_in_serving(
+    workdir: Path, tmp_path: Path
+):
+    """--export-if-better auc: each candidate and the version in serving are scored on the
+    newest complete held-out partition, in the export process; the decision is logged and
+    in status, and the serving version's checkpoint is kept beside the checkpoints."""
+    data, held_out, exported = tmp_path / "data", tmp_path / "eval", tmp_path / "serving"
+    ckpt, log = tmp_path / "ckpt", tmp_path / "stderr.log"
+    write_partitions(data / "hour=00" / "part-0", held_out / "hour=00" / "part-0")
+    for marked in (data / "hour=00", held_out / "hour=00"):
+        (marked / "_SUCCESS").touch()
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    argv = psctl_argv(
+        "local", "--workdir", str(workdir), "--control-address", address, "--job", "ctr",
+        "--train-data", str(data / "*" / "part-*"), "--follow", "--idle-timeout", "20s",
+        "--checkpoint-dir", str(ckpt), "--eval-data", str(held_out / "*" / "part-*"),
+        "--export-every", "1s", "--export-dir", str(exported), "--export-if-better", "auc",
+    )  # fmt: skip
+    with log.open("w") as stderr:
+        job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                               env=child_env(), cwd=REPO)  # fmt: skip
+        try:
+            first = wait_until(address, job, lambda f: f.get("published_version", 0) > 0)
+            assert first["publish_decision"].startswith(
+                f"version {first['published_version']} published: auc "
+            ), first
+            assert "no version in serving to compare with" in first["publish_decision"]
+            write_partitions(data / "hour=01" / "part-0")
+            (data / "hour=01" / "_SUCCESS").touch()
+            second = wait_until(
+                address, job, lambda f: f.get("files_trained") == 2 and "against serving"
+                in f.get("publish_decision", "")
+            )  # fmt: skip
+            code = job.wait(timeout=180)  # --idle-timeout ends it
+        finally:
+            kill_if_running(job)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    decisions = re.findall(r"--export-if-better: (version \d+ (?:published|held back): .*)", text)
+    assert len(decisions) >= 2 and second["publish_decision"] in decisions, text[-3000:]
+    judged = re.search(r"auc (\S+) against serving version (\d+)'s (\S+), on 1 held-out", text)
+    assert judged, decisions
+    published = sorted(int(v) for v in os.listdir(exported) if v.isdigit())
+    # The version in serving's checkpoint is kept (hard links), and nothing else.
+    kept = sorted(n for n in os.listdir(ckpt / "publishing") if n.endswith(".index"))
+    assert kept == [f"ckpt-{published[-1]}.index"], (kept, published)
+    assert "Traceback" not in text
+
+
 @pytest.mark.parametrize(
     ("extra", "line"),
     [
+        (
+            ("--export-every", "1m", "--export-dir", "x", "--export-if-better", "auc"),
+            "--export-if-better: has no --eval-data",
+        ),
         (("--follow", "--epochs", "2"), "--epochs: 2 with --follow"),
         (("--follow", "--steps", "10"), "--steps: with --follow"),
         (("--follow", "--follow-marker", "a/b"), "--follow-marker: 'a/b' is not a file name"),

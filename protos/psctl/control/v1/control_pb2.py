@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsctl/control/v1/control.proto\x12\x10psctl.control.v1\"\xda\x01\n\x04Task\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12,\n\x06health\x18\x04 \x01(\x0e\x32\x1c.psctl.control.v1.TaskHealth\x12\x16\n\x0ehealth_address\x18\x05 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x03\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12*\n\x05state\x18\t \x01(\x0e\x32\x1b.psctl.control.v1.TaskState\"C\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x19\n\x11time_unix_seconds\x18\x03 \x01(\x01\"U\n\x05Table\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\x96\x01\n\x06Tunnel\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1c\n\x14updated_unix_seconds\x18\x02 \x01(\x01\x12+\n\x05peers\x18\x03 \x03(\x0b\x32\x1c.psctl.control.v1.TunnelPeer\x12\x30\n\x07refused\x18\x04 \x03(\x0b\x32\x1f.psctl.control.v1.TunnelRefusal\"=\n\nTunnelPeer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x16handshake_unix_seconds\x18\x02 \x01(\x01\"I\n\rTunnelRefusal\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x19\n\x11last_unix_seconds\x18\x03 \x01(\x01\"\xe3\x05\n\x06Status\x12\x0b\n\x03job\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\x12\x13\n\x0bglobal_step\x18\x03 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x04 \x01(\x03\x12\x18\n\x10steps_per_second\x18\x05 \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.psctl.control.v1.Status.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\t \x03(\x0b\x32).psctl.control.v1.Status.EvalMetricsEntry\x12\x11\n\teval_step\x18\n \x01(\x03\x12\x35\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\x12%\n\x05tasks\x18\x0c \x03(\x0b\x32\x16.psctl.control.v1.Task\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\x12\x1b\n\x13steps_per_execution\x18\x0e \x01(\x05\x12\x0f\n\x07message\x18\x0f \x01(\t\x12\'\n\x06tables\x18\x10 \x03(\x0b\x32\x17.psctl.control.v1.Table\x12\x1a\n\x12\x63luster_generation\x18\x11 \x01(\x03\x12(\n\x06tunnel\x18\x12 \x01(\x0b\x32\x18.psctl.control.v1.Tunnel\x12.\n\tfreshness\x18\x13 \x01(\x0b\x32\x1b.psctl.control.v1.Freshness\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc8\x01\n\tFreshness\x12\x15\n\rfiles_trained\x18\x01 \x01(\x03\x12\x15\n\rfiles_waiting\x18\x02 \x01(\x03\x12\x19\n\x11input_lag_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bnewest_file\x18\x04 \x01(\t\x12\x19\n\x11published_version\x18\x05 \x01(\x03\x12\x1b\n\x13publish_age_seconds\x18\x06 \x01(\x01\x12\x12\n\nexport_dir\x18\x07 \x01(\t\x12\x11\n\tfollowing\x18\x08 \x01(\x08\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"F\n\x12\x43heckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\"\x0e\n\x0cPauseRequest\":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\x0f\n\rResumeRequest\";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\r\n\x0bStopRequest\"9\n\x0cStopResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"A\n\x0cScaleRequest\x12\x0f\n\x07workers\x18\x01 \x01(\x05\x12\n\n\x02ps\x18\x02 \x01(\x05\x12\x14\n\x0c\x63luster_json\x18\x03 \x01(\t\"<\n\rScaleResponse\x12\x1a\n\x12\x63luster_generation\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t*\xe3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATE_STARTING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x1b\n\x17JOB_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x16\n\x12JOB_STATE_STOPPING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08*\x95\x01\n\nTaskHealth\x12\x1b\n\x17TASK_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_HEALTH_SERVING\x10\x01\x12\x1b\n\x17TASK_HEALTH_NOT_SERVING\x10\x02\x12\x1b\n\x17TASK_HEALTH_UNREACHABLE\x10\x03\x12\x17\n\x13TASK_HEALTH_UNKNOWN\x10\x04*\x85\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_JOINING\x10\x01\x12\x16\n\x12TASK_STATE_SERVING\x10\x02\x12\x17\n\x13TASK_STATE_DRAINING\x10\x03\x12\x13\n\x0fTASK_STATE_LEFT\x10\x04\x32\xa6\x04\n\x07\x43ontrol\x12I\n\tGetStatus\x12\".psctl.control.v1.GetStatusRequest\x1a\x18.psctl.control.v1.Status\x12O\n\x0bWatchStatus\x12$.psctl.control.v1.WatchStatusRequest\x1a\x18.psctl.control.v1.Status0\x01\x12W\n\nCheckpoint\x12#.psctl.control.v1.CheckpointRequest\x1a$.psctl.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.psctl.control.v1.PauseRequest\x1a\x1f.psctl.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.psctl.control.v1.ResumeRequest\x1a .psctl.control.v1.ResumeResponse\x12\x45\n\x04Stop\x12\x1d.psctl.control.v1.StopRequest\x1a\x1e.psctl.control.v1.StopResponse\x12H\n\x05Scale\x12\x1e.psctl.control.v1.ScaleRequest\x1a\x1f.psctl.control.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsctl/control/v1/control.proto\x12\x10psctl.control.v1\"\xda\x01\n\x04Task\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12,\n\x06health\x18\x04 \x01(\x0e\x32\x1c.psctl.control.v1.TaskHealth\x12\x16\n\x0ehealth_address\x18\x05 \x01(\t\x12\x10\n\x08\x66\x61ilures\x18\x06 \x01(\x03\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\x03\x12*\n\x05state\x18\t \x01(\x0e\x32\x1b.psctl.control.v1.TaskState\"C\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x19\n\x11time_unix_seconds\x18\x03 \x01(\x01\"U\n\x05Table\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\"\x96\x01\n\x06Tunnel\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1c\n\x14updated_unix_seconds\x18\x02 \x01(\x01\x12+\n\x05peers\x18\x03 \x03(\x0b\x32\x1c.psctl.control.v1.TunnelPeer\x12\x30\n\x07refused\x18\x04 \x03(\x0b\x32\x1f.psctl.control.v1.TunnelRefusal\"=\n\nTunnelPeer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x16handshake_unix_seconds\x18\x02 \x01(\x01\"I\n\rTunnelRefusal\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x19\n\x11last_unix_seconds\x18\x03 \x01(\x01\"\xe3\x05\n\x06Status\x12\x0b\n\x03job\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\x12\x13\n\x0bglobal_step\x18\x03 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x04 \x01(\x03\x12\x18\n\x10steps_per_second\x18\x05 \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.psctl.control.v1.Status.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\t \x03(\x0b\x32).psctl.control.v1.Status.EvalMetricsEntry\x12\x11\n\teval_step\x18\n \x01(\x03\x12\x35\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\x12%\n\x05tasks\x18\x0c \x03(\x0b\x32\x16.psctl.control.v1.Task\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\x12\x1b\n\x13steps_per_execution\x18\x0e \x01(\x05\x12\x0f\n\x07message\x18\x0f \x01(\t\x12\'\n\x06tables\x18\x10 \x03(\x0b\x32\x17.psctl.control.v1.Table\x12\x1a\n\x12\x63luster_generation\x18\x11 \x01(\x03\x12(\n\x06tunnel\x18\x12 \x01(\x0b\x32\x18.psctl.control.v1.Tunnel\x12.\n\tfreshness\x18\x13 \x01(\x0b\x32\x1b.psctl.control.v1.Freshness\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe2\x01\n\tFreshness\x12\x15\n\rfiles_trained\x18\x01 \x01(\x03\x12\x15\n\rfiles_waiting\x18\x02 \x01(\x03\x12\x19\n\x11input_lag_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bnewest_file\x18\x04 \x01(\t\x12\x19\n\x11published_version\x18\x05 \x01(\x03\x12\x1b\n\x13publish_age_seconds\x18\x06 \x01(\x01\x12\x12\n\nexport_dir\x18\x07 \x01(\t\x12\x11\n\tfollowing\x18\x08 \x01(\x08\x12\x18\n\x10publish_decision\x18\t \x01(\t\"\x12\n\x10GetStatusRequest\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"F\n\x12\x43heckpointResponse\x12\x30\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1c.psctl.control.v1.Checkpoint\"\x0e\n\x0cPauseRequest\":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\x0f\n\rResumeRequest\";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"\r\n\x0bStopRequest\"9\n\x0cStopResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.psctl.control.v1.JobState\"A\n\x0cScaleRequest\x12\x0f\n\x07workers\x18\x01 \x01(\x05\x12\n\n\x02ps\x18\x02 \x01(\x05\x12\x14\n\x0c\x63luster_json\x18\x03 \x01(\t\"<\n\rScaleResponse\x12\x1a\n\x12\x63luster_generation\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t*\xe3\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12JOB_STATE_STARTING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x1b\n\x17JOB_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x05\x12\x16\n\x12JOB_STATE_STOPPING\x10\x06\x12\x12\n\x0eJOB_STATE_DONE\x10\x07\x12\x14\n\x10JOB_STATE_FAILED\x10\x08*\x95\x01\n\nTaskHealth\x12\x1b\n\x17TASK_HEALTH_UNSPECIFIED\x10\x00\x12\x17\n\x13TASK_HEALTH_SERVING\x10\x01\x12\x1b\n\x17TASK_HEALTH_NOT_SERVING\x10\x02\x12\x1b\n\x17TASK_HEALTH_UNREACHABLE\x10\x03\x12\x17\n\x13TASK_HEALTH_UNKNOWN\x10\x04*\x85\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_JOINING\x10\x01\x12\x16\n\x12TASK_STATE_SERVING\x10\x02\x12\x17\n\x13TASK_STATE_DRAINING\x10\x03\x12\x13\n\x0fTASK_STATE_LEFT\x10\x04\x32\xa6\x04\n\x07\x43ontrol\x12I\n\tGetStatus\x12\".psctl.control.v1.GetStatusRequest\x1a\x18.psctl.control.v1.Status\x12O\n\x0bWatchStatus\x12$.psctl.control.v1.WatchStatusRequest\x1a\x18.psctl.control.v1.Status0\x01\x12W\n\nCheckpoint\x12#.psctl.control.v1.CheckpointRequest\x1a$.psctl.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.psctl.control.v1.PauseRequest\x1a\x1f.psctl.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.psctl.control.v1.ResumeRequest\x1a .psctl.control.v1.ResumeResponse\x12\x45\n\x04Stop\x12\x1d.psctl.control.v1.StopRequest\x1a\x1e.psctl.control.v1.StopResponse\x12H\n\x05Scale\x12\x1e.psctl.control.v1.ScaleRequest\x1a\x1f.psctl.control.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUS_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_STATUS_EVALMETRICSENTRY']._loaded_options = None
   _globals['_STATUS_EVALMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2184
-  _globals['_JOBSTATE']._serialized_end=2411
-  _globals['_TASKHEALTH']._serialized_start=2414
-  _globals['_TASKHEALTH']._serialized_end=2563
-  _globals['_TASKSTATE']._serialized_start=2566
-  _globals['_TASKSTATE']._serialized_end=2699
+  _globals['_JOBSTATE']._serialized_start=2210
+  _globals['_JOBSTATE']._serialized_end=2437
+  _globals['_TASKHEALTH']._serialized_start=2440
+  _globals['_TASKHEALTH']._serialized_end=2589
+  _globals['_TASKSTATE']._serialized_start=2592
+  _globals['_TASKSTATE']._serialized_end=2725
   _globals['_TASK']._serialized_start=53
   _globals['_TASK']._serialized_end=271
   _globals['_CHECKPOINT']._serialized_start=273
@@ -60,31 +60,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUS_EVALMETRICSENTRY']._serialized_start=1410
   _globals['_STATUS_EVALMETRICSENTRY']._serialized_end=1460
   _globals['_FRESHNESS']._serialized_start=1463
-  _globals['_FRESHNESS']._serialized_end=1663
-  _globals['_GETSTATUSREQUEST']._serialized_start=1665
-  _globals['_GETSTATUSREQUEST']._serialized_end=1683
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=1685
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=1731
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1733
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1752
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1754
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1824
-  _globals['_PAUSEREQUEST']._serialized_start=1826
-  _globals['_PAUSEREQUEST']._serialized_end=1840
-  _globals['_PAUSERESPONSE']._serialized_start=1842
-  _globals['_PAUSERESPONSE']._serialized_end=1900
-  _globals['_RESUMEREQUEST']._serialized_start=1902
-  _globals['_RESUMEREQUEST']._serialized_end=1917
-  _globals['_RESUMERESPONSE']._serialized_start=1919
-  _globals['_RESUMERESPONSE']._serialized_end=1978
-  _globals['_STOPREQUEST']._serialized_start=1980
-  _globals['_STOPREQUEST']._serialized_end=1993
-  _globals['_STOPRESPONSE']._serialized_start=1995
-  _globals['_STOPRESPONSE']._serialized_end=2052
-  _globals['_SCALEREQUEST']._serialized_start=2054
-  _globals['_SCALEREQUEST']._serialized_end=2119
-  _globals['_SCALERESPONSE']._serialized_start=2121
-  _globals['_SCALERESPONSE']._serialized_end=2181
-  _globals['_CONTROL']._serialized_start=2702
-  _globals['_CONTROL']._serialized_end=3252
+  _globals['_FRESHNESS']._serialized_end=1689
+  _globals['_GETSTATUSREQUEST']._serialized_start=1691
+  _globals['_GETSTATUSREQUEST']._serialized_end=1709
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=1711
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=1757
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1759
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1778
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1780
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1850
+  _globals['_PAUSEREQUEST']._serialized_start=1852
+  _globals['_PAUSEREQUEST']._serialized_end=1866
+  _globals['_PAUSERESPONSE']._serialized_start=1868
+  _globals['_PAUSERESPONSE']._serialized_end=1926
+  _globals['_RESUMEREQUEST']._serialized_start=1928
+  _globals['_RESUMEREQUEST']._serialized_end=1943
+  _globals['_RESUMERESPONSE']._serialized_start=1945
+  _globals['_RESUMERESPONSE']._serialized_end=2004
+  _globals['_STOPREQUEST']._serialized_start=2006
+  _globals['_STOPREQUEST']._serialized_end=2019
+  _globals['_STOPRESPONSE']._serialized_start=2021
+  _globals['_STOPRESPONSE']._serialized_end=2078
+  _globals['_SCALEREQUEST']._serialized_start=2080
+  _globals['_SCALEREQUEST']._serialized_end=2145
+  _globals['_SCALERESPONSE']._serialized_start=2147
+  _globals['_SCALERESPONSE']._serialized_end=2207
+  _globals['_CONTROL']._serialized_start=2728
+  _globals['_CONTROL']._serialized_end=3278
 # @@protoc_insertion_point(module_scope)

@@ -187,7 +187,7 @@ class Status(_message.Message):
     def __init__(self, job: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., global_step: _Optional[int] = ..., target_steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., steps_per_execution: _Optional[int] = ..., message: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[Table, _Mapping]]] = ..., cluster_generation: _Optional[int] = ..., tunnel: _Optional[_Union[Tunnel, _Mapping]] = ..., freshness: _Optional[_Union[Freshness, _Mapping]] = ...) -> None: ...
 
 class Freshness(_message.Message):
-    __slots__ = ("files_trained", "files_waiting", "input_lag_seconds", "newest_file", "published_version", "publish_age_seconds", "export_dir", "following")
+    __slots__ = ("files_trained", "files_waiting", "input_lag_seconds", "newest_file", "published_version", "publish_age_seconds", "export_dir", "following", "publish_decision")
     FILES_TRAINED_FIELD_NUMBER: _ClassVar[int]
     FILES_WAITING_FIELD_NUMBER: _ClassVar[int]
     INPUT_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class Freshness(_message.Message):
     PUBLISH_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPORT_DIR_FIELD_NUMBER: _ClassVar[int]
     FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_DECISION_FIELD_NUMBER: _ClassVar[int]
     files_trained: int
     files_waiting: int
     input_lag_seconds: float
@@ -204,7 +205,8 @@ class Freshness(_message.Message):
     publish_age_seconds: float
     export_dir: str
     following: bool
-    def __init__(self, files_trained: _Optional[int] = ..., files_waiting: _Optional[int] = ..., input_lag_seconds: _Optional[float] = ..., newest_file: _Optional[str] = ..., published_version: _Optional[int] = ..., publish_age_seconds: _Optional[float] = ..., export_dir: _Optional[str] = ..., following: _Optional[bool] = ...) -> None: ...
+    publish_decision: str
+    def __init__(self, files_trained: _Optional[int] = ..., files_waiting: _Optional[int] = ..., input_lag_seconds: _Optional[float] = ..., newest_file: _Optional[str] = ..., published_version: _Optional[int] = ..., publish_age_seconds: _Optional[float] = ..., export_dir: _Optional[str] = ..., following: _Optional[bool] = ..., publish_decision: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
