@@ -125,7 +125,8 @@ class Pins:
         return None
 
     def keep(self, found: Found) -> str:
-        """Keep ``found`` here (its files linked, else copied); its prefix here."""
+        """Keep ``found`` here (its files linked, else copied); its prefix here. OSError
+        when a file cannot be kept (rotated away since it was listed)."""
         source = posixpath.dirname(found.prefix)
         _make_dirs(self.directory)
         for name in found.files:
@@ -154,7 +155,10 @@ def _link(source: str, target: str) -> None:
     if has_scheme(source):
         import tensorflow as tf
 
-        tf.io.gfile.copy(source, target, overwrite=True)
+        try:
+            tf.io.gfile.copy(source, target, overwrite=True)
+        except tf.errors.OpError as err:  # as os.link's: OSError, for one except
+            raise OSError(f"cannot copy {source}: {err.message}") from None
         return
     if os.path.exists(target):
         os.remove(target)

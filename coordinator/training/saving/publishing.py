@@ -163,9 +163,14 @@ class VersionPublisher:
         """``--export-if-better``: score ``newest`` and the version in serving on the newest
         held-out files; publish ``newest`` only if it is no worse."""
         if newest.step == self.judged_step:
-            return None  # held back already; wait for a newer one
+            return None  # judged already; wait for a newer one
         self.judged_step = newest.step
-        candidate = self.pins.keep(newest)  # the trainer's rotation cannot take it now
+        try:
+            candidate = self.pins.keep(newest)  # the trainer's rotation cannot take it now
+        except OSError as err:
+            log.warning("--export-if-better: cannot keep %s to judge it: %s", newest.name, err)
+            self.pins.drop_all_but(self.published_step)
+            return None
         verdict = self._judge(newest.step, candidate)
         if verdict is None:
             self.pins.drop_all_but(self.published_step)

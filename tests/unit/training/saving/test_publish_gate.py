@@ -12,6 +12,7 @@ import pytest
 from psctl.cluster.errors import ConfigError
 from psctl.coordinator.operations.job_state import JobControl
 from psctl.coordinator.settings import TrainSettings, resolve_settings
+from psctl.coordinator.training.saving.checkpoint_files import Found
 from psctl.coordinator.training.saving.publish_gate import (
     PINNED,
     Verdict,
@@ -154,3 +155,25 @@ def test_a_worse_version_is_held_back_and_a_better_one_published(tmp_path):
     assert control.view().board.publish_decision.startswith("version 300 published: auc 0.7200")
     assert sorted(os.listdir(exported)) == ["100", "300"] and _kept(ckpt) == ["ckpt-300.index"]
     assert control.view().board.published_version == 300
+
+
+def test_a_checkpoint_rotated_away_before_it_is_kept_is_skipped(tmp_path):
+    """The trainer's rotation may remove a checkpoint between the listing and the links: the
+    publisher logs it and judges the next one; its thread does not die."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    settings = TrainSettings.of(
+        checkpoint_dir=str(ckpt), export_every=60.0, export_dir=str(tmp_path / "exp"),
+        eval_data=str(tmp_path / "eval" / "*"), export_if_better="loss",
+    )  # fmt: skip
+    control = JobControl(
+        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
+    )
+    publisher = VersionPublisher(
+        settings=settings, checkpointer=NoSave(), control=control, metrics=None,  # type: ignore[arg-type]
+        train_data=lambda: "",
+    )  # fmt: skip
+    publisher.exporter = FakeExporter(tmp_path / "exp")  # type: ignore[assignment]
+    gone = Found(100, str(ckpt / "ckpt-100"), ("ckpt-100.index",))
+    assert publisher._publish_if_better(gone) is None
+    assert not os.listdir(ckpt / PINNED)
