@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from psctl.coordinator.settings import flag_for
+from psctl.coordinator.settings import settings_argv
 
 
 def psctl_argv(*args: str) -> list[str]:
@@ -28,9 +28,7 @@ def run_settings_argv(args: argparse.Namespace, flags: Mapping[str, Any]) -> lis
     """What a launcher hands on to the training processes it starts: its --config file, the
     run settings given as flags, and --verbose."""
     argv = ["--config", args.config] if args.config else []
-    for name, value in flags.items():
-        if value is not None:
-            argv += [flag_for(name), str(value)]
+    argv += settings_argv(flags)
     if args.verbose:
         argv.append("--verbose")
     return argv

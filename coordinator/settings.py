@@ -150,6 +150,16 @@ def flag_values(args: argparse.Namespace, flags: Iterable[str]) -> dict[str, Any
     return {setting_name(flag): getattr(args, setting_name(flag)) for flag in flags}
 
 
+def settings_argv(values: Mapping[str, Any]) -> list[str]:
+    """Settings as the flags that give them (``{"batch_size": 8}`` -> ``--batch-size 8``),
+    the None ones left out: the one way psctl writes settings on a command line it starts."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if value is not None:
+            argv += [flag_for(name), str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
 def parse_steps_per_execution(value: Any) -> int:
     """``auto`` (any case) is 0; anything else a whole number (checked by TrainSettings)."""
     if isinstance(value, str):
@@ -332,6 +342,12 @@ class TrainSettings:
         for group in _GROUPS:
             out.update(asdict(getattr(self, group)))
         return out
+
+    def argv(self, *names: str) -> list[str]:
+        """These settings as flags for a psctl process this one starts (``--job ctr
+        --seed 42``); a string setting left empty (unset) is left out."""
+        values = self.values()
+        return settings_argv({name: values[name] for name in names if values[name] != ""})
 
     def replace(self, **values: Any) -> TrainSettings:
         """These settings with ``values`` (flat names) changed."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.cli.main import TRAIN_FLAGS, build_parser
+from psctl.coordinator.cli.main import TRAIN_FLAGS, build_parser, train_flag_values
 from psctl.coordinator.data.context import DataContext
 from psctl.coordinator.settings import (
     DEFAULTS,
@@ -28,6 +28,7 @@ from psctl.coordinator.settings import (
     flag_values,
     resolve_settings,
     setting_name,
+    settings_argv,
 )
 from tests.conftest import REPO, child_env, local_argv
 
@@ -415,8 +416,6 @@ def test_a_directory_as_config_is_one_line_and_78(tmp_path: Path):
 )
 def test_flags_are_parsed_as_settings_text(argv: list[str], problem: str):
     args = build_parser().parse_args(["train", *argv])
-    from psctl.coordinator.cli.main import train_flag_values
-
     with pytest.raises(ConfigError) as err:
         resolve_settings(flags=train_flag_values(args), config_file=None, environ={})
     assert problem in str(err.value) and len(str(err.value)) < 250, str(err.value)
@@ -555,3 +554,18 @@ def test_settings_are_grouped_by_concern_and_built_from_flat_names():
         TrainSettings.of(stepz=1)
     with pytest.raises(ConfigError, match="--steps: got 0"):
         TrainSettings.of(steps=0)  # each group's values are checked as before
+
+
+def test_settings_become_the_flags_that_give_them_back():
+    """TrainSettings.argv / settings_argv: what a psctl process it starts parses back into
+    the same settings (an unset string left out, a switch as true/false)."""
+    s = TrainSettings.of(
+        job="ctr", seed=7, eval_data="", follow=True, train_data="d/*", checkpoint_dir="c"
+    )
+    argv = s.argv("job", "seed", "eval_data", "follow", "train_data", "checkpoint_dir")
+    assert argv == ["--job", "ctr", "--seed", "7", "--follow", "true", "--train-data", "d/*",
+                    "--checkpoint-dir", "c"]  # fmt: skip
+    args = build_parser().parse_args(["train", "--cluster", "x.json", *argv])
+    back = resolve_settings(flags=train_flag_values(args), config_file=None, environ={})
+    assert back == s
+    assert settings_argv({"batch_size": 8, "steps": None}) == ["--batch-size", "8"]

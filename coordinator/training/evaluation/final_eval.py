@@ -85,27 +85,12 @@ def evaluate_elsewhere(settings: TrainSettings, checkpoint: str) -> dict[str, fl
 
     With a task frozen, this process can't create new functions or datasets: TensorFlow
     registers each on every worker and waits for the frozen one (seen)."""
-    s = settings
     out = Path(checkpoint).parent / "final-eval.json"
     argv = psctl_argv(
-        "evaluate",
-        "--checkpoint-dir",
-        str(Path(checkpoint).parent),
-        "--max-evaluations",
-        "1",
-        "--job",
-        s.job,
-        "--eval-batch-size",
-        str(s.evaluation.eval_batch_size),
-        "--seed",
-        str(s.loop.seed),
-        "--label-column",
-        s.data.label_column,
-        "--summary-json",
-        str(out),
-    )
-    if s.data.eval_data:
-        argv += ["--eval-data", s.data.eval_data]
+        "evaluate", "--checkpoint-dir", str(Path(checkpoint).parent), "--max-evaluations", "1",
+        *settings.argv("job", "eval_batch_size", "seed", "label_column", "eval_data"),
+        "--summary-json", str(out),
+    )  # fmt: skip
     log.info("a task is frozen: evaluating %s in a separate process", checkpoint)
     try:
         subprocess.run(argv, check=True, timeout=600, stdin=subprocess.DEVNULL)

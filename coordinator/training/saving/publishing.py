@@ -244,16 +244,11 @@ class VersionPublisher:
 
     def _exporter(self) -> ExportProcess:
         if self.exporter is None:
-            s = self.settings
+            s = self.settings.replace(train_data=self.train_data())
             argv = psctl_argv(
-                "export", "--requests", "--job", s.job, "--out", self.base,
-                "--label-column", s.data.label_column,
+                "export", "--requests", "--out", self.base,
+                *s.argv("job", "label_column", "train_data", "eval_data"),
             )  # fmt: skip
-            data = self.train_data()
-            if data:
-                argv += ["--train-data", data]
-            if s.data.eval_data:
-                argv += ["--eval-data", s.data.eval_data]
             self.exporter = ExportProcess(argv, metric=s.publishing.export_if_better)
         return self.exporter
 
