@@ -2,9 +2,11 @@
 
 Trains the built-in ``ctr`` job (DLRM-style: 26 ids per example looking up one
 ``keras.layers.Embedding(rows, 16)`` table, 13 counts, a top MLP) at several table sizes
-(``--rows``, default 10k,1M,10M) and optimizers (``--optimizers``, default adam,adagrad), on
+(``--rows``, default 1M; ``--full``: 10k,1M,10M) and optimizers (``--optimizers``, default
+adam; ``--full``: adam,adagrad), on
 ``--ps`` (2) ps + ``--workers`` (2) workers, batch ``--batch-size`` (256) per worker, K =
-``--steps-per-execution`` (10) steps per scheduled call, in two modes:
+``--steps-per-execution`` (10) steps per scheduled call, in two modes by default (``--full``
+adds tf_keras and local):
 
 ``psctl``
     psctl's ``Trainer`` with ``--max-shards`` (2): the table is split over the ps tasks and
