@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from psctl.coordinator.argv import psctl_argv
 from psctl.coordinator.data.files import file_list
 from psctl.coordinator.data.follow import PartitionWatcher
+from psctl.coordinator.failures import describe
 from psctl.coordinator.settings import TrainSettings
 from psctl.coordinator.training.saving.checkpoint_files import Found, checkpoints_in
 from psctl.coordinator.training.saving.publish_gate import (
@@ -127,7 +128,14 @@ class VersionPublisher:
                     break
             elif self._stop.wait(every):
                 break
-            if self.publish() is not None or not follow:
+            try:
+                published = self.publish()
+            except Exception as err:  # this turn's version is lost, not the cadence
+                log.error("publishing failed: %s; trying again next time", describe(err))
+                if self.metrics is not None:
+                    self.metrics.publish_failed()
+                published = None
+            if published is not None or not follow:
                 last = time.monotonic()
 
     def finish(self) -> None:

@@ -5,6 +5,7 @@ exports as told)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,39 @@ def test_a_checkpoint_rotated_away_before_it_is_kept_is_skipped(tmp_path):
     gone = Found(100, str(ckpt / "ckpt-100"), ("ckpt-100.index",))
     assert publisher._publish_if_better(gone) is None
     assert not os.listdir(ckpt / PINNED)
+
+
+class FailsOnce:
+    """A checkpointer whose first save fails (a ps lost in the middle, a full disk)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.saves = directory, 0
+
+    def save(self) -> None:
+        self.saves += 1
+        if self.saves == 1:
+            raise OSError("No space left on device")
+        _checkpoint(self.directory, 100 * self.saves)
+
+
+def test_a_failed_turn_does_not_stop_the_cadence(tmp_path):
+    """An error in one turn is logged; the publishing thread goes on with the next."""
+    ckpt, exported = tmp_path / "ckpt", tmp_path / "exp"
+    ckpt.mkdir()
+    settings = TrainSettings.of(
+        checkpoint_dir=str(ckpt), export_every=0.05, export_dir=str(exported)
+    )
+    control = JobControl(
+        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
+    )
+    publisher = VersionPublisher(
+        settings=settings, checkpointer=FailsOnce(ckpt), control=control, metrics=None,  # type: ignore[arg-type]
+        train_data=lambda: "",
+    )  # fmt: skip
+    publisher.exporter = FakeExporter(exported)  # type: ignore[assignment]
+    publisher.start()
+    deadline = time.monotonic() + 20
+    while control.view().board.published_version == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    publisher.finish()
+    assert control.view().board.published_version >= 200  # after the failed first turn
