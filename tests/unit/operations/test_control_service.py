@@ -257,3 +257,20 @@ def test_psctl_status_shows_a_target_only_where_one_is_known():
     assert "| step 250/1000 (25.0%) |" in format_status(known)
     open_ended = control_pb2.Status(job="visit", global_step=16789, target_steps=0)
     assert "| step 16789 |" in format_status(open_ended)
+
+
+def test_the_gates_decision_travels_to_status_and_its_text():
+    """--export-if-better's last decision: on the board, in the Status proto's freshness,
+    and as the `gate:` line of `psctl status`."""
+    from psctl.coordinator.operations.client import format_freshness
+    from psctl.coordinator.operations.service import freshness_proto
+
+    control = JobControl(
+        job="ctr", target_steps=0, steps_per_execution=1, tasks=[], can_checkpoint=True
+    )
+    line = "version 32 held back: auc 0.5100 against serving version 16's 0.5162, on 1 file(s)"
+    control.update(fresh=True, export_dir="/srv/m", published_version=16, publish_decision=line)
+    fresh = freshness_proto(control.view().board, time.time())
+    assert fresh.publish_decision == line
+    assert f"gate: {line}" in format_freshness(fresh)
+    assert not any(s.startswith("gate:") for s in format_freshness(control_pb2.Freshness()))
