@@ -106,6 +106,22 @@ class NoSave:
         pass
 
 
+def _publisher(
+    settings: TrainSettings, checkpointer: object, exported: Path
+) -> tuple[VersionPublisher, JobControl, FakeExporter]:
+    """A publisher over a real JobControl, its export process faked."""
+    control = JobControl(
+        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
+    )
+    publisher = VersionPublisher(
+        settings=settings, checkpointer=checkpointer, control=control, metrics=None,  # type: ignore[arg-type]
+        train_data=lambda: "",
+    )  # fmt: skip
+    fake = FakeExporter(exported)
+    publisher.exporter = fake  # type: ignore[assignment]
+    return publisher, control, fake
+
+
 def _checkpoint(directory: Path, step: int) -> None:
     for suffix in (".index", ".data-00000-of-00001"):
         (directory / f"ckpt-{step}{suffix}").write_text(f"{step}")
@@ -125,14 +141,7 @@ def test_a_worse_version_is_held_back_and_a_better_one_published(tmp_path):
         checkpoint_dir=str(ckpt), export_every=60.0, export_dir=str(exported),
         eval_data=str(tmp_path / "eval" / "*" / "part-*"), export_if_better="auc",
     )  # fmt: skip
-    control = JobControl(
-        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
-    )
-    publisher = VersionPublisher(
-        settings=settings, checkpointer=NoSave(), control=control, metrics=None,  # type: ignore[arg-type]
-        train_data=lambda: "",
-    )  # fmt: skip
-    fake = publisher.exporter = FakeExporter(exported)  # type: ignore[assignment]
+    publisher, control, fake = _publisher(settings, NoSave(), exported)
     fake.scores = {100: 0.70, 200: 0.69, 300: 0.72}
 
     _checkpoint(ckpt, 100)
@@ -167,14 +176,7 @@ def test_a_checkpoint_rotated_away_before_it_is_kept_is_skipped(tmp_path):
         checkpoint_dir=str(ckpt), export_every=60.0, export_dir=str(tmp_path / "exp"),
         eval_data=str(tmp_path / "eval" / "*"), export_if_better="loss",
     )  # fmt: skip
-    control = JobControl(
-        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
-    )
-    publisher = VersionPublisher(
-        settings=settings, checkpointer=NoSave(), control=control, metrics=None,  # type: ignore[arg-type]
-        train_data=lambda: "",
-    )  # fmt: skip
-    publisher.exporter = FakeExporter(tmp_path / "exp")  # type: ignore[assignment]
+    publisher, _, _ = _publisher(settings, NoSave(), tmp_path / "exp")
     gone = Found(100, str(ckpt / "ckpt-100"), ("ckpt-100.index",))
     assert publisher._publish_if_better(gone) is None
     assert not os.listdir(ckpt / PINNED)
@@ -200,14 +202,7 @@ def test_a_failed_turn_does_not_stop_the_cadence(tmp_path):
     settings = TrainSettings.of(
         checkpoint_dir=str(ckpt), export_every=0.05, export_dir=str(exported)
     )
-    control = JobControl(
-        job="j", target_steps=10, steps_per_execution=1, tasks=[], can_checkpoint=True
-    )
-    publisher = VersionPublisher(
-        settings=settings, checkpointer=FailsOnce(ckpt), control=control, metrics=None,  # type: ignore[arg-type]
-        train_data=lambda: "",
-    )  # fmt: skip
-    publisher.exporter = FakeExporter(exported)  # type: ignore[assignment]
+    publisher, control, _ = _publisher(settings, FailsOnce(ckpt), exported)
     publisher.start()
     deadline = time.monotonic() + 20
     while control.view().board.published_version == 0 and time.monotonic() < deadline:
