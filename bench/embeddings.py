@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import throughput
 from bench.harness import results_dir
-from bench.harness.netlab import add_mtu_flag
+from bench.harness.netlab import add_mtu_flag, add_transport_flag
 
 JOB = "ctr"
 REPO = throughput.REPO
@@ -461,6 +461,7 @@ def _cluster(args: argparse.Namespace, rtt: str, workdir: Path) -> Iterator[Any]
                 work=workdir,
                 timeout=args.start_timeout,
                 tunnel=rtt.endswith(TUNNEL),
+                transport=args.transport,
                 mtu=args.mtu,
             )
         )
@@ -699,7 +700,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
+def ratio_lines(rows: list[dict[str, Any]], transport: str = "wireguard") -> list[str]:
     """The issue's last lines, per network run (the last one's last): psctl over raw Keras 3
     at 1M rows with Adam and over tf-keras at 1M rows with Adagrad; else at the configuration
     nearest to it that was run (same optimizer first, then the nearest size), said so the
@@ -714,10 +715,10 @@ def ratio_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines += _ratio_line(
             mine, "tf_keras", "adagrad", "ratio_tf_keras", "psctl/tf_keras steps/s"
         )
-    return lines + namespace_lines(rows)
+    return lines + namespace_lines(rows, transport)
 
 
-def namespace_lines(rows: list[dict[str, Any]]) -> list[str]:
+def namespace_lines(rows: list[dict[str, Any]], transport: str = "wireguard") -> list[str]:
     """--tf-ports-overhead, --tunnel-overhead: psctl's steps/s protected over the same
     configuration open, one line per configuration run both ways."""
     rate = {
@@ -729,7 +730,7 @@ def namespace_lines(rows: list[dict[str, Any]]) -> list[str]:
             open_network, what = LOOPBACK, "TF ports in a job namespace/open"
         elif rtt.endswith(TUNNEL):
             open_network = rtt.removesuffix(TUNNEL)
-            what = f"hosts behind their tunnels/open ({open_network})"
+            what = f"hosts behind their {transport} tunnels/open ({open_network})"
         else:
             continue
         outside = rate.get((open_network, size, optimizer))
@@ -833,7 +834,7 @@ def parent_main(args: argparse.Namespace) -> int:
     print(throughput._load(), flush=True)
     rows = summarize(records, args)
     text = table(rows, args)
-    lines = ratio_lines(rows)
+    lines = ratio_lines(rows, args.transport)
     (results / "table.md").write_text(text + "\n" + "\n".join(lines) + "\n")
     config = {k: v for k, v in vars(args).items() if k not in ("run_mode", "cluster")}
     report = {"config": config, "runs": records, "summary": rows}
@@ -887,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wg); the last line is psctl's steps/s behind the tunnels over open",
     )
     add_mtu_flag(parser)
+    add_transport_flag(parser)
     parser.add_argument("--ps", type=int, default=2, help="ps servers (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker servers (default 2)")
     parser.add_argument(

@@ -94,7 +94,7 @@ if str(REPO) not in sys.path:  # run as a script: the bench package (bench.harne
     sys.path.insert(0, str(REPO))
 
 from bench.harness import spawn  # noqa: E402
-from bench.harness.netlab import add_mtu_flag  # noqa: E402
+from bench.harness.netlab import add_mtu_flag, add_transport_flag  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -960,7 +960,8 @@ def parent_main(args: argparse.Namespace) -> int:
         what = ("TF ports", "job namespace (default)", "namespace cost")
         return report_pair(rows, runs, "psctl-netns", what)
     if args.tunnel_overhead:
-        what = ("between hosts", "WireGuard tunnel (--keys)", "tunnel cost")
+        label = "TLS tunnel (stunnel4)" if args.transport == "tls" else "WireGuard tunnel"
+        what = ("between hosts", f"{label} (--keys)", "tunnel cost")
         return report_pair(rows, runs, "psctl-tunnel", what)
     print_table(rows, args)
     if args.capacity:
@@ -1015,12 +1016,18 @@ def namespaced_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]
 
 @contextlib.contextmanager
 def tunnelled_cluster(args: argparse.Namespace, workdir: Path) -> Iterator[Any]:
-    """A second network-namespace cluster like the first, every host behind its WireGuard
-    tunnel as the units of `psctl deploy render --keys` run (bench/harness/netlab.py)."""
+    """A second network-namespace cluster like the first, every host behind its tunnel
+    (--transport) as the units of `psctl deploy render --keys` run (bench/harness/netlab.py)."""
     from bench.harness.netlab import LabBench
 
     cluster = LabBench(
-        args.ps, args.workers, rtt_ms=args.rtt, work=workdir / "tunnel", tunnel=True, mtu=args.mtu
+        args.ps,
+        args.workers,
+        rtt_ms=args.rtt,
+        work=workdir / "tunnel",
+        tunnel=True,
+        transport=args.transport,
+        mtu=args.mtu,
     )
     try:
         cluster.start(timeout=args.start_timeout)
@@ -1140,6 +1147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cc); default: loopback",
     )
     add_mtu_flag(parser)
+    add_transport_flag(parser)
     parser.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     parser.add_argument("--workdir", help="cluster file and logs (default psctl-work/bench-*)")
     parser.add_argument(

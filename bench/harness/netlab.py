@@ -16,12 +16,16 @@ naming the hosts' own addresses, forwarded by the kernel with no relay. Comparin
 ``rtt_ms=0`` (the relay, no delay) shows what the relay itself costs.
 
 ``tunnel=True`` protects the hosts as ``psctl deploy render --keys`` does: every host runs
-``psctl deploy tunnel`` with keys from ``psctl deploy keys``, and its server (and the
-coordinator, on host "chief") runs in its job namespace behind it, so every TensorFlow byte
-between hosts is WireGuard's (coordinator/deploy/tunnel.py). Each host's tunnel address is
-its cluster address (the service address with the relay, its own without); with the relay,
-WireGuard's endpoints are the service addresses too, and the relay holds its UDP datagrams
-(``udp:`` pairs of relay.c) as it holds TCP: every packet between hosts takes the RTT.
+``psctl deploy tunnel`` with keys from ``psctl deploy keys --transport TRANSPORT``, and its
+server (and the coordinator, on host "chief") runs in its job namespace behind it, so every
+TensorFlow byte between hosts is WireGuard's (coordinator/deploy/tunnel.py) or TLS's
+(coordinator/deploy/tls.py). Each host's tunnel address is its cluster address (the service
+address with the relay, its own without). With the relay and WireGuard, WireGuard's
+endpoints are the service addresses too, and the relay holds its UDP datagrams (``udp:``
+pairs of relay.c) as it holds TCP; with TLS, the relay holds the TLS connections to each
+host's TF port and the plain ones to its health port: every packet between hosts takes the
+RTT. A host's health port reaches its host's network as the units' psctl-proxy does
+(systemd-socket-proxyd into the job namespace).
 
 Needs root, iproute2 and a C compiler; a missing one is one clear line (``LabError``).
 """
@@ -52,6 +56,17 @@ _LABS = itertools.count()  # this process's labs: a second one (--tunnel-overhea
 
 class LabError(RuntimeError):
     """The lab cannot be built here (not root, no iproute2 or compiler, a command failed)."""
+
+
+def add_transport_flag(parser: argparse.ArgumentParser) -> None:
+    """``--transport``, for a bench whose hosts may run behind their tunnels."""
+    parser.add_argument(
+        "--transport",
+        choices=("wireguard", "tls"),
+        default="wireguard",
+        help="--tunnel-overhead: what the tunnelled hosts run, as psctl deploy keys "
+        "--transport makes it (default %(default)s)",
+    )
 
 
 def add_mtu_flag(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +130,7 @@ class NetLab:
     work: Path
     ports: Sequence[int] = (TF_PORT,)
     tunnel: bool = False
+    transport: str = "wireguard"  # or "tls" (psctl deploy keys --transport)
     mtu: int = 1500  # each host's link (9000: a network with jumbo frames)
     hosts: dict[str, Host] = field(default_factory=dict)
     router: str = ""
@@ -152,27 +168,32 @@ class NetLab:
             _ip("addr", "add", f"{host.service_ip}/32", "dev", "lo", ns=self.router)
         if self.rtt_ms is not None:
             self._start_relay()
-        if self.tunnel:
-            self._start_tunnels()
 
-    def _start_tunnels(self) -> None:
-        """Keys for every host, and each host's tunnel up (its interface in its job
-        namespace) before anything runs there."""
+    def start_tunnels(self, cluster_file: Path) -> None:
+        """Keys for every host, and each host's tunnel up (its job namespace, the transport's
+        way out of it) before anything runs there."""
+        from psctl.coordinator.deploy.tls import make_psks, tls_conf
         from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
 
         keys = Keys(self.work / "keys")
         addresses = [self.cluster_ip(h.name) for h in self.hosts.values()]
-        make_keys(addresses, keys.directory)
+        tls = self.transport == "tls"
+        (make_psks if tls else make_keys)(addresses, keys.directory)
         psctl = str(Path(sys.executable).with_name("psctl"))
         for host, address in zip(self.hosts.values(), addresses, strict=True):
             conf = self.work / f"tunnel-{host.name}.conf"
-            conf.write_text(tunnel_conf(address, [a for a in addresses if a != address], keys))
+            peers = [a for a in addresses if a != address]
+            conf.write_text(
+                tls_conf(address, peers, keys.directory)
+                if tls
+                else tunnel_conf(address, peers, keys)
+            )
             conf.chmod(0o600)
             log = (self.work / f"tunnel-{host.name}.log").open("wb")
             self.tunnels.append(
                 subprocess.Popen(
                     ["nsenter", f"--net=/run/netns/{host.ns}", psctl, "deploy", "tunnel",
-                     "--config", str(conf), "--address", address],
+                     "--config", str(conf), "--address", address, "--cluster", str(cluster_file)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
@@ -186,6 +207,22 @@ class NetLab:
                     raise LabError(f"{host.name}'s tunnel: {log.read_text()[-500:]}")
                 time.sleep(0.1)
             host.job_ns = f"/run/netns/{netns_name(self.cluster_ip(host.name))}"
+        for host in self.hosts.values() if tls else ():
+            self._proxy(host, HEALTH_PORT)
+
+    def _proxy(self, host: Host, port: int) -> None:
+        """``port`` of host's job namespace on its own network, as psctl-proxy@ does."""
+        from psctl.coordinator.deploy.units import PROXYD
+
+        inside = f"{self.cluster_ip(host.name)}:{port}"
+        self.tunnels.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, "systemd-socket-activate", "-l",
+                 f"{host.ip}:{port}", "nsenter", f"--net={host.job_ns}", PROXYD, inside],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )  # fmt: skip
 
     def cluster_ip(self, name: str) -> str:
         """Host ``name``'s address in the cluster file: the service address with the relay."""
@@ -203,8 +240,9 @@ class NetLab:
         assert self.rtt_ms is not None
         binary = build_relay(self.work)
         hosts = self.hosts.values()
-        pairs = [f"{h.service_ip}:{port}={h.ip}:{port}" for h in hosts for port in self.ports]
-        if self.tunnel:  # TensorFlow's bytes are in WireGuard's datagrams: those are held
+        relayed = [*self.ports, HEALTH_PORT] if self.tunnel else self.ports
+        pairs = [f"{h.service_ip}:{port}={h.ip}:{port}" for h in hosts for port in relayed]
+        if self.tunnel and self.transport == "wireguard":  # TensorFlow's bytes are in its datagrams
             from psctl.coordinator.deploy.tunnel import LISTEN_PORT
 
             pairs = [f"udp:{h.service_ip}:{LISTEN_PORT}={h.ip}:{LISTEN_PORT}" for h in hosts]
@@ -305,6 +343,7 @@ def lab_cluster(
     work: Path,
     timeout: float = 120.0,
     tunnel: bool = False,
+    transport: str = "wireguard",
     mtu: int = 1500,
 ) -> Iterator[LabCluster]:
     """Start a cluster on a fresh NetLab; everything stopped and deleted on the way out."""
@@ -312,7 +351,8 @@ def lab_cluster(
     from psctl.coordinator.argv import server_argv
 
     tasks = [("ps", i) for i in range(num_ps)] + [("worker", i) for i in range(num_workers)]
-    lab = NetLab(["chief", *(f"{t}{i}" for t, i in tasks)], rtt_ms, work, tunnel=tunnel, mtu=mtu)
+    names = ["chief", *(f"{t}{i}" for t, i in tasks)]
+    lab = NetLab(names, rtt_ms, work, tunnel=tunnel, transport=transport, mtu=mtu)
     servers: list[LabServer] = []
     # A short path: AF_UNIX names stop at 107 bytes, a results folder can be deeper.
     sockets = Path(tempfile.mkdtemp(prefix="psrtt"))
@@ -327,6 +367,8 @@ def lab_cluster(
         }
         cluster_file = work / "cluster.json"
         cluster_file.write_text(json.dumps({"cluster": cluster}, indent=1))
+        if tunnel:
+            lab.start_tunnels(cluster_file)
         sock.bind(str(notify))
         sock.settimeout(0.5)
         env = {**os.environ, "NOTIFY_SOCKET": str(notify), "GRPC_FAIL_FAST": "use_caller"}
@@ -370,10 +412,12 @@ class LabBench:
         rtt_ms: float | None,
         work: Path,
         tunnel: bool = False,
+        transport: str = "wireguard",
         mtu: int = 1500,
     ):
         self._args = (num_ps, num_workers)
         self._rtt_ms, self._work, self._tunnel, self._mtu = rtt_ms, work, tunnel, mtu
+        self._transport = transport
         self._stack = contextlib.ExitStack()
         self.cluster: LabCluster | None = None
 
@@ -385,6 +429,7 @@ class LabBench:
                 work=self._work,
                 timeout=timeout,
                 tunnel=self._tunnel,
+                transport=self._transport,
                 mtu=self._mtu,
             )
         )

@@ -15,7 +15,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     # Imported here: every other command (`psctl status` most of all) starts faster.
     from psctl.coordinator.deploy.check import cmd_check
     from psctl.coordinator.deploy.render import cmd_keys, cmd_render
-    from psctl.coordinator.deploy.tunnel import cmd_tunnel
+    from psctl.coordinator.deploy.tls import cmd_tunnel
 
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "render": cmd_render,
@@ -88,6 +88,14 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     keys_p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file")
     keys_p.add_argument("--out", required=True, metavar="DIR", help="the key directory")
     keys_p.add_argument("--rotate", action="store_true", help="new keys for every host")
+    keys_p.add_argument(
+        "--transport",
+        choices=("wireguard", "tls"),
+        default="wireguard",
+        help="wireguard: a WireGuard key pair per host (wireguard-go); tls: a pre-shared key "
+        "per host for TLS 1.3 through stunnel4, a ninth of wireguard-go's CPU per byte "
+        "(docs/security.md; default %(default)s)",
+    )
     tunnel_p = dsub.add_parser(
         "tunnel",
         help="run this host's tunnel (the psctl-tunnel unit's process; root)",
@@ -100,6 +108,12 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     )
     tunnel_p.add_argument(
         "--address", required=True, help="this host's address in the cluster file"
+    )
+    tunnel_p.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="the cluster file (default $PSCTL_CLUSTER, as psctl.env sets it): the TLS "
+        "transport listens for this host's TF ports and encrypts connections to the others'",
     )
     tunnel_p.add_argument(
         "--netns", help="namespace name (default psctl-ADDRESS: what the units name)"

@@ -30,6 +30,7 @@ from psctl.coordinator.deploy.plan import (
 )
 from psctl.coordinator.deploy.prometheus import prometheus_files, sync_prometheus_files
 from psctl.coordinator.deploy.readme import host_readme, index_readme, sync_readme
+from psctl.coordinator.deploy.tls import holds_psks, make_psks, tls_conf
 from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
 from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
 from psctl.coordinator.deploy.units import (
@@ -161,6 +162,8 @@ def _tunnel_confs(hosts: list[str], keys: Keys | None) -> dict[str, str]:
     """Every host's tunnel.conf (its peers: the other hosts), none without ``keys``."""
     if keys is None:
         return {}
+    if holds_psks(keys.directory):  # psctl deploy keys --transport tls
+        return {h: tls_conf(h, [p for p in hosts if p != h], keys.directory) for h in hosts}
     return {h: tunnel_conf(h, [p for p in hosts if p != h], keys) for h in hosts}
 
 
@@ -316,11 +319,19 @@ def cmd_keys(args: argparse.Namespace) -> int:
     """`psctl deploy keys`: a key pair for every host of the cluster file without one."""
     cluster = load_cluster_file(args.cluster, required=())
     hosts = list(dict.fromkeys(a.host for _, _, a in cluster.task_addresses()))
-    made = make_keys(hosts, Path(args.out), rotate=args.rotate)
+    tls = getattr(args, "transport", "wireguard") == "tls"
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()) and holds_psks(out) != tls:
+        raise ConfigError(
+            "--transport",
+            f"{out} holds keys of the other transport",
+            "give another --out, or the --transport its keys are for",
+        )
+    made = (make_psks if tls else make_keys)(hosts, out, rotate=args.rotate)
     kept = len(hosts) - len(made)
     print(f"keys for {len(hosts)} hosts in {args.out}/: {len(made)} new, {kept} kept")
     for host in made:
-        print(f"  {host}.key (0600), {host}.pub")
+        print(f"  {host}.psk (0600)" if tls else f"  {host}.key (0600), {host}.pub")
     if made:
         print(f"next: psctl deploy render --cluster {args.cluster} --keys {args.out} ...")
     return 0

@@ -55,11 +55,19 @@ DEFAULT_MTU = 1420  # wireguard-go's own, for a 1500-byte path
 KEEPALIVE = 25  # seconds: peers keep handshaking while idle, so a broken one shows
 # A peer with no handshake this long after start (or since its last) is reported.
 SILENT_AFTER = 60.0
-_PACKAGES = {"wg": "wireguard-tools", "wireguard-go": "wireguard-go", "ip": "iproute2"}
+_PACKAGES = {
+    "wg": "wireguard-tools",
+    "wireguard-go": "wireguard-go",
+    "ip": "iproute2",
+    "stunnel4": "stunnel4",  # the TLS transport (tls.py)
+    "nft": "nftables",
+    "nsenter": "util-linux",
+}
 
 
-def _tool(name: str) -> str:
-    found = shutil.which(name)
+def tool(name: str) -> str:
+    """The path of ``name``, a program a transport runs; ConfigError naming its package."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
     if found is None:
         raise ConfigError(
             "tunnel",
@@ -115,7 +123,7 @@ def _key_name(host: str) -> str:
 
 def _wg(*args: str, stdin: str | None = None) -> str:
     proc = subprocess.run(
-        [_tool("wg"), *args], input=stdin, capture_output=True, text=True, timeout=10
+        [tool("wg"), *args], input=stdin, capture_output=True, text=True, timeout=10
     )
     if proc.returncode != 0:
         raise ConfigError("tunnel", f"wg {' '.join(args)}: {proc.stderr.strip()}", "see wg(8)")
@@ -247,8 +255,13 @@ def read_peers(config: Path) -> list[Peer]:
     return peers
 
 
+def ip_in(netns: str, *args: str) -> None:
+    """``ip -n NETNS ARGS``; ConfigError when it fails."""
+    _ip("-n", netns, *args)
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([_tool("ip"), *args], capture_output=True, text=True, timeout=20)
+    proc = subprocess.run([tool("ip"), *args], capture_output=True, text=True, timeout=20)
     if check and proc.returncode != 0:
         raise ConfigError("tunnel", f"ip {' '.join(args)}: {proc.stderr.strip()}", "see ip(8)")
     return proc
@@ -300,7 +313,7 @@ def _relay_log(proc: subprocess.Popen[bytes], state: TunnelState | None = None) 
             print(f"psctl tunnel: wireguard-go: {line}", file=sys.stderr, flush=True)
 
 
-def _make_netns(netns: str) -> None:
+def make_netns(netns: str) -> None:
     """/run/netns/NETNS, unless it is there already (a restarted tunnel: the services in it
     keep running); ConfigError where no other process would see the one made here."""
     if _ip("-n", netns, "link", "show", "lo", check=False).returncode == 0:
@@ -341,13 +354,13 @@ def bring_up(
         raise ConfigError("tunnel", "psctl deploy tunnel needs root", "run it as the unit does")
     peers = read_peers(config)
     cidr = _cidr(address, field="--address")
-    _tool("wg")
-    _make_netns(netns)
+    tool("wg")
+    make_netns(netns)
     _ip("-n", netns, "link", "set", "lo", "up")
     _ip("-n", netns, "link", "del", interface, check=False)  # a dead run's leftover
     _ip("link", "del", interface, check=False)
     proc = subprocess.Popen(
-        [_tool("wireguard-go"), "-f", interface],
+        [tool("wireguard-go"), "-f", interface],
         env={**os.environ, "LOG_LEVEL": "verbose"},  # its refusals: _relay_log keeps those
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
