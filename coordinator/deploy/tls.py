@@ -216,7 +216,7 @@ def _stunnel_conf(psks: Path, *lines: str) -> str:
         "\n".join(
             [
                 "foreground = yes",  # its log on stderr, read by _run
-            "syslog = no",
+                "syslog = no",
                 "debug = 5",  # notice: its "connected" line tells a refused connection apart
                 f"PSKsecrets = {psks}",
                 "sslVersionMin = TLSv1.3",
