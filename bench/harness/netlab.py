@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -169,18 +170,19 @@ class NetLab:
         if self.rtt_ms is not None:
             self._start_relay()
 
-    def start_tunnels(self, cluster_file: Path) -> None:
-        """Keys for every host, and each host's tunnel up (its job namespace, the transport's
-        way out of it) before anything runs there."""
+    def start_tunnels(self, cluster_file: Path, names: Sequence[str] = ()) -> None:
+        """Keys for every host (of ``names``, when given), and each one's tunnel up (its job
+        namespace, the transport's way out of it) before anything runs there."""
         from psctl.coordinator.deploy.tls import make_psks, tls_conf
         from psctl.coordinator.deploy.tunnel import Keys, make_keys, netns_name, tunnel_conf
 
         keys = Keys(self.work / "keys")
-        addresses = [self.cluster_ip(h.name) for h in self.hosts.values()]
+        hosts = [h for h in self.hosts.values() if not names or h.name in names]
+        addresses = [self.cluster_ip(h.name) for h in hosts]
         tls = self.transport == "tls"
         (make_psks if tls else make_keys)(addresses, keys.directory)
         psctl = str(Path(sys.executable).with_name("psctl"))
-        for host, address in zip(self.hosts.values(), addresses, strict=True):
+        for host, address in zip(hosts, addresses, strict=True):
             conf = self.work / f"tunnel-{host.name}.conf"
             peers = [a for a in addresses if a != address]
             conf.write_text(
@@ -199,15 +201,15 @@ class NetLab:
                 )
             )  # fmt: skip
             log.close()
-        for host, proc in zip(self.hosts.values(), self.tunnels, strict=True):
-            log = self.work / f"tunnel-{host.name}.log"
+        for host, proc in zip(hosts, self.tunnels, strict=True):
+            said = self.work / f"tunnel-{host.name}.log"
             deadline = time.monotonic() + 30
-            while "psctl tunnel: " not in log.read_text(errors="replace"):
+            while "psctl tunnel: " not in said.read_text(errors="replace"):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise LabError(f"{host.name}'s tunnel: {log.read_text()[-500:]}")
+                    raise LabError(f"{host.name}'s tunnel: {said.read_text()[-500:]}")
                 time.sleep(0.1)
             host.job_ns = f"/run/netns/{netns_name(self.cluster_ip(host.name))}"
-        for host in self.hosts.values() if tls else ():
+        for host in hosts if tls else ():
             self._proxy(host, HEALTH_PORT)
 
     def _proxy(self, host: Host, port: int) -> None:
@@ -282,7 +284,8 @@ class NetLab:
     def stop(self) -> None:
         for proc in [self.relay, *self.tunnels]:
             if proc is not None and proc.poll() is None:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):  # its children too (stunnel4)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         job = [h.job_ns.rsplit("/", 1)[1] for h in self.hosts.values() if h.job_ns]
         for ns in [*job, *(h.ns for h in self.hosts.values())] + (

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -61,7 +62,9 @@ CLIENT_PORT = 51820  # 127.0.0.1 in the job's namespace: every connection to ano
 PSK_SUFFIX = ".psk"
 _SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 REFUSAL_EVERY = 300.0  # seconds: one line per source (or destination) this often at most
-_CONNECTED = "connected remote server"  # stunnel's line once both ends are up
+# stunnel's line once the TLS handshake is done (LOG6: client "TLS connected", server "TLS
+# accepted"): a refused key ends the connection before it.
+_HANDSHAKE_DONE = re.compile(r"TLS (connected|accepted): ")
 
 
 def _ipv4(host: str, *, field: str) -> str:
@@ -217,7 +220,7 @@ def _stunnel_conf(psks: Path, *lines: str) -> str:
             [
                 "foreground = yes",  # its log on stderr, read by _run
                 "syslog = no",
-                "debug = 5",  # notice: its "connected" line tells a refused connection apart
+                "debug = 6",  # info: its handshake line tells a refused connection apart
                 f"PSKsecrets = {psks}",
                 "sslVersionMin = TLSv1.3",
                 "socket = l:TCP_NODELAY=1",
@@ -383,7 +386,7 @@ class Transport:
         try:
             for raw in proc.stderr:
                 line = raw.decode(errors="replace").rstrip()
-                if _CONNECTED in line and not connected:
+                if not connected and _HANDSHAKE_DONE.search(line):
                     connected = True
                     self._up(peer, +1)
                 elif " LOG3[" in line:
@@ -409,7 +412,7 @@ class Transport:
     def _refused(self, peer: str, what: str, why: str) -> None:
         incoming = what.startswith("from")
         if incoming and self._state is not None:
-            self._state.refused(what.split(" ", 1)[1])
+            self._state.refused(peer)  # by address: each connection has a port of its own
         now = time.monotonic()
         if now - self._said.get(peer, -REFUSAL_EVERY) < REFUSAL_EVERY:
             return
