@@ -79,11 +79,12 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     )
     keys_p = dsub.add_parser(
         "keys",
-        help="make the cluster's tunnel keys: one WireGuard key pair per host",
-        description="Write DIR/<host>.key (0600) and DIR/<host>.pub for every host of the "
-        "cluster file that has none (wg genkey, from wireguard-tools); keys already there "
-        "are kept, so run it again after adding hosts. --rotate makes new keys for every "
-        "host: render and install every host's tunnel.conf again (docs/deploy.md).",
+        help="make the cluster's tunnel keys: one per host",
+        description="Write DIR/<host>.psk (0600: the TLS transport's pre-shared key; with "
+        "--transport wireguard, DIR/<host>.key and .pub from wg genkey) for every host of "
+        "the cluster file that has none; keys already there are kept, so run it again after "
+        "adding hosts. --rotate makes new keys for every host: render and install every "
+        "host's tunnel.conf again (docs/deploy.md).",
     )
     keys_p.add_argument("--cluster", required=True, metavar="FILE", help="cluster file")
     keys_p.add_argument("--out", required=True, metavar="DIR", help="the key directory")
@@ -91,17 +92,20 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
     keys_p.add_argument(
         "--transport",
         choices=("wireguard", "tls"),
-        default="wireguard",
-        help="wireguard: a WireGuard key pair per host (wireguard-go); tls: a pre-shared key "
-        "per host for TLS 1.3 through stunnel4, a ninth of wireguard-go's CPU per byte "
-        "(docs/security.md; default %(default)s)",
+        default="tls",
+        help="tls: a pre-shared key per host, for TLS 1.3 through stunnel4 (DIR/<host>.psk); "
+        "wireguard: a WireGuard key pair per host, for wireguard-go, which costs about 9 "
+        "times the CPU per byte (docs/security.md; default %(default)s)",
     )
     tunnel_p = dsub.add_parser(
         "tunnel",
         help="run this host's tunnel (the psctl-tunnel unit's process; root)",
-        description="Make the job's network namespace (/run/netns/psctl-ADDRESS) if missing, run "
-        "wireguard-go, move its interface in with this host's cluster address and a route "
-        "to every peer, tell systemd READY=1, and log each peer's handshakes until SIGTERM.",
+        description="Make the job's network namespace (/run/netns/psctl-ADDRESS) if missing "
+        "and give it this host's way to the others, as its tunnel.conf says: TLS (stunnel4 "
+        "for each connection between hosts, nftables redirecting them in the namespace) or "
+        "WireGuard (wireguard-go's interface moved in, a route to every peer); tell systemd "
+        "READY=1 and log each peer until SIGTERM (SIGHUP: reload tunnel.conf and, with TLS, "
+        "the cluster file).",
     )
     tunnel_p.add_argument(
         "--config", required=True, metavar="FILE", help="this host's tunnel.conf (0600)"

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from psctl.cluster import netns
 from psctl.cluster.errors import EXIT_UNAVAILABLE, ConfigError
 from psctl.cluster.ports import HEALTH_PORT_OFFSET, HealthAddresses
+from psctl.cluster.tunnel_state import read_state
 from psctl.coordinator.deploy.plan import TUNNEL_UNIT, ServerTask, plan_hosts
+from psctl.coordinator.deploy.tls import is_tls_conf
 from psctl.coordinator.deploy.tunnel import CONFIG_FILE as TUNNEL_CONF
 from psctl.coordinator.deploy.tunnel import (
     NETNS_DIR,
@@ -23,17 +26,28 @@ from psctl.coordinator.deploy.tunnel import (
 CHECK_JOB = "psctl_deploy_check"  # this process's name for the ps tasks
 
 
-def _tcp_open(host: str, port: int, timeout: float) -> str:
-    """A TCP connection to host:port within ``timeout`` seconds: "open", or why it failed."""
+# An HTTP/2 client's first bytes (RFC 9113 3.4): the preface, then an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _grpc_answers(host: str, port: int, timeout: float) -> str:
+    """Whether a gRPC server (TensorFlow's) answers at host:port within ``timeout`` seconds:
+    "open" once its SETTINGS frame comes back, or why not. Connecting is not enough: with the
+    TLS transport, the job's namespace accepts every connection to another host and only the
+    far end's TensorFlow answers."""
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return "open"
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            conn.sendall(_H2_PREFACE)
+            header = conn.recv(9)
     except TimeoutError:
         return "timeout"
     except ConnectionRefusedError:
         return "refused"
     except OSError as err:
         return err.strerror or type(err).__name__
+    if len(header) >= 4 and header[3] == 4:  # a SETTINGS frame
+        return "open"
+    return "closed (no gRPC answer)" if not header else "not gRPC"
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -68,7 +82,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         rows.append((s.host, s.name, f"{s.tf_port} {state}"))
     _table(rows)
     if tunnel:
-        _table([("TUNNEL PEER", "ENDPOINT", "LAST HANDSHAKE"), *peer_states(interface_name(here))])
+        _table([("TUNNEL PEER", "ENDPOINT", "LAST HANDSHAKE"), *_peer_rows(args.cluster, here)])
     hosts = sum(1 for p in plans if p.servers)
     if args.checkpoint_dir and closed == 0 and health == 0:
         if tunnel:  # TensorFlow's threads and sockets in this host's end of the tunnel
@@ -85,6 +99,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_UNAVAILABLE
 
 
+def _peer_rows(cluster_file: str | None, here: str) -> list[tuple[str, str, str]]:
+    """Every tunnel peer of this host: WireGuard's own view, or what the TLS transport last
+    wrote (its connections: a peer is up while one is open)."""
+    conf = Path(cluster_file or "").parent / TUNNEL_CONF
+    try:
+        tls = cluster_file is not None and is_tls_conf(conf.read_text())
+    except OSError:
+        tls = False
+    if not tls:
+        return peer_states(interface_name(here))
+    state = read_state(here)
+    if state is None:
+        return [("-", "-", f"no state from {TUNNEL_UNIT} (is it running?)")]
+    now = time.time()
+    return [
+        (p["address"], "TLS", f"{now - p['handshake']:.0f}s ago" if p["handshake"] else "never")
+        for p in state.get("peers", [])
+    ]
+
+
 def _table(rows: list[tuple[str, str, str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for row in rows:
@@ -96,7 +130,7 @@ def _tf_ports(servers: list[ServerTask], timeout: float, inside: Path | None) ->
     host's end of the tunnel: where the coordinator reaches them from)."""
 
     def probe() -> list[str]:
-        return [_tcp_open(s.host, s.tf_port, timeout) for s in servers]
+        return [_grpc_answers(s.host, s.tf_port, timeout) for s in servers]
 
     if inside is None:
         return probe()

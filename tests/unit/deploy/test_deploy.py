@@ -571,6 +571,7 @@ def test_deploy_keys_adds_keys_for_new_hosts_and_keeps_the_others(tmp_path: Path
     )
     (tmp_path / "c.json").write_text(json.dumps({"cluster": {"chief": ["10.0.0.1:2222"]}}))
     argv = ["deploy", "keys", "--cluster", str(tmp_path / "c.json"), "--out", str(tmp_path / "k")]
+    argv += ["--transport", "wireguard"]
     assert cli.run_command(cli.build_parser().parse_args(argv)) == 0
     first = Keys(tmp_path / "k").private("10.0.0.1")
     assert (tmp_path / "k" / "10.0.0.1.key").stat().st_mode & 0o777 == 0o600
