@@ -3,8 +3,9 @@ wrote, and a fifth outside the cluster tries to get in.
 
 One ps host, two worker hosts and a coordinator host, each its own network namespace with
 its own 10.x address, and each behind its rendered tunnel (psctl-tunnel.service: the job's
-namespace on the host, WireGuard to the others) with its side ports carried out of it by
-the psctl-proxy@ units. Every server starts from the exact ExecStart= line and environment
+namespace on the host, TLS to the others, `psctl deploy keys`' default transport; the key
+rotation and joining tests run WireGuard) with its side ports carried out of it by the
+psctl-proxy@ units. Every server starts from the exact ExecStart= line and environment
 of its rendered unit (instance substituted, as systemd would; NetworkNamespacePath= by
 nsenter), with a NOTIFY_SOCKET that must receive READY=1, under the unit's sandbox as far
 as bench/harness/sandbox.py applies it (a dynamic user, no capabilities, the system call
@@ -22,8 +23,8 @@ it would not reach for minutes): stop exits 0 once the coordinator is gone, the 
 exits 0 on its own (a graceful stop, operations.md's exit statuses), with a final
 checkpoint at its last step and eval accuracy >= 0.90.
 
-Needs root (network namespaces), `ip`, wireguard-go and wg (tools/ensure-systemd-tools.sh
-installs them). The
+Needs root (network namespaces), `ip`, stunnel4, nft, wireguard-go and wg
+(tools/ensure-systemd-tools.sh installs them). The
 /etc/psctl directory is created empty when missing: `ip netns exec` bind-mounts each host's
 files over it. Every namespace, link and process is removed at the end.
 """
@@ -69,6 +70,7 @@ from bench.harness.sandbox import NOBODY
 from psctl.cluster import netns as cluster_netns
 from psctl.cluster.processes.procs import die_with_parent
 from psctl.coordinator.deploy.plan import CONTROL_TOKEN_FILE, STATE_DIR, SYNC_UNIT, TUNNEL_UNIT
+from psctl.coordinator.deploy.tls import make_psks, tls_conf
 from psctl.coordinator.deploy.tunnel import (
     LISTEN_PORT,
     NETNS_DIR,
@@ -110,6 +112,8 @@ CHECKOUT = os.path.realpath(Path(__file__).resolve().parents[3])
 def lab() -> Iterator[NetnsLab]:
     require_tool("wireguard-go", "tools/ensure-systemd-tools.sh (Debian package wireguard-go)")
     require_tool("wg", "tools/ensure-systemd-tools.sh (Debian package wireguard-tools)")
+    require_tool("stunnel4", "tools/ensure-systemd-tools.sh (Debian package stunnel4)")
+    require_tool("nft", "tools/ensure-systemd-tools.sh (Debian package nftables)")
     require_tool("systemd-socket-activate", "tools/ensure-systemd-tools.sh (package systemd)")
     assert Path(PROXYD).exists(), f"{PROXYD} is missing: tools/ensure-systemd-tools.sh"
     lab_hosts = {**HOSTS, OUTSIDER: OUTSIDER_ADDRESS}
@@ -170,14 +174,15 @@ def remove_job_namespaces(addresses: Iterable[str]) -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
 
 
-def render_protected(cluster_file: Path, out: Path, *extra: str) -> Path:
-    """`psctl deploy keys`, then `psctl deploy render --keys` as docs/deploy.md types them;
-    returns the key directory."""
+def render_protected(cluster_file: Path, out: Path, *extra: str, transport: str = "") -> Path:
+    """`psctl deploy keys`, then `psctl deploy render --keys` as docs/deploy.md types them
+    (``transport``: --transport, else its default); returns the key directory."""
     keys = out.with_name("keys")
     common = ["--cluster", str(cluster_file)]
     with_keys = ["--bin-dir", str(BIN_DIR), "--keys", str(keys)]
+    chosen = ["--transport", transport] if transport else []
     for args in (
-        ["keys", *common, "--out", str(keys)],
+        ["keys", *common, "--out", str(keys), *chosen],
         ["render", *extra, *common, "--out", str(out), *with_keys],
     ):
         done = run([str(BIN_DIR / "psctl"), "deploy", *args], timeout=60)
@@ -202,6 +207,7 @@ def start_tunnel(lab: NetnsLab, host: str, out: Path, logs: Path, notify: Path) 
     unit = parse_unit((out / address / TUNNEL_UNIT).read_text())
     assert value(unit, "Service", "Type") == "notify"
     env = {**BASE_ENV, **service_env(unit, "", host_path(lab, host))}
+    env["PSCTL_CLUSTER"] = str(host_path(lab, host)(env["PSCTL_CLUSTER"]))  # its /etc/psctl
     sock = NotifySocket(notify / f"tunnel-{host}.sock")
     env["NOTIFY_SOCKET"] = str(sock.path)
     argv = exec_argv(value(unit, "Service", "ExecStart"), "", env)
@@ -276,9 +282,30 @@ with cf.ThreadPoolExecutor(8) as pool:
 """
 
 
-def connect_all(argv_prefix: list[str], addresses: list[str], timeout: float) -> dict[str, str]:
+# Asks every TF address for gRPC's answer (HTTP/2 SETTINGS, as psctl deploy check does):
+# behind TLS a connection may be accepted by a tunnel and still reach no TensorFlow.
+GRPC_ALL = """
+import json, socket, sys, concurrent.futures as cf
+PREFACE = b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+def one(address):
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=float(sys.argv[1])) as c:
+            c.sendall(PREFACE)
+            header = c.recv(9)
+        return "open" if len(header) >= 4 and header[3] == 4 else "no gRPC answer"
+    except OSError as err:
+        return type(err).__name__
+with cf.ThreadPoolExecutor(8) as pool:
+    print(json.dumps(dict(zip(sys.argv[2:], pool.map(one, sys.argv[2:])))))
+"""
+
+
+def connect_all(
+    argv_prefix: list[str], addresses: list[str], timeout: float, script: str = CONNECT_ALL
+) -> dict[str, str]:
     proc = run(
-        [*argv_prefix, SYSTEM_PYTHON, "-c", CONNECT_ALL, str(timeout), *addresses],
+        [*argv_prefix, SYSTEM_PYTHON, "-c", script, str(timeout), *addresses],
         timeout=timeout + 30,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -286,12 +313,60 @@ def connect_all(argv_prefix: list[str], addresses: list[str], timeout: float) ->
 
 
 def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
-    """Nobody outside the cluster's tunnels opens a connection to a TF port: the fifth
-    host (no keys), the fifth host with a tunnel of its own keys (it knows every host's
-    public key: those are not secret), another uid on a cluster host (ps0's own network,
-    and setns into the job's namespace)."""
-    outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2)
+    """Nobody outside the cluster's tunnels gets gRPC's answer from a TF port: the fifth
+    host (no keys), the fifth host with a TLS tunnel of its own key, another uid on a
+    cluster host (ps0's own network, and setns into the job's namespace)."""
+    outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2, GRPC_ALL)
     assert "open" not in outside.values(), outside
+    # A key of its own (and made-up ones for the cluster's hosts): every TLS handshake it
+    # tries is refused.
+    keys = workdir / "outsider-keys"
+    make_psks([OUTSIDER_ADDRESS, *HOSTS.values()], keys)
+    conf = workdir / "outsider-tunnel.conf"
+    conf.write_text(tls_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys))
+    conf.chmod(0o600)
+    own = Service(
+        name="outsider tunnel",
+        argv=[
+            "nsenter",
+            f"--net=/run/netns/{lab.ns(OUTSIDER)}",
+            str(BIN_DIR / "psctl"),
+            "deploy",
+            "tunnel",
+            "--config",
+            str(conf),
+            "--address",
+            OUTSIDER_ADDRESS,
+            "--cluster",
+            str(workdir / "cluster.json"),
+        ],
+        env=dict(BASE_ENV),
+        policy=RestartPolicy("on-failure", 60.0, frozenset()),
+        log_path=workdir / "outsider-tunnel.log",
+    )
+    own.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "psctl tunnel: " not in own.log_tail():
+            assert own.alive() and time.monotonic() < deadline, own.log_tail()
+            time.sleep(0.2)
+        job_ns = ["ip", "netns", "exec", netns_name(OUTSIDER_ADDRESS)]
+        tunnelled = connect_all(job_ns, TF_ADDRESSES, 5, GRPC_ALL)
+        assert "open" not in tunnelled.values(), tunnelled
+    finally:
+        own.stop()
+        remove_job_namespaces([OUTSIDER_ADDRESS])
+    # Each cluster host's tunnel said so, once (the outsider tried more than once).
+    for host in HOSTS:
+        log = (workdir / f"tunnel-{host}.log").read_text()
+        refused = f"psctl tunnel: refused a TLS connection from {OUTSIDER_ADDRESS}:"
+        assert log.count(refused) == 1, log[-2000:]
+    assert_other_uid_refused(lab)
+
+
+def assert_wireguard_outsider_refused(lab: NetnsLab, workdir: Path, hosts: list[str]) -> None:
+    """The fifth host with a WireGuard tunnel of its own keys (it knows every host's public
+    key: those are not secret): no handshake completes, each of ``hosts`` logs it once."""
     # A key of its own and every host's real public key (they are no secret), so a tunnel
     # that tries: no handshake completes.
     keys = Keys(workdir / "outsider-keys")
@@ -330,19 +405,26 @@ def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
         assert set(tunnelled.values()) == {"TimeoutError"}, tunnelled  # dropped, unanswered
     finally:
         own.stop()
+        remove_job_namespaces([OUTSIDER_ADDRESS])
     # Each cluster host's tunnel said so, once (the outsider tried again and again).
-    for host in HOSTS:
+    for host in hosts:
         log = (workdir / f"tunnel-{host}.log").read_text()
         refused = f"psctl tunnel: refused a handshake from {OUTSIDER_ADDRESS}:{LISTEN_PORT}"
         assert log.count(refused) == 1, log[-2000:]
-    # Another user of a cluster host: the host's network has no TF port, and the job's
-    # namespace cannot be joined.
+
+
+def assert_other_uid_refused(lab: NetnsLab) -> None:
+    """Another user of a cluster host: no TF port answers on the host's network (with TLS,
+    the tunnel's listener there wants a key), and the job's namespace cannot be joined."""
     probe = SETNS_PROBE.replace("@NETNS@", f"{NETNS_DIR}/{netns_name(HOSTS['ps0'])}")
     as_other = ["setpriv", "--reuid=65533", "--regid=65533", "--clear-groups"]
     local = connect_all(
-        lab.exec("ps0", as_other), [f"{HOSTS['ps0']}:{TF_PORT}", f"127.0.0.1:{TF_PORT}"], 2
+        lab.exec("ps0", as_other),
+        [f"{HOSTS['ps0']}:{TF_PORT}", f"127.0.0.1:{TF_PORT}"],
+        2,
+        GRPC_ALL,
     )
-    assert set(local.values()) == {"ConnectionRefusedError"}, local
+    assert "open" not in local.values(), local
     joined = run(lab.exec("ps0", [*as_other, SYSTEM_PYTHON, "-c", probe]), timeout=30)
     assert joined.stdout.strip() == "EPERM", joined.stdout + joined.stderr
 
@@ -410,9 +492,9 @@ with tf.device("/job:probe/replica:0/task:0/device:CPU:0"):
 
 def assert_observer_sees_no_tensor(lab: NetnsLab) -> tuple[int, int]:
     """A tensor carrying a marker goes from the coordinator host to ps 0 while the job
-    trains; the frames on ps 0's cable hold WireGuard's UDP only, never the marker, and no
-    TCP to a TF port. A datagram the outsider sends with another marker is seen: the
-    capture reads payloads. Returns (frames seen, WireGuard datagrams)."""
+    trains; the frames on ps 0's cable hold TLS's TCP to the TF port, never the marker. A
+    datagram the outsider sends with another marker is seen: the capture reads payloads.
+    Returns (frames seen, TCP segments to or from the TF port)."""
     tf_marker = f"psctl-tensor-{os.getpid()}-{time.time_ns()}"
     plain_marker = f"psctl-plain-{os.getpid()}-{time.time_ns()}"
     capture = Capture(lab, "ps0", [tf_marker.encode(), plain_marker.encode()])
@@ -444,10 +526,8 @@ def assert_observer_sees_no_tensor(lab: NetnsLab) -> tuple[int, int]:
     assert capture.markers[plain_marker.encode()], f"{capture.frames} frames, no datagram"
     assert not capture.markers[tf_marker.encode()], "the tensor crossed the wire in the clear"
     tcp = [p for p in capture.ports[6] if TF_PORT in p]
-    assert not tcp, f"{len(tcp)} TCP segments to or from a TF port on the wire"
-    wireguard = [p for p in capture.ports[17] if LISTEN_PORT in p]
-    assert len(wireguard) >= 10, f"{len(wireguard)} WireGuard datagrams"
-    return capture.frames, len(wireguard)
+    assert len(tcp) >= 10, f"{len(tcp)} TCP segments to or from the TF port: not the op's?"
+    return capture.frames, len(tcp)
 
 
 @pytest.mark.timeout(300)
@@ -524,7 +604,7 @@ def test_train_across_tunnelled_hosts_through_worker_and_ps_restarts(lab: NetnsL
         assert "TF PORT (through the tunnel)" in check, check
         mark("psctl deploy check: all SERVING, every TF port open through the tunnel")
         assert_outsiders_refused(lab, keys.parent)
-        mark("refused: the outsider (no keys, then its own keys), another uid on ps0")
+        mark("refused: the outsider (no keys, then its own key), another uid on ps0")
 
         unit = parse_unit((out / HOSTS["coord"] / "psctl-coordinator.service").read_text())
         env = {**BASE_ENV, **service_env(unit, "", host_path(lab, "coord"))}
@@ -565,11 +645,11 @@ def test_train_across_tunnelled_hosts_through_worker_and_ps_restarts(lab: NetnsL
         # handshakes it refused (assert_outsiders_refused).
         status = psctl(lab, "status")
         assert f"tunnel {HOSTS['coord']}: 3 of 3 peers up\n" in status, status
-        refused = rf"^tunnel refused \d+ handshake\(s\) from {OUTSIDER_ADDRESS}:{LISTEN_PORT}, "
+        refused = rf"^tunnel refused \d+ handshake\(s\) from {OUTSIDER_ADDRESS}, "
         assert re.search(refused, status, re.M), status
         mark("psctl status: the tunnel's 3 peers up, the outsider's handshakes refused")
-        frames, wireguard = assert_observer_sees_no_tensor(lab)
-        mark(f"ps0's cable: {frames} frames, {wireguard} WireGuard, no tensor in the clear")
+        frames, tls = assert_observer_sees_no_tensor(lab)
+        mark(f"ps0's cable: {frames} frames, {tls} TLS segments, no tensor in the clear")
 
         victim = services["worker:1"]
         killed_pid = victim.kill(signal.SIGKILL)
@@ -815,12 +895,14 @@ def test_keys_rotated_and_reloaded_host_by_host(lab: NetnsLab, tmp_path: Path):
     cluster_file = tmp_path / "cluster.json"
     write_cluster(cluster_file, HOSTS)
     out = tmp_path / "rendered"
-    render_protected(cluster_file, out)
+    render_protected(cluster_file, out, transport="wireguard")
     with coord_and_ps0(lab, out, tmp_path) as (tunnels, _):
+        assert_wireguard_outsider_refused(lab, tmp_path, ["coord", "ps0"])
         rotate = [str(BIN_DIR / "psctl"), "deploy", "keys", "--cluster", str(cluster_file)]
+        rotate += ["--transport", "wireguard"]
         done = run([*rotate, "--out", str(out.with_name("keys")), "--rotate"], timeout=60)
         assert done.returncode == 0, done.stderr
-        render_protected(cluster_file, out, "--force")
+        render_protected(cluster_file, out, "--force", transport="wireguard")
         states = []
         for host in ("coord", "ps0"):
             install_and_reload(lab, host, out, tunnels[host])
@@ -843,7 +925,7 @@ def test_a_host_joins_behind_the_tunnels_without_restarting_them(lab: NetnsLab, 
              "worker": [f"{HOSTS['ps0']}:{TF_PORT + 1}"]}  # fmt: skip
     cluster_file.write_text(json.dumps({"cluster": first}))
     out = tmp_path / "rendered"
-    keys = render_protected(cluster_file, out)
+    keys = render_protected(cluster_file, out, transport="wireguard")
     assert sorted(p.name for p in keys.glob("*.key")) == sorted(
         f"{HOSTS[h]}.key" for h in ("coord", "ps0"))  # fmt: skip
     with coord_and_ps0(lab, out, tmp_path) as (tunnels, notify):
@@ -851,7 +933,7 @@ def test_a_host_joins_behind_the_tunnels_without_restarting_them(lab: NetnsLab, 
         before = {p.name: p.read_text() for p in keys.glob("*.key")}
         joined = {**first, "worker": [*first["worker"], f"{HOSTS['w1']}:{TF_PORT}"]}
         cluster_file.write_text(json.dumps({"cluster": joined}))
-        render_protected(cluster_file, out, "--force")
+        render_protected(cluster_file, out, "--force", transport="wireguard")
         assert {p.name: p.read_text() for p in keys.glob("*.key")} == {
             **before, f"{HOSTS['w1']}.key": (keys / f"{HOSTS['w1']}.key").read_text()}  # fmt: skip
         for host in ("coord", "ps0"):
