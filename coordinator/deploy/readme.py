@@ -37,24 +37,31 @@ def _tunnel_lines(config_dir: str, proxies: Sequence[str]) -> list[str]:
     ]
 
 
-def _tunnel_note(host: str) -> list[str]:
+def _tunnel_note(host: str, transport: str) -> list[str]:
+    through = (
+        "over TLS (stunnel4, at each TF port of this host), with"
+        if transport == "tls"
+        else f"through the cluster's WireGuard tunnel (UDP {LISTEN_PORT}), with"
+    )
     return [
         "",
         "Every psctl service here runs in the network namespace",
         f"/run/netns/{netns_name(host)}, made by {TUNNEL_UNIT}: other hosts reach its",
-        f"TensorFlow ports only through the cluster's WireGuard tunnel (UDP {LISTEN_PORT}), with",
+        f"TensorFlow ports only {through}",
         "this cluster's keys; the side ports",
         f"(health, /metrics, control) are on {host}'s network through psctl-proxy@ sockets.",
         f"`{TUNNEL_CONF}` holds this host's private key: keep it 0600, on this host only.",
     ]
 
 
-def _port_rows(plan: HostPlan, *, tunnel: bool) -> list[tuple[str, str, str, str]]:
+def _port_rows(plan: HostPlan, *, tunnel: bool, transport: str) -> list[tuple[str, str, str, str]]:
     def tf_from(hosts: str) -> str:
+        if tunnel and transport == "tls":
+            return f"{hosts}, over TLS (psctl-tunnel's stunnel4): the cluster's hosts only"
         return f"{hosts}, through the tunnel: do not open" if tunnel else hosts
 
     rows = []
-    if tunnel:
+    if tunnel and transport != "tls":
         rows.append(("tunnel", f"{LISTEN_PORT}/udp", "WireGuard", "the cluster's hosts"))
     if plan.chief_port is not None:
         rows += [
@@ -82,7 +89,13 @@ def _port_rows(plan: HostPlan, *, tunnel: bool) -> list[tuple[str, str, str, str
 
 
 def host_readme(
-    plan: HostPlan, *, bin_dir: str, config_dir: str, coordinator_host: str, tunnel: bool
+    plan: HostPlan,
+    *,
+    bin_dir: str,
+    config_dir: str,
+    coordinator_host: str,
+    tunnel: bool,
+    transport: str = "tls",
 ) -> str:
     """OUT/<host>/README.md: what to install and start on the host, and its ports."""
     configs = ["cluster.json", "psctl.env"] + [s.env_file for s in plan.servers]
@@ -156,9 +169,12 @@ def host_readme(
         "| task | port | what | reached from |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {t} | {p} | {w} | {f} |" for t, p, w, f in _port_rows(plan, tunnel=tunnel)]
+    lines += [
+        f"| {t} | {p} | {w} | {f} |"
+        for t, p, w, f in _port_rows(plan, tunnel=tunnel, transport=transport)
+    ]
     if tunnel:
-        lines += _tunnel_note(plan.host)
+        lines += _tunnel_note(plan.host, transport)
         lines.append("TensorFlow's TCP ports are not opened: they are reached through the tunnel.")
     else:
         lines += [
@@ -195,7 +211,13 @@ def index_readme(plans: Sequence[HostPlan], *, source: str, coordinator_host: st
 
 
 def sync_readme(
-    host: str, indexes: Sequence[int], *, config_dir: str, tunnel: bool, proxies: Sequence[str]
+    host: str,
+    indexes: Sequence[int],
+    *,
+    config_dir: str,
+    tunnel: bool,
+    proxies: Sequence[str],
+    transport: str = "tls",
 ) -> str:
     """``--strategy sync``: OUT/<host>/README.md for the workers ``indexes`` on ``host``
     (``proxies``: its side ports' addresses)."""
@@ -217,7 +239,7 @@ def sync_readme(
             "systemctl daemon-reload",
             f"systemctl start {starts}",
             "```",
-            *(_tunnel_note(host) if tunnel else []),
+            *(_tunnel_note(host, transport) if tunnel else []),
             "",
             "Open the workers' TF ports to the other worker hosts"
             + (

@@ -119,6 +119,7 @@ def render(
     chief_host = next(p.host for p in plans if p.chief_port is not None)
     hosts = [p.host for p in plans]
     secrets = _tunnel_confs(hosts, keys)  # every name and key checked before any write
+    transport = _transport(keys)
     for plan in plans:
         host_dir(out, plan.host)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +133,7 @@ def render(
                 config_dir=config_dir,
                 coordinator_host=chief_host,
                 tunnel=keys is not None,
+                transport=transport,
             ),
             "cluster.json": text,
             "psctl.env": host_env(config_dir=config_dir, tunnel=keys is not None, host=plan.host),
@@ -156,6 +158,11 @@ def render(
         },
     )
     return plans
+
+
+def _transport(keys: Keys | None) -> str:
+    """The transport of a key directory: "tls" (psctl deploy keys' default) or "wireguard"."""
+    return "tls" if keys is None or holds_psks(keys.directory) else "wireguard"
 
 
 def _tunnel_confs(hosts: list[str], keys: Keys | None) -> dict[str, str]:
@@ -200,7 +207,12 @@ def render_sync(
         sides = proxies.get(canonical_host(host), [])
         files = {
             "README.md": sync_readme(
-                host, indexes, config_dir=config_dir, tunnel=tunnel, proxies=sides
+                host,
+                indexes,
+                config_dir=config_dir,
+                tunnel=tunnel,
+                proxies=sides,
+                transport=_transport(keys),
             ),
             "cluster.json": text,
             "psctl.env": host_env(config_dir=config_dir, tunnel=tunnel, host=host),
