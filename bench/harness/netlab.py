@@ -63,8 +63,8 @@ def add_transport_flag(parser: argparse.ArgumentParser) -> None:
     """``--transport``, for a bench whose hosts may run behind their tunnels."""
     parser.add_argument(
         "--transport",
-        choices=("wireguard", "tls"),
-        default="wireguard",
+        choices=("tls", "wireguard"),
+        default="tls",
         help="--tunnel-overhead: what the tunnelled hosts run, as psctl deploy keys "
         "--transport makes it (default %(default)s)",
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -212,3 +213,46 @@ def test_only_the_clusters_hosts_get_through_and_nothing_crosses_in_the_clear(
 
     # A side port (plain on its host's network, as health and /metrics are): as it is.
     assert until_echo(lab, "a", c.ip, SIDE_PORT, "side") == "echo"
+
+
+def reload(lab: NetLab, host: str, conf_text: str | None = None) -> None:
+    """``systemctl reload psctl-tunnel`` on ``host``: a new tunnel.conf (if given), SIGHUP,
+    then its "reloaded" line."""
+    index = [name for name in lab.hosts if lab.hosts[name].job_ns].index(host)
+    log = lab.work / f"tunnel-{host}.log"
+    before = log.read_text().count("psctl tunnel: reloaded")
+    if conf_text is not None:
+        (lab.work / f"tunnel-{host}.conf").write_text(conf_text)
+    os.kill(lab.tunnels[index].pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while log.read_text().count("psctl tunnel: reloaded") == before:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_keys_rotated_and_a_new_port_applied_by_reload_without_a_restart(lab: NetLab):
+    """docs/deploy.md's rotation, and a task added on a host: `psctl deploy keys --rotate`,
+    each host's new tunnel.conf and a reload; between the two reloads the hosts do not
+    reach each other, after both they do, and a TF port added to the cluster file gets its
+    listener on reload. The tunnels are never restarted."""
+    a, b = lab.hosts["a"], lab.hosts["b"]
+    assert until_echo(lab, "a", b.ip, PORT, "before") == "echo"
+    keys = lab.work / "keys"
+    make_psks([a.ip, b.ip], keys, rotate=True)
+    reload(lab, "a", tls_conf(a.ip, [b.ip], keys))
+    assert send(lab, "a", b.ip, PORT, "half-way") != "echo"  # b still has the old keys
+    reload(lab, "b", tls_conf(b.ip, [a.ip], keys))
+    assert until_echo(lab, "a", b.ip, PORT, "after") == "echo"
+    # A worker added on b at another port: the cluster file, then both reloads.
+    cluster = json.loads((lab.work.parent / "cluster.json").read_text())
+    cluster["cluster"]["worker"] = [f"{b.ip}:{PORT + 2}"]
+    (lab.work.parent / "cluster.json").write_text(json.dumps(cluster))
+    echo = subprocess.Popen(lab.exec_argv("b", [sys.executable, "-c", ECHO, str(PORT + 2)]))
+    try:
+        for host in ("a", "b"):
+            reload(lab, host)
+        assert until_echo(lab, "a", b.ip, PORT + 2, "new port") == "echo"
+    finally:
+        echo.kill()
+        echo.wait()
+    assert all(t.poll() is None for t in lab.tunnels[:2])
