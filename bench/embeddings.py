@@ -884,8 +884,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every configuration on network-namespace hosts twice (bench/harness/netlab.py; "
         "the direct network, or each --rtt): TensorFlow's ports open, and every host behind "
-        "its WireGuard tunnel as psctl deploy render --keys runs them (root, wireguard-go, "
-        "wg); the last line is psctl's steps/s behind the tunnels over open",
+        "its tunnel (--transport) as psctl deploy render --keys runs them (root, the "
+        "transport's packages); the last line is psctl's steps/s behind the tunnels over open",
     )
     add_mtu_flag(parser)
     add_transport_flag(parser)

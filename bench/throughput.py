@@ -54,7 +54,8 @@ line is ``namespace cost = X.X%``: 1 - namespace/open of the median steps/s.
 
 ``--tunnel-overhead`` runs only psctl, across network-namespace hosts (bench/harness/netlab.py,
 one host per task; the direct network, or ``--rtt MS``), open and with every host behind
-its WireGuard tunnel as the units of ``psctl deploy render --keys`` run them, interleaved.
+its tunnel (``--transport``: tls, the default, or wireguard) as the units of ``psctl deploy
+render --keys`` run them, interleaved.
 Its last line is ``tunnel cost = X.X%``: 1 - tunnel/open of the median steps/s.
 
     .venv/bin/python bench/throughput.py          # defaults: about 4 minutes on 2 cores
@@ -960,8 +961,8 @@ def parent_main(args: argparse.Namespace) -> int:
         what = ("TF ports", "job namespace (default)", "namespace cost")
         return report_pair(rows, runs, "psctl-netns", what)
     if args.tunnel_overhead:
-        label = "TLS tunnel (stunnel4)" if args.transport == "tls" else "WireGuard tunnel"
-        what = ("between hosts", f"{label} (--keys)", "tunnel cost")
+        label = "TLS (stunnel4, --keys)" if args.transport == "tls" else "WireGuard tunnel (--keys)"
+        what = ("between hosts", label, "tunnel cost")
         return report_pair(rows, runs, "psctl-tunnel", what)
     print_table(rows, args)
     if args.capacity:
@@ -1127,8 +1128,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tunnel-overhead",
         action="store_true",
         help="instead: psctl across network-namespace hosts (bench/harness/netlab.py; the direct "
-        "network, or --rtt MS) with TensorFlow's ports open vs every host behind its WireGuard "
-        "tunnel (psctl deploy render --keys), interleaved; needs root, wireguard-go, wg; the "
+        "network, or --rtt MS) with TensorFlow's ports open vs every host behind its "
+        "tunnel (psctl deploy render --keys; --transport), interleaved; needs root and the "
+        "transport's packages (tools/ensure-systemd-tools.sh); the "
         "last line is 'tunnel cost = X.X%%'",
     )
     parser.add_argument(
