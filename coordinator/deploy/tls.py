@@ -51,7 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psctl.cluster import netns as job_netns
+from psctl.cluster.address import split_host_port
+from psctl.cluster.dataservice import dispatcher_address
 from psctl.cluster.errors import ConfigError
+from psctl.cluster.ports import DATA_PORT_OFFSET
 from psctl.cluster.spec import load_cluster_file
 from psctl.cluster.tunnel_state import TunnelState, state_path
 from psctl.coordinator.deploy.tunnel import cmd_tunnel as wireguard_tunnel
@@ -191,12 +194,24 @@ def read_tls_conf(config: Path) -> TlsConfig:
 
 
 def tf_addresses(cluster_file: str) -> set[tuple[str, int]]:
-    """(IPv4 address, port) of every task of the cluster file: what goes over TLS."""
+    """(IPv4 address, port) of everything TensorFlow serves in the cluster file: every
+    task, every worker's tf.data service worker (its TF port + DATA_PORT_OFFSET) and the
+    data service's dispatcher, if the file names one. What goes over TLS."""
     cluster = load_cluster_file(cluster_file, required=())
-    found = set()
-    for _, _, address in cluster.task_addresses():
+    found: set[tuple[str, int]] = set()
+
+    def add(host: str, port: int) -> None:
         with contextlib.suppress(ValueError):
-            found.add((str(ipaddress.ip_address(address.host.strip("[]"))), address.port))
+            if 0 < port < 65536:
+                found.add((str(ipaddress.ip_address(host.strip("[]"))), port))
+
+    for task_type, _, address in cluster.task_addresses():
+        add(address.host, address.port)
+        if task_type == "worker":
+            add(address.host, address.port + DATA_PORT_OFFSET)
+    dispatcher = dispatcher_address(flag=None, cluster_file=cluster_file, environ={})
+    if dispatcher:
+        add(*split_host_port(dispatcher, field=f"{cluster_file}: data_service.dispatcher"))
     return found
 
 

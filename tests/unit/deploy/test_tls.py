@@ -75,10 +75,13 @@ def test_render_writes_each_hosts_tls_conf_with_its_key_and_its_peers(tmp_path: 
     read = read_tls_conf(conf)
     assert read.address == "10.0.0.3" and read.key == psk(tmp_path / "k", "10.0.0.3")
     assert read.peers == {h: psk(tmp_path / "k", h) for h in hosts if h != "10.0.0.3"}
-    # What goes over TLS: every task's address in the cluster file.
+    # What goes over TLS: every task's address in the cluster file, each worker's tf.data
+    # service worker (TF port + 3000) and the dispatcher the file names.
+    with_data = {**CLUSTER, "data_service": {"dispatcher": "10.0.0.1:5050"}}
+    (tmp_path / "c.json").write_text(json.dumps(with_data))
     assert tf_addresses(str(tmp_path / "c.json")) == {
         ("10.0.0.1", 2222), ("10.0.0.2", 2222), ("10.0.0.3", 2222), ("10.0.0.3", 2223),
-        ("10.0.0.4", 2222),
+        ("10.0.0.4", 2222), ("10.0.0.3", 5223), ("10.0.0.4", 5222), ("10.0.0.1", 5050),
     }  # fmt: skip
 
 
