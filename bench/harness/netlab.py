@@ -195,7 +195,8 @@ class NetLab:
             self.tunnels.append(
                 subprocess.Popen(
                     ["nsenter", f"--net=/run/netns/{host.ns}", psctl, "deploy", "tunnel",
-                     "--config", str(conf), "--address", address, "--cluster", str(cluster_file)],
+                     "--config", str(conf), "--address", address, "--cluster", str(cluster_file),
+                     *(["--listen", host.ip] if tls else [])],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )

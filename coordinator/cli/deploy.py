@@ -120,6 +120,12 @@ def add_deploy_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], in
         "transport listens for this host's TF ports and encrypts connections to the others'",
     )
     tunnel_p.add_argument(
+        "--listen",
+        metavar="ADDRESS",
+        help="TLS: where this host's TF ports take TLS on its network (default --address; "
+        "another address only where the cluster address forwards to this one)",
+    )
+    tunnel_p.add_argument(
         "--netns", help="namespace name (default psctl-ADDRESS: what the units name)"
     )
     tunnel_p.add_argument(

@@ -65,6 +65,9 @@ CLIENT_PORT = 51820  # 127.0.0.1 in the job's namespace: every connection to ano
 PSK_SUFFIX = ".psk"
 _SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 REFUSAL_EVERY = 300.0  # seconds: one line per source (or destination) this often at most
+# stunnel4 processes at once, both ways: a host that opens connection after connection gets
+# the rest closed at once, not a process each (gRPC keeps a few per pair of tasks).
+MAX_CONNECTIONS = 512
 # stunnel's line once the TLS handshake is done (LOG6: client "TLS connected", server "TLS
 # accepted"): a refused key ends the connection before it.
 _HANDSHAKE_DONE = re.compile(r"TLS (connected|accepted): ")
@@ -240,6 +243,7 @@ def _stunnel_conf(psks: Path, *lines: str) -> str:
                 "sslVersionMin = TLSv1.3",
                 "socket = l:TCP_NODELAY=1",
                 "socket = r:TCP_NODELAY=1",
+                "TIMEOUTbusy = 30",  # a handshake that stalls (a port scan) ends in 30 s
                 *lines,
             ]
         )
@@ -251,14 +255,22 @@ class Transport:
     """The host's end: namespace, redirect, listeners, a stunnel4 per connection."""
 
     def __init__(
-        self, *, config: Path, cluster: str, netns: str, state: TunnelState | None = None
+        self,
+        *,
+        config: Path,
+        cluster: str,
+        netns: str,
+        state: TunnelState | None = None,
+        listen: str | None = None,
     ) -> None:
         self._config_path, self._cluster, self.netns = config, cluster, netns
         self.config = read_tls_conf(config)
         self._state = state
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._dir = Path(tempfile.mkdtemp(prefix="psctl-tls-"))  # 0700
+        # 0700, root's: the keys stunnel4 reads (/run: memory, gone at reboot).
+        run_dir = "/run" if os.access("/run", os.W_OK) else None
+        self._dir = Path(tempfile.mkdtemp(prefix="psctl-tls-", dir=run_dir))
         self._listeners: dict[int, socket.socket] = {}  # TF port on the host -> listener
         self._client: socket.socket | None = None
         self._children: set[subprocess.Popen[bytes]] = set()
@@ -266,6 +278,9 @@ class Transport:
         self._seen: dict[str, float] = {}  # peer address -> last connection up
         self._said: dict[str, float] = {}
         self.tf: set[tuple[str, int]] = set()
+        # Where this host's TF ports take TLS on its network: its cluster address, unless
+        # its cluster address is another machine's that forwards to it (a lab's relay).
+        self.listen = listen or self.config.address
         for name in ("stunnel4", "nft", "nsenter"):
             tool(name)
 
@@ -305,10 +320,12 @@ class Transport:
         self.reload_ports()
 
     def _write_keys(self) -> None:
-        def write(name: str, text: str) -> None:
-            fd = os.open(self._dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        def write(name: str, text: str) -> None:  # whole, for a stunnel4 starting meanwhile
+            aside = self._dir / f".{name}"
+            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as out:
                 out.write(text)
+            os.replace(aside, self._dir / name)
 
         own = f"{self.address}:{self.config.key}\n"
         write("client.psk", own)
@@ -329,12 +346,14 @@ class Transport:
                     _stunnel_conf(self._dir / "server.psk", f"connect = 127.0.0.1:{port}")
                 )
                 try:
-                    listener = socket.create_server((self.address, port), backlog=128)
+                    listener = socket.create_server((self.listen, port), backlog=128)
                 except OSError as err:
                     raise ConfigError(
                         "tunnel",
-                        f"cannot listen at {self.address}:{port} for task's TLS: {err.strerror}",
-                        "is another process on that port of this host?",
+                        f"cannot listen at {self.listen}:{port} for its TF port's TLS: "
+                        f"{err.strerror}",
+                        "is another process on that port of this host, or the address not "
+                        "this host's (--listen)?",
                     ) from None
                 self._listeners[port] = listener
                 threading.Thread(target=self._accept, args=(listener, port), daemon=True).start()
@@ -354,6 +373,12 @@ class Transport:
                 conn, source = listener.accept()
             except OSError:
                 return  # closed
+            with self._lock:
+                full = len(self._children) >= MAX_CONNECTIONS
+            if full:
+                conn.close()
+                self._refused(source[0], f"from {source[0]}:{source[1]}", "too many at once")
+                continue
             handle = self._outgoing if port is None else self._incoming
             threading.Thread(target=handle, args=(conn, source, port), daemon=True).start()
 
@@ -476,7 +501,15 @@ class Transport:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def run(*, config: Path, cluster: str | None, address: str, netns: str, state: TunnelState) -> int:
+def run(
+    *,
+    config: Path,
+    cluster: str | None,
+    address: str,
+    netns: str,
+    state: TunnelState,
+    listen: str | None = None,
+) -> int:
     """`psctl deploy tunnel` with a TLS tunnel.conf: up, READY=1, until SIGTERM."""
     from psctl.cluster.processes import sdnotify
 
@@ -489,7 +522,7 @@ def run(*, config: Path, cluster: str | None, address: str, netns: str, state: T
             "the TLS transport needs the cluster file",
             "pass --cluster or set PSCTL_CLUSTER (psctl.env does)",
         )
-    transport = Transport(config=config, cluster=cluster, netns=netns, state=state)
+    transport = Transport(config=config, cluster=cluster, netns=netns, state=state, listen=listen)
     if transport.address != _ipv4(address, field="--address"):
         raise ConfigError(
             "--address",
@@ -541,4 +574,5 @@ def cmd_tunnel(args: argparse.Namespace) -> int:
         address=args.address,
         netns=args.netns or netns_name(args.address),
         state=TunnelState(args.address, state_path(args.address)),
+        listen=args.listen,
     )
