@@ -39,7 +39,6 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import struct
 import subprocess
 import sys
@@ -58,7 +57,7 @@ from psctl.cluster.ports import DATA_PORT_OFFSET
 from psctl.cluster.spec import load_cluster_file
 from psctl.cluster.tunnel_state import TunnelState, state_path
 from psctl.coordinator.deploy.tunnel import cmd_tunnel as wireguard_tunnel
-from psctl.coordinator.deploy.tunnel import ip_in, make_netns, netns_name, tool
+from psctl.coordinator.deploy.tunnel import ip_in, make_netns, netns_name, read_secret, tool
 
 SECTION = "TLS"  # tunnel.conf's first section for this transport ("Interface": WireGuard)
 CLIENT_PORT = 51820  # 127.0.0.1 in the job's namespace: every connection to another host
@@ -165,17 +164,7 @@ class TlsConfig:
 def read_tls_conf(config: Path) -> TlsConfig:
     """A TLS tunnel.conf; ConfigError when it is unreadable, readable by others than its
     owner, or lacks this host's key."""
-    try:
-        mode = config.stat().st_mode
-        text = config.read_text()
-    except OSError as err:
-        raise ConfigError(
-            "--config", f"cannot read {config}: {err.strerror}", "psctl deploy render --keys"
-        ) from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            "--config", f"{config} is readable by others (it holds keys)", "chmod 0600"
-        )
+    text = read_secret(config, "keys")
     sections: list[tuple[str, dict[str, str]]] = []
     for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()

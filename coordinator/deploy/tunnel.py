@@ -215,9 +215,9 @@ class Peer:
         return ", ".join(a.split("/")[0] for a in self.allowed) or self.endpoint
 
 
-def read_peers(config: Path) -> list[Peer]:
-    """The [Peer] sections of a tunnel.conf; ConfigError when it is unreadable, readable by
-    others than its owner, or has no private key."""
+def read_secret(config: Path, holds: str) -> str:
+    """A tunnel.conf's text; ConfigError when it is unreadable, or readable by others than
+    its owner (it holds ``holds``)."""
     try:
         mode = config.stat().st_mode
         text = config.read_text()
@@ -227,8 +227,15 @@ def read_peers(config: Path) -> list[Peer]:
         ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
-            "--config", f"{config} is readable by others (it holds a private key)", "chmod 0600"
+            "--config", f"{config} is readable by others (it holds {holds})", "chmod 0600"
         )
+    return text
+
+
+def read_peers(config: Path) -> list[Peer]:
+    """The [Peer] sections of a tunnel.conf; ConfigError when it is unreadable, readable by
+    others than its owner, or has no private key."""
+    text = read_secret(config, "a private key")
     peers: list[Peer] = []
     section, fields = "", dict[str, str]()
     has_key = False
