@@ -57,7 +57,14 @@ from psctl.cluster.ports import DATA_PORT_OFFSET
 from psctl.cluster.spec import load_cluster_file
 from psctl.cluster.tunnel_state import TunnelState, state_path
 from psctl.coordinator.deploy.tunnel import cmd_tunnel as wireguard_tunnel
-from psctl.coordinator.deploy.tunnel import ip_in, make_netns, netns_name, read_secret, tool
+from psctl.coordinator.deploy.tunnel import (
+    ip_in,
+    make_netns,
+    netns_name,
+    read_key,
+    read_secret,
+    tool,
+)
 
 SECTION = "TLS"  # tunnel.conf's first section for this transport ("Interface": WireGuard)
 CLIENT_PORT = 51820  # 127.0.0.1 in the job's namespace: every connection to another host
@@ -120,15 +127,7 @@ def holds_psks(directory: Path) -> bool:
 def psk(directory: Path, host: str) -> str:
     name = _ipv4(host, field=f"cluster: host {host}")
     path = directory / f"{name}{PSK_SUFFIX}"
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        raise ConfigError(
-            "--keys",
-            f"no key for host {host} ({path} is missing)",
-            f"run psctl deploy keys --transport tls --cluster FILE --out {directory} (it adds "
-            "keys for new hosts and keeps the others)",
-        ) from None
+    text = read_key(path, host, "--transport tls")
     if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
         raise ConfigError("--keys", f"{path} is not a psctl TLS key", "psctl deploy keys")
     return text

@@ -150,6 +150,20 @@ def make_keys(hosts: Iterable[str], directory: Path, *, rotate: bool = False) ->
     return made
 
 
+def read_key(path: Path, host: str, transport: str) -> str:
+    """The key of ``host`` in its file ``path`` of a key directory; ConfigError naming the
+    command that makes it (``transport``: its --transport flag) when it is missing."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(
+            "--keys",
+            f"no key for host {host} ({path} is missing)",
+            f"run psctl deploy keys {transport} --cluster FILE --out {path.parent} (it adds "
+            "keys for new hosts and keeps the others)",
+        ) from None
+
+
 @dataclass(frozen=True)
 class Keys:
     """The cluster's key directory, read for rendering."""
@@ -164,15 +178,7 @@ class Keys:
 
     def _read(self, host: str, kind: str) -> str:
         path = self.directory / f"{_key_name(host)}.{kind}"
-        try:
-            text = path.read_text().strip()
-        except FileNotFoundError:
-            raise ConfigError(
-                "--keys",
-                f"no key for host {host} ({path} is missing)",
-                f"run psctl deploy keys --cluster FILE --out {self.directory} (it adds keys for "
-                "new hosts and keeps the others)",
-            ) from None
+        text = read_key(path, host, "--transport wireguard")
         if len(text) != 44 or not text.endswith("="):
             raise ConfigError("--keys", f"{path} is not a WireGuard key", "psctl deploy keys")
         return text
