@@ -30,7 +30,7 @@ CHECK_JOB = "psctl_deploy_check"  # this process's name for the ps tasks
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
-def _grpc_answers(host: str, port: int, timeout: float) -> str:
+def grpc_answers(host: str, port: int, timeout: float) -> str:
     """Whether a gRPC server (TensorFlow's) answers at host:port within ``timeout`` seconds:
     "open" once its SETTINGS frame comes back, or why not. Connecting is not enough: with the
     TLS transport, the job's namespace accepts every connection to another host and only the
@@ -130,7 +130,7 @@ def _tf_ports(servers: list[ServerTask], timeout: float, inside: Path | None) ->
     host's end of the tunnel: where the coordinator reaches them from)."""
 
     def probe() -> list[str]:
-        return [_grpc_answers(s.host, s.tf_port, timeout) for s in servers]
+        return [grpc_answers(s.host, s.tf_port, timeout) for s in servers]
 
     if inside is None:
         return probe()

@@ -5,12 +5,17 @@ refuses to read. The running transport is tests/integration/security/test_tls_tr
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from psctl.cluster.errors import EXIT_CONFIG, ConfigError
 from psctl.coordinator.cli import main as cli
+from psctl.coordinator.deploy.check import grpc_answers
 from psctl.coordinator.deploy.render import render
 from psctl.coordinator.deploy.tls import (
     is_tls_conf,
@@ -111,3 +116,23 @@ def test_tls_keys_need_ipv4_addresses_and_a_key_for_every_host(tmp_path: Path):
     (tmp_path / "k" / "10.0.0.2.psk").write_text("not a key\n")
     with pytest.raises(ConfigError, match="is not a psctl TLS key"):
         tls_conf("10.0.0.1", ["10.0.0.2"], tmp_path / "k")
+
+
+def test_deploy_check_counts_a_tf_port_open_only_whengrpc_answers():
+    """Behind TLS the job's namespace accepts every connection to another host: a TF port
+    is open for `psctl deploy check` only when a gRPC server sends its SETTINGS back."""
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, says nothing (a tunnel's)
+    closing = socket.create_server(("127.0.0.1", 0))
+    closer = threading.Thread(target=lambda: closing.accept()[0].close(), daemon=True)
+    closer.start()
+    try:
+        assert grpc_answers("127.0.0.1", port, 2) == "open"
+        assert grpc_answers("127.0.0.1", silent.getsockname()[1], 0.5) == "timeout"
+        assert grpc_answers("127.0.0.1", closing.getsockname()[1], 2).startswith("closed")
+    finally:
+        server.stop(None)
+        silent.close()
+        closing.close()
