@@ -13,6 +13,7 @@ runs train the ``ctr`` job with a dynamic table (``CTR_TABLE=dynamic``, ids evic
     once its marker is there, and a serving version follows within ``E``. A partition's
     freshness: the first version in EXP holding it (its global step at or after the
     partition's round in the run's ``follow.json``), seen appear, less its marker's time.
+    It ends ``--idle-timeout`` seconds (default ``--every`` + 30) after its last round.
 ``restarts``
     What a team runs today: a standing cluster (ps and worker servers started once, warm
     machine) and, per partition as it lands, ``psctl train --steps`` (the partition's
@@ -75,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256, help="per worker (256)")
     p.add_argument("--export-every", default="10s", help="follow run's cadence (10s)")
+    p.add_argument(
+        "--idle-timeout", type=float,
+        help="seconds the follow run waits with no new partition before it ends (default "
+        "--every + 30); more than --every, or it ends before the next partition lands",
+    )  # fmt: skip
     p.add_argument("--ttl-seconds", type=int, default=600, help="dynamic table ttl (600)")
     p.add_argument("--skip-baseline", action="store_true", help="the follow run alone")
     p.add_argument(
@@ -87,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.partitions, args.every, args.rows, args.export_every = 2, 6.0, 2048, "2s"
     if args.partitions < 2:
         p.error("--partitions: give at least 2 (quality is measured on the next partition)")
+    if args.idle_timeout is None:
+        args.idle_timeout = args.every + 30
+    elif args.idle_timeout <= args.every:
+        p.error("--idle-timeout: give more than --every (the wait for the next partition)")
     return args
 
 
@@ -193,7 +203,7 @@ def follow_run(args: argparse.Namespace, out: Path, staged: list[Path]) -> dict[
         "--workdir", str(work), "--control-address", "127.0.0.1:0",
         "--batch-size", str(args.batch_size), "--keep-checkpoints", "1000",
         "--train-data", str(data / "*" / "part-*"), "--follow",
-        "--idle-timeout", str(args.every + 30), "--export-every", args.export_every,
+        "--idle-timeout", str(args.idle_timeout), "--export-every", args.export_every,
         "--export-dir", str(exported), "--export-keep", "1000",
         "--summary-json", str(out / "follow-summary.json"),
     )  # fmt: skip

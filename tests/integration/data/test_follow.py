@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,23 @@ def write_partitions(*paths: Path) -> None:
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """What write_partitions writes to its first, second and third path (the same rows on
+    every call), made once for the module: each test copies them into its partitions
+    (``place``) instead of importing TensorFlow in a fresh process each time."""
+    made = tmp_path_factory.mktemp("rows")
+    paths = [made / f"rows-{i}" for i in range(3)]
+    write_partitions(*paths)
+    return paths
+
+
+def place(rows: Path, path: Path) -> None:
+    """A partition's file: ``rows`` (one of the fixture's) copied to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(rows, path)
+
+
 def freshness(address: str) -> dict | None:
     try:
         status = status_dict(call(address, "GetStatus", control_pb2.GetStatusRequest(), timeout=2))
@@ -92,11 +110,12 @@ def training_pid(workdir: Path) -> int:
 
 
 def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
-    workdir: Path, tmp_path: Path
+    workdir: Path, tmp_path: Path, rows: list[Path]
 ):
     data, exported = tmp_path / "data", tmp_path / "serving"
     out, log = tmp_path / "summary.json", tmp_path / "stderr.log"
-    write_partitions(data / "hour=00" / "part-0", data / "hour=01" / "part-0")
+    place(rows[0], data / "hour=00" / "part-0")
+    place(rows[1], data / "hour=01" / "part-0")
     (data / "hour=00" / "_SUCCESS").touch()
     # hour=01 is written but has no marker: the pipeline is still at it.
     (port,) = free_ports(1)
@@ -129,7 +148,7 @@ def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
             (data / "hour=01" / "_SUCCESS").touch()
             wait_until(address, job, lambda f: f.get("files_trained") == 2)
             os.kill(training_pid(workdir), signal.SIGKILL)
-            write_partitions(data / "hour=02" / "part-0")
+            place(rows[0], data / "hour=02" / "part-0")
             (data / "hour=02" / "_SUCCESS").touch()
             wait_until(address, job, lambda f: f.get("files_trained") == 3, timeout=240)
             code = job.wait(timeout=180)  # --idle-timeout ends it
@@ -154,14 +173,15 @@ def test_follow_trains_each_partition_once_through_a_kill_and_publishes(
 
 
 def test_export_if_better_scores_each_version_against_the_one_in_serving(
-    workdir: Path, tmp_path: Path
+    workdir: Path, tmp_path: Path, rows: list[Path]
 ):
     """--export-if-better auc: each candidate and the version in serving are scored on the
     newest complete held-out partition, in the export process; the decision is logged and
     in status, and the serving version's checkpoint is kept beside the checkpoints."""
     data, held_out, exported = tmp_path / "data", tmp_path / "eval", tmp_path / "serving"
     ckpt, log = tmp_path / "ckpt", tmp_path / "stderr.log"
-    write_partitions(data / "hour=00" / "part-0", held_out / "hour=00" / "part-0")
+    place(rows[0], data / "hour=00" / "part-0")
+    place(rows[1], held_out / "hour=00" / "part-0")
     for marked in (data / "hour=00", held_out / "hour=00"):
         (marked / "_SUCCESS").touch()
     (port,) = free_ports(1)
@@ -181,13 +201,17 @@ def test_export_if_better_scores_each_version_against_the_one_in_serving(
                 f"version {first['published_version']} published: auc "
             ), first
             assert "no version in serving to compare with" in first["publish_decision"]
-            write_partitions(data / "hour=01" / "part-0")
+            place(rows[0], data / "hour=01" / "part-0")
             (data / "hour=01" / "_SUCCESS").touch()
             second = wait_until(
                 address, job, lambda f: f.get("files_trained") == 2 and "against serving"
                 in f.get("publish_decision", "")
             )  # fmt: skip
-            code = job.wait(timeout=180)  # --idle-timeout ends it
+            # The operator's stop ends it now, as --idle-timeout would 20 s later (the same
+            # end: final checkpoint, evaluation, summary, exit 0; the first test's).
+            proc = control_cli(address, "stop", timeout=150)
+            assert proc.returncode == 0, proc.stderr
+            code = job.wait(timeout=180)
         finally:
             kill_if_running(job)
     text = log.read_text(errors="replace")
@@ -232,13 +256,16 @@ def test_follow_settings_are_refused_in_one_line(
     assert "Traceback" not in proc.stderr
 
 
-def test_a_following_job_grows_with_each_file_trained_once(workdir: Path, tmp_path: Path):
+def test_a_following_job_grows_with_each_file_trained_once(
+    workdir: Path, tmp_path: Path, rows: list[Path]
+):
     """psctl scale of a --follow job: 2 -> 3 workers, then 1 -> 2 ps, a partition landing
     after each resize: the fresh training process goes on from the last recorded round, the
     new worker's data worker joins the tf.data service. Taking a worker out is refused in
     one line (its data worker would hold up every later round)."""
     data, out, log = tmp_path / "data", tmp_path / "summary.json", tmp_path / "stderr.log"
-    write_partitions(*(data / f"hour=0{h}" / "part-0" for h in range(3)))
+    for h in range(3):
+        place(rows[h], data / f"hour=0{h}" / "part-0")
     (data / "hour=00" / "_SUCCESS").touch()
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
@@ -261,8 +288,13 @@ def test_a_following_job_grows_with_each_file_trained_once(workdir: Path, tmp_pa
             assert proc.returncode == 78, proc.stderr
             assert "--follow: a resize cannot take out workers" in proc.stderr
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-            code = job.wait(timeout=180)  # --idle-timeout ends it (60 s: longer than a resize
-            # takes on a busy machine, where 15 s ended the job during one)
+            # The operator's stop ends it now, as any run ends (final checkpoint, evaluation,
+            # summary, exit 0), rather than 60 s of waiting for --idle-timeout: ending by
+            # --idle-timeout is the first test's. The 60 s stays, as the job's safety net: a
+            # resize takes longer than 15 s on a busy machine, and 15 s ended the job in one.
+            proc = control_cli(address, "stop", timeout=150)
+            assert proc.returncode == 0, proc.stderr
+            code = job.wait(timeout=180)
         finally:
             kill_if_running(job)
     text = log.read_text(errors="replace")

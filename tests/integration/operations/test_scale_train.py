@@ -74,19 +74,30 @@ def write_cluster(path: Path, chief: int, ps: list[int], workers: list[int]) -> 
     return path
 
 
-def start_server(
+def launch_server(
     workdir: Path, kind: str, index: int, cluster: Path, tf_port: int
 ) -> subprocess.Popen[bytes]:
     """A ps-server or worker-server as on a host: its task from ``--cluster F --index I``,
-    its side ports at their defaults; SERVING before it returns."""
-    proc = spawn(
+    its side ports at their defaults; not waited for (``await_serving``)."""
+    return spawn(
         launch_argv.server_argv(kind, ["--cluster", str(cluster), "--index", str(index)]),
         log_path=workdir / "logs" / f"{kind}-{index}-{tf_port}.log",
         env=child_env(),
     )
+
+
+def await_serving(kind: str, index: int, tf_port: int) -> None:
     health = f"127.0.0.1:{tf_port + HEALTH_PORT_OFFSET}"
     result = wait_serving(health, timeout=90)
     assert result.serving, f"{kind}:{index} not SERVING at {health}: {result}"
+
+
+def start_server(
+    workdir: Path, kind: str, index: int, cluster: Path, tf_port: int
+) -> subprocess.Popen[bytes]:
+    """``launch_server``, SERVING before it returns."""
+    proc = launch_server(workdir, kind, index, cluster, tf_port)
+    await_serving(kind, index, tf_port)
     return proc
 
 
@@ -128,11 +139,13 @@ def test_scale_a_train_job_on_operator_started_servers(workdir: Path):
     cluster_file = write_cluster(workdir / "cluster.json", chief, [ps0], [w0, w1])
     out = workdir / "summary.json"
     log_path = workdir / "logs" / "coordinator.log"
+    # The three servers start side by side (as on their hosts), each SERVING before the job.
+    first = (("ps", 0, ps0), ("worker", 0, w0), ("worker", 1, w1))
     servers = [
-        start_server(workdir, "ps", 0, cluster_file, ps0),
-        start_server(workdir, "worker", 0, cluster_file, w0),
-        start_server(workdir, "worker", 1, cluster_file, w1),
+        launch_server(workdir, kind, index, cluster_file, port) for kind, index, port in first
     ]
+    for kind, index, port in first:
+        await_serving(kind, index, port)
     job = None
     try:
         with log_path.open("wb") as log_file:

@@ -25,7 +25,12 @@ from tests.conftest import (
     status_or_none,
 )
 from tests.integration.operations.test_control import wait_until
-from tests.integration.operations.test_scale_train import start_server, tf_ports, write_cluster
+from tests.integration.operations.test_scale_train import (
+    await_serving,
+    launch_server,
+    tf_ports,
+    write_cluster,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,8 +48,11 @@ def test_a_stop_while_the_ps_stays_down_ends_the_job_at_once(workdir: Path):
     summary_path = workdir / "summary.json"
     # An earlier run's summary at the same path: this run's end replaces it (it was kept).
     summary_path.write_text(json.dumps({"global_step": 300, "job": "earlier"}))
-    ps = start_server(workdir, "ps", 0, cluster_file, ps0)
-    worker = start_server(workdir, "worker", 0, cluster_file, w0)
+    # Both servers start side by side (as on their hosts), each SERVING before the job.
+    ps = launch_server(workdir, "ps", 0, cluster_file, ps0)
+    worker = launch_server(workdir, "worker", 0, cluster_file, w0)
+    await_serving("ps", 0, ps0)
+    await_serving("worker", 0, w0)
     job = None
     try:
         # A cluster file with the ps and the worker swapped: refused before training starts
