@@ -312,18 +312,12 @@ def connect_all(
     return json.loads(proc.stdout)
 
 
-def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
-    """Nobody outside the cluster's tunnels gets gRPC's answer from a TF port: the fifth
-    host (no keys), the fifth host with a TLS tunnel of its own key, another uid on a
-    cluster host (ps0's own network, and setns into the job's namespace)."""
-    outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2, GRPC_ALL)
-    assert "open" not in outside.values(), outside
-    # A key of its own (and made-up ones for the cluster's hosts): every TLS handshake it
-    # tries is refused.
-    keys = workdir / "outsider-keys"
-    make_psks([OUTSIDER_ADDRESS, *HOSTS.values()], keys)
+@contextlib.contextmanager
+def outsider_tunnel(lab: NetnsLab, workdir: Path, conf_text: str, *extra: str) -> Iterator[None]:
+    """The fifth host runs `psctl deploy tunnel` with ``conf_text`` (keys of its own) until
+    the block ends; its job namespace is removed after."""
     conf = workdir / "outsider-tunnel.conf"
-    conf.write_text(tls_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys))
+    conf.write_text(conf_text)
     conf.chmod(0o600)
     own = Service(
         name="outsider tunnel",
@@ -337,8 +331,7 @@ def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
             str(conf),
             "--address",
             OUTSIDER_ADDRESS,
-            "--cluster",
-            str(workdir / "cluster.json"),
+            *extra,
         ],
         env=dict(BASE_ENV),
         policy=RestartPolicy("on-failure", 60.0, frozenset()),
@@ -350,12 +343,30 @@ def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
         while "psctl tunnel: " not in own.log_tail():
             assert own.alive() and time.monotonic() < deadline, own.log_tail()
             time.sleep(0.2)
-        job_ns = ["ip", "netns", "exec", netns_name(OUTSIDER_ADDRESS)]
-        tunnelled = connect_all(job_ns, TF_ADDRESSES, 5, GRPC_ALL)
-        assert "open" not in tunnelled.values(), tunnelled
+        yield
     finally:
         own.stop()
         remove_job_namespaces([OUTSIDER_ADDRESS])
+
+
+def outsider_job_ns() -> list[str]:
+    return ["ip", "netns", "exec", netns_name(OUTSIDER_ADDRESS)]
+
+
+def assert_outsiders_refused(lab: NetnsLab, workdir: Path) -> None:
+    """Nobody outside the cluster's tunnels gets gRPC's answer from a TF port: the fifth
+    host (no keys), the fifth host with a TLS tunnel of its own key, another uid on a
+    cluster host (ps0's own network, and setns into the job's namespace)."""
+    outside = connect_all(lab.exec(OUTSIDER, []), TF_ADDRESSES, 2, GRPC_ALL)
+    assert "open" not in outside.values(), outside
+    # A key of its own (and made-up ones for the cluster's hosts): every TLS handshake it
+    # tries is refused.
+    keys = workdir / "outsider-keys"
+    make_psks([OUTSIDER_ADDRESS, *HOSTS.values()], keys)
+    conf_text = tls_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys)
+    with outsider_tunnel(lab, workdir, conf_text, "--cluster", str(workdir / "cluster.json")):
+        tunnelled = connect_all(outsider_job_ns(), TF_ADDRESSES, 5, GRPC_ALL)
+        assert "open" not in tunnelled.values(), tunnelled
     # Each cluster host's tunnel said so, once (the outsider tried more than once).
     for host in HOSTS:
         log = (workdir / f"tunnel-{host}.log").read_text()
@@ -374,38 +385,9 @@ def assert_wireguard_outsider_refused(lab: NetnsLab, workdir: Path, hosts: list[
     for public in (workdir / "keys").glob("*.pub"):
         shutil.copyfile(public, keys.directory / public.name)
     make_keys([OUTSIDER_ADDRESS], keys.directory)
-    conf = workdir / "outsider-tunnel.conf"
-    conf.write_text(tunnel_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys))
-    conf.chmod(0o600)
-    own = Service(
-        name="outsider tunnel",
-        argv=[
-            "nsenter",
-            f"--net=/run/netns/{lab.ns(OUTSIDER)}",
-            str(BIN_DIR / "psctl"),
-            "deploy",
-            "tunnel",
-            "--config",
-            str(conf),
-            "--address",
-            OUTSIDER_ADDRESS,
-        ],
-        env=dict(BASE_ENV),
-        policy=RestartPolicy("on-failure", 60.0, frozenset()),
-        log_path=workdir / "outsider-tunnel.log",
-    )
-    own.start()
-    try:
-        deadline = time.monotonic() + 20
-        while "psctl tunnel: " not in own.log_tail():
-            assert own.alive() and time.monotonic() < deadline, own.log_tail()
-            time.sleep(0.2)
-        job_ns = ["ip", "netns", "exec", netns_name(OUTSIDER_ADDRESS)]
-        tunnelled = connect_all(job_ns, TF_ADDRESSES, 5)
+    with outsider_tunnel(lab, workdir, tunnel_conf(OUTSIDER_ADDRESS, list(HOSTS.values()), keys)):
+        tunnelled = connect_all(outsider_job_ns(), TF_ADDRESSES, 5)
         assert set(tunnelled.values()) == {"TimeoutError"}, tunnelled  # dropped, unanswered
-    finally:
-        own.stop()
-        remove_job_namespaces([OUTSIDER_ADDRESS])
     # Each cluster host's tunnel said so, once (the outsider tried again and again).
     for host in hosts:
         log = (workdir / f"tunnel-{host}.log").read_text()
