@@ -64,6 +64,8 @@ from psctl.coordinator.deploy.tunnel import (
     read_key,
     read_secret,
     tool,
+    tunnel_address,
+    write_private,
 )
 
 SECTION = "TLS"  # tunnel.conf's first section for this transport ("Interface": WireGuard)
@@ -80,14 +82,7 @@ _HANDSHAKE_DONE = re.compile(r"TLS (connected|accepted): ")
 
 
 def _ipv4(host: str, *, field: str) -> str:
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        raise ConfigError(
-            field,
-            f"{host!r} is not an IP address",
-            "name the hosts by IP address in the cluster file",
-        ) from None
+    address = tunnel_address(host, field=field)
     if address.version != 4:
         raise ConfigError(
             field,
@@ -110,11 +105,7 @@ def make_psks(hosts: Iterable[str], directory: Path, *, rotate: bool = False) ->
         path = directory / f"{name}{PSK_SUFFIX}"
         if path.exists() and not rotate:
             continue
-        aside = path.with_suffix(".psk.new")
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_hex(32) + "\n")
-        aside.replace(path)
+        write_private(path, secrets.token_hex(32) + "\n")
         made.append(name)
     return made
 
@@ -269,8 +260,8 @@ class Transport:
         # Where this host's TF ports take TLS on its network: its cluster address, unless
         # its cluster address is another machine's that forwards to it (a lab's relay).
         self.listen = listen or self.config.address
-        for name in ("stunnel4", "nft", "nsenter"):
-            tool(name)
+        # Found once (a missing package is one line at start), used for every connection.
+        self._stunnel, self._nft, self._nsenter = tool("stunnel4"), tool("nft"), tool("nsenter")
 
     @property
     def address(self) -> str:
@@ -290,7 +281,7 @@ class Transport:
             f"redirect to :{CLIENT_PORT}\n }}\n}}\n"
         )
         done = subprocess.run(
-            [tool("nsenter"), f"--net=/run/netns/{self.netns}", tool("nft"), "-f", "-"],
+            [self._nsenter, f"--net=/run/netns/{self.netns}", self._nft, "-f", "-"],
             input=rules,
             capture_output=True,
             text=True,
@@ -308,18 +299,12 @@ class Transport:
         self.reload_ports()
 
     def _write_keys(self) -> None:
-        def write(name: str, text: str) -> None:  # whole, for a stunnel4 starting meanwhile
-            aside = self._dir / f".{name}"
-            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-            os.replace(aside, self._dir / name)
-
         own = f"{self.address}:{self.config.key}\n"
-        write("client.psk", own)
-        write("server.psk", "".join(f"{a}:{k}\n" for a, k in self.config.peers.items()))
-        write("client.conf", _stunnel_conf(self._dir / "client.psk", "client = yes",
-                                           "transparent = destination"))  # fmt: skip
+        write_private(self._dir / "client.psk", own)
+        peers = "".join(f"{a}:{k}\n" for a, k in self.config.peers.items())
+        write_private(self._dir / "server.psk", peers)
+        client = ("client = yes", "transparent = destination")
+        write_private(self._dir / "client.conf", _stunnel_conf(self._dir / "client.psk", *client))
 
     def reload_ports(self) -> None:
         """Listeners for this host's TF ports as the cluster file has them now."""
@@ -380,15 +365,15 @@ class Transport:
             if target not in self.tf:  # a side port (health, /metrics): plain, as on the host
                 self._copy(conn, target)
                 return
-            argv = [tool("stunnel4"), str(self._dir / "client.conf")]
+            argv = [self._stunnel, str(self._dir / "client.conf")]
             self._run(argv, conn, peer=target[0], what=f"to {target[0]}:{target[1]}")
 
     def _incoming(self, conn: socket.socket, source: tuple[str, int], port: int | None) -> None:
         """A connection from another host to this host's TF port ``port``."""
         with conn:
             argv = [
-                tool("nsenter"), f"--net=/run/netns/{self.netns}",
-                tool("stunnel4"), str(self._dir / f"server-{port}.conf"),
+                self._nsenter, f"--net=/run/netns/{self.netns}",
+                self._stunnel, str(self._dir / f"server-{port}.conf"),
             ]  # fmt: skip
             self._run(argv, conn, peer=source[0], what=f"from {source[0]}:{source[1]}")
 

@@ -141,13 +141,20 @@ def make_keys(hosts: Iterable[str], directory: Path, *, rotate: bool = False) ->
         if private.exists() and public.exists() and not rotate:
             continue
         key = _wg("genkey")
-        fd = os.open(private.with_suffix(".key.new"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(key + "\n")
         public.write_text(_wg("pubkey", stdin=key + "\n") + "\n")
-        private.with_suffix(".key.new").replace(private)
+        write_private(private, key + "\n")
         made.append(name)
     return made
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, mode 0600 from the first byte, replacing it whole: a reader
+    (stunnel4 starting meanwhile, a second run) sees the old file or the new one."""
+    aside = path.with_name(f".{path.name}.new")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    aside.replace(path)
 
 
 def read_key(path: Path, host: str, transport: str) -> str:
