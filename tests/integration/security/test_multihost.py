@@ -420,19 +420,18 @@ print("joined" if libc.setns(fd, 0x40000000) == 0 else errno.errorcode[ctypes.ge
 
 
 class Capture:
-    """Every frame through one bridge port (a host's cable), read in the switch's namespace
-    with a packet socket, as a passive observer on the network would: which of ``markers``
-    appeared in any frame, and the ports of every IPv4 TCP and UDP frame."""
+    """Every frame through ``interface`` (a host's cable: a bridge port, a router's end of a
+    veth pair), read in the namespace ``netns`` that holds it with a packet socket, as a
+    passive observer on the network would: which of ``markers`` appeared in any frame, and
+    the ports of every IPv4 TCP and UDP frame. test_tls_transport.py's lab uses it too."""
 
-    def __init__(self, lab: NetnsLab, host: str, markers: Iterable[bytes]) -> None:
-        port = f"p{list(lab.hosts).index(host)}"
-
+    def __init__(self, netns: str, interface: str, markers: Iterable[bytes]) -> None:
         def open_socket() -> socket.socket:
             sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-            sock.bind((port, 0))
+            sock.bind((interface, 0))
             return sock
 
-        where = {cluster_netns.ENV: f"/run/netns/{lab.switch}"}
+        where = {cluster_netns.ENV: f"/run/netns/{netns}"}
         self._sock = cluster_netns.run_inside(open_socket, where)
         self._sock.settimeout(0.2)
         self.markers = dict.fromkeys(markers, False)
@@ -479,7 +478,8 @@ def assert_observer_sees_no_tensor(lab: NetnsLab) -> tuple[int, int]:
     Returns (frames seen, TCP segments to or from the TF port)."""
     tf_marker = f"psctl-tensor-{os.getpid()}-{time.time_ns()}"
     plain_marker = f"psctl-plain-{os.getpid()}-{time.time_ns()}"
-    capture = Capture(lab, "ps0", [tf_marker.encode(), plain_marker.encode()])
+    cable = f"p{list(lab.hosts).index('ps0')}"  # ps0's port on the lab's bridge
+    capture = Capture(lab.switch, cable, [tf_marker.encode(), plain_marker.encode()])
     try:
         op = run(
             [

@@ -17,10 +17,8 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from bench.harness.netlab import NetLab
-from psctl.cluster import netns as cluster_netns
 from psctl.cluster.tunnel_state import read_state
 from psctl.coordinator.deploy.tls import make_psks, tls_conf
 from tests.conftest import require_tool
+from tests.integration.security.test_multihost import Capture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -108,48 +106,14 @@ def until_echo(lab: NetLab, host: str, target: str, port: int, data: str) -> str
     return said
 
 
-class Capture:
-    """Frames on the router's end of a host's cable (a passive observer): markers seen."""
-
-    def __init__(self, lab: NetLab, host: str, markers: list[bytes]) -> None:
-        interface = f"h{lab.hosts[host].number}"
-
-        def open_socket() -> socket.socket:
-            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-            sock.bind((interface, 0))
-            return sock
-
-        self._sock = cluster_netns.run_inside(
-            open_socket, {cluster_netns.ENV: f"/run/netns/{lab.router}"}
-        )
-        self._sock.settimeout(0.2)
-        self.seen = dict.fromkeys(markers, False)
-        self.frames = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                frame = self._sock.recv(65536)
-                self.frames += 1
-                for marker in self.seen:
-                    self.seen[marker] |= marker in frame
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close()
-
-
 def test_only_the_clusters_hosts_get_through_and_nothing_crosses_in_the_clear(
     lab: NetLab, tmp_path: Path
 ):
     a, b, c = (lab.hosts[n] for n in "abc")
     tf_marker = f"psctl-tensor-{os.getpid()}-{time.time_ns()}"
     plain_marker = f"psctl-plain-{os.getpid()}-{time.time_ns()}"
-    capture = Capture(lab, "b", [tf_marker.encode(), plain_marker.encode()])
+    # The router's end of b's cable.
+    capture = Capture(lab.router, f"h{b.number}", [tf_marker.encode(), plain_marker.encode()])
     try:
         # a -> b's TF port: through both tunnels, the bytes back as they were sent.
         assert until_echo(lab, "a", b.ip, PORT, tf_marker) == "echo"
@@ -163,8 +127,8 @@ def test_only_the_clusters_hosts_get_through_and_nothing_crosses_in_the_clear(
         time.sleep(0.5)
     finally:
         capture.stop()
-    assert capture.seen[plain_marker.encode()], f"{capture.frames} frames, not the datagram"
-    assert not capture.seen[tf_marker.encode()], "the TF port's bytes crossed in the clear"
+    assert capture.markers[plain_marker.encode()], f"{capture.frames} frames, not the datagram"
+    assert not capture.markers[tf_marker.encode()], "the TF port's bytes crossed in the clear"
 
     # c, outside the cluster, in plain TCP: the TLS server there answers no echo.
     assert send(lab, "c", b.ip, PORT, "from-c") != "echo"
