@@ -1,4 +1,5 @@
-"""Scheduled calls in flight, and the stall watchdog that watches them.
+"""Scheduled calls in flight, the stall watchdog that watches them, and ``--epochs``'s
+watch on the workers still draining their data.
 
 Pure Python over a small protocol (anything with ``steps``, ``scheduled_at`` and a
 non-blocking done check), so that both are unit-tested with fakes; the controller feeds
@@ -167,3 +168,36 @@ class StallWatchdog:
         if idle:
             self.last_progress = now  # the next report comes after another full timeout
         return Stall(stuck=stuck, started=started, idle_seconds=idle_seconds)
+
+
+@dataclass
+class DrainWatch:
+    """``--epochs``: after a worker reached the end of the data, the others drain what they
+    hold, and the finished workers' calls come back empty meanwhile. Empty calls for the
+    timeout with no example trained mean a worker whose data never ends (its tf.data
+    service reads hang, or it stays frozen after its call was given up); the loop would
+    spin on empty calls for ever. Only the time between calls coming back counts, at most
+    ``max_gap`` seconds of each gap, so that a pause adds nothing."""
+
+    timeout: float
+    max_gap: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    waited: float = 0.0  # seconds of empty calls since the last one that trained
+    _last: float | None = None  # when the last call came back
+
+    def observe(self, examples: int, *, draining: bool) -> None:
+        """A call came back with ``examples``; ``draining``: a worker is at the end."""
+        now = self.clock()
+        if examples > 0 or not draining:
+            self.waited = 0.0
+        elif self._last is not None:
+            self.waited += min(now - self._last, self.max_gap)
+        self._last = now
+
+    def reset(self) -> None:
+        """A new pass: nothing is draining."""
+        self.waited, self._last = 0.0, None
+
+    @property
+    def expired(self) -> bool:
+        return self.waited >= self.timeout

@@ -14,6 +14,12 @@ iterator is exhausted returns fewer than K. The loop schedules until EVERY worke
 reported the end of the data (a worker with buffered batches drains them first), so
 nothing is left unread and nothing waits on uneven shards.
 
+A worker whose data never ends while another's has ended (its reads of the service hang
+after a restart, or it stays frozen) would keep the loop spinning on the finished workers'
+empty calls: after ``--stall-timeout`` of them with no example trained, the training process
+ends with RestartFromCheckpoint and its supervisor starts a fresh one, which trains the
+pass again from the latest checkpoint.
+
 Failures: ``schedule`` is at-least-once and the service hands each piece out once, so a
 worker that dies loses the batches it had taken (in its call, its iterator buffer and its
 data worker's pieces): an epoch can then miss examples, it does not repeat them. See
@@ -36,6 +42,8 @@ from psctl.cluster import ports
 from psctl.cluster.address import split_host_port
 from psctl.cluster.dataservice import require_dispatcher
 from psctl.cluster.errors import ConfigError
+from psctl.coordinator.failures import RestartFromCheckpoint
+from psctl.coordinator.training.inflight import DrainWatch
 from psctl.coordinator.training.loop import OPEN_TARGET
 from psctl.coordinator.training.steps.graph_ops import seconds_since
 from psctl.coordinator.training.steps.programs import Runtime, make_replica_step
@@ -136,6 +144,7 @@ class EpochProgram:
         self.address = require_dispatcher(dispatcher, s.exactly_once_flag)
         self.worker_failures = worker_failures  # seen by the health checks so far
         self.finished_workers: set[int] = set()
+        self.drain = DrainWatch(timeout=s.loop.stall_timeout)
         self.examples = 0
         self.context = dataclasses.replace(rt.data_context(0, 1, s.loop.batch_size), one_pass=True)
         if train_data is not None:
@@ -186,8 +195,21 @@ class EpochProgram:
 
     def wants_more(self, scheduled: int) -> bool:
         if len(self.finished_workers) < self.rt.num_workers:
+            if self.finished_workers and self.drain.expired:
+                self._restart_undrained()
             return True
         return self._start_makeup_passes()
+
+    def _restart_undrained(self) -> None:
+        done = sorted(self.finished_workers)
+        left = sorted(set(range(self.rt.num_workers)) - self.finished_workers)
+        raise RestartFromCheckpoint(
+            f"--epochs: worker(s) {', '.join(map(str, left))} trained no example for "
+            f"{self.drain.waited:.0f}s (--stall-timeout) while worker(s) "
+            f"{', '.join(map(str, done))} are at the end of the data: their reads of the "
+            "tf.data service do not end (a worker restarted or frozen mid-pass); a fresh "
+            "training process trains the pass again from the latest checkpoint"
+        )
 
     def _start_makeup_passes(self) -> bool:
         """At-least-once: a worker that failed lost the batches it held, so every worker
@@ -211,6 +233,7 @@ class EpochProgram:
         self._old_iterators.append(self.iterator)
         self.iterator = self._make_iterator(passes)
         self.finished_workers = set()
+        self.drain.reset()
         return True
 
     def result(self, steps: int, value: Any) -> tuple[int, float]:
@@ -225,6 +248,7 @@ class EpochProgram:
                 self.rt.num_workers,
                 self.examples,
             )
+        self.drain.observe(examples, draining=bool(self.finished_workers))
         return ran, micros / 1e6
 
     def stopped_early(self, final_step: int) -> bool:

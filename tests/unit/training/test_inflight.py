@@ -1,5 +1,5 @@
-"""The controller's call tracking and stall watchdog, driven with fake calls and a fake
-clock (no TensorFlow)."""
+"""The controller's call tracking, stall watchdog and --epochs's drain watch, driven with
+fake calls and a fake clock (no TensorFlow)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from psctl.coordinator.training.inflight import CallTracker, StallWatchdog
+from psctl.coordinator.training.inflight import CallTracker, DrainWatch, StallWatchdog
 
 
 @dataclass
@@ -140,3 +140,48 @@ def test_a_stopping_job_gives_up_every_call_once_stalled():
     assert stall is not None and stall.stuck == []  # a stall, but nothing given up
     stall = watchdog.check(calls, stopping=True)
     assert stall is not None and [e.remote for e in stall.stuck] == [first, second]
+
+
+def test_drain_watch_expires_after_the_timeout_of_empty_calls_while_a_worker_is_at_the_end():
+    clock = Clock()
+    watch = DrainWatch(timeout=10.0, clock=clock)
+    for _ in range(30):  # a minute of training, then a worker reaches the end
+        clock.now += 2
+        watch.observe(640, draining=False)
+    assert not watch.expired
+    for _ in range(9):  # empty calls from the finished worker, one a second
+        clock.now += 1
+        watch.observe(0, draining=True)
+    assert not watch.expired and watch.waited == pytest.approx(9.0)
+    clock.now += 1
+    watch.observe(0, draining=True)
+    assert watch.expired
+
+
+def test_drain_watch_starts_over_when_a_draining_worker_trains_or_a_new_pass_starts():
+    clock = Clock()
+    watch = DrainWatch(timeout=10.0, clock=clock)
+    watch.observe(0, draining=True)
+    for _ in range(8):
+        clock.now += 1
+        watch.observe(0, draining=True)
+    clock.now += 1
+    watch.observe(64, draining=True)  # the last worker drains its buffered batches
+    assert watch.waited == 0.0
+    for _ in range(8):
+        clock.now += 1
+        watch.observe(0, draining=True)
+    watch.reset()  # make-up passes: nobody is at the end any more
+    assert watch.waited == 0.0 and not watch.expired
+    clock.now += 100
+    watch.observe(0, draining=True)  # the first call after a reset has no gap to count
+    assert watch.waited == 0.0
+
+
+def test_drain_watch_counts_a_pause_as_one_short_gap():
+    clock = Clock()
+    watch = DrainWatch(timeout=10.0, max_gap=5.0, clock=clock)
+    watch.observe(0, draining=True)
+    clock.now += 3600  # paused for an hour: no call came back
+    watch.observe(0, draining=True)
+    assert watch.waited == pytest.approx(5.0) and not watch.expired
