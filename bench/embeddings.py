@@ -594,7 +594,17 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> list[d
         for size in args.row_counts:
             for optimizer in args.optimizer_list:
                 same = [r for r in records if r["rows"] == size and r["optimizer"] == optimizer]
-                runs = {r["mode"]: r for r in same if r["rtt"] == rtt or r["mode"] == "local"}
+                runs = {
+                    mode: median_run(
+                        [
+                            r
+                            for r in same
+                            if r["mode"] == mode and (r["rtt"] == rtt or mode == "local")
+                        ]
+                    )
+                    for mode in MODES
+                }
+                runs = {mode: run for mode, run in runs.items() if run is not None}
                 if not runs:
                     continue
                 rows.append(
@@ -612,6 +622,51 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> list[d
     for row in rows:
         row["round_trips"] = round_trips(row, rows, args.workers)
     return rows
+
+
+def _runs_each(args: argparse.Namespace) -> str:
+    repeats = getattr(args, "repeats", 1)
+    return (
+        "one run each" if repeats == 1 else f"{repeats} runs each (interleaved; the median shown)"
+    )
+
+
+def repeats_note(repeats: int) -> str:
+    return "" if repeats == 1 else f" ({repeats} repeats of the plan, interleaved)"
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A configuration's row (--repeats): its median run by steps/s (the lower of the two
+    middle ones), of those that finished; else its last run, whose status shows."""
+    ok = sorted((r for r in runs if _ok(r)), key=lambda r: float(r["steps_per_sec"]))
+    if ok:
+        return ok[(len(ok) - 1) // 2]
+    return runs[-1] if runs else None
+
+
+def repeat_ratio_lines(records: list[dict[str, Any]], transport: str) -> list[str]:
+    """--repeats with --tunnel-overhead or --tf-ports-overhead: psctl's protected/open ratio
+    of each repeat, in the order run (the i-th protected run over the i-th open one)."""
+    rates: dict[tuple[str, int, str], list[float | None]] = {}
+    for r in records:
+        if r["mode"] == "psctl":
+            key = (r["rtt"], r["rows"], r["optimizer"])
+            rates.setdefault(key, []).append(float(r["steps_per_sec"]) if _ok(r) else None)
+    lines = []
+    for (rtt, size, optimizer), inside in rates.items():
+        protected = _protected(rtt, transport)
+        if protected is None or len(inside) < 2:
+            continue
+        open_network, what = protected
+        outside = rates.get((open_network, size, optimizer), [])
+        ratios = [
+            f"{a / b:.2f}" if a and b else "n/a" for a, b in zip(inside, outside, strict=False)
+        ]
+        lines.append(
+            f"each repeat: psctl steps/s, {what} at {rows_label(size)} rows ({optimizer}) = "
+            + ", ".join(ratios)
+        )
+    return lines
 
 
 def _ms(rtt: str) -> float | None:
@@ -678,7 +733,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         f"{JOB} job, {args.ps} ps + {args.workers} workers, batch {args.batch_size}/worker, "
         f"{args.steps_per_execution} steps per call, up to {args.steps} steps or "
-        f"{args.max_seconds:g} s per run, one run each, a fresh cluster per run. network: "
+        f"{args.max_seconds:g} s per run, {_runs_each(args)}, a fresh cluster per run. network: "
         "loopback (no --rtt), or network-namespace hosts through a router "
         "(bench/harness/netlab.py): "
         "direct = forwarded by the kernel, N ms = through a relay that delays each direction "
@@ -718,6 +773,17 @@ def ratio_lines(rows: list[dict[str, Any]], transport: str = "wireguard") -> lis
     return lines + namespace_lines(rows, transport)
 
 
+def _protected(rtt: str, transport: str) -> tuple[str, str] | None:
+    """For a protected network (--tf-ports-overhead, --tunnel-overhead): the open network
+    it is compared with, and the words for the comparison; else None."""
+    if rtt == NAMESPACE:
+        return LOOPBACK, "TF ports in a job namespace/open"
+    if rtt.endswith(TUNNEL):
+        open_network = rtt.removesuffix(TUNNEL)
+        return open_network, f"hosts behind their {transport} tunnels/open ({open_network})"
+    return None
+
+
 def namespace_lines(rows: list[dict[str, Any]], transport: str = "wireguard") -> list[str]:
     """--tf-ports-overhead, --tunnel-overhead: psctl's steps/s protected over the same
     configuration open, one line per configuration run both ways."""
@@ -726,13 +792,10 @@ def namespace_lines(rows: list[dict[str, Any]], transport: str = "wireguard") ->
     }
     lines = []
     for (rtt, size, optimizer), inside in rate.items():
-        if rtt == NAMESPACE:
-            open_network, what = LOOPBACK, "TF ports in a job namespace/open"
-        elif rtt.endswith(TUNNEL):
-            open_network = rtt.removesuffix(TUNNEL)
-            what = f"hosts behind their {transport} tunnels/open ({open_network})"
-        else:
+        protected = _protected(rtt, transport)
+        if protected is None:
             continue
+        open_network, what = protected
         outside = rate.get((open_network, size, optimizer))
         if inside and outside:
             lines.append(
@@ -804,10 +867,11 @@ def parent_main(args: argparse.Namespace) -> int:
         for optimizer in args.optimizer_list
         for mode in args.mode_list
         if mode != "local" or i == 0  # no network: once
-    ]
+    ] * args.repeats
     networks = ", ".join(args.rtt_list)
     print(
-        f"results {results}; {len(plan)} runs ({', '.join(rows_label(r) for r in args.row_counts)}"
+        f"results {results}; {len(plan)} runs{repeats_note(args.repeats)} "
+        f"({', '.join(rows_label(r) for r in args.row_counts)}"
         f" rows x {', '.join(args.optimizer_list)} x {', '.join(args.mode_list)}; network "
         f"{networks}), each on a fresh cluster of "
         f"{args.ps} ps + {args.workers} workers, up to {args.max_seconds:g} s",
@@ -834,7 +898,7 @@ def parent_main(args: argparse.Namespace) -> int:
     print(throughput._load(), flush=True)
     rows = summarize(records, args)
     text = table(rows, args)
-    lines = ratio_lines(rows, args.transport)
+    lines = repeat_ratio_lines(records, args.transport) + ratio_lines(rows, args.transport)
     (results / "table.md").write_text(text + "\n" + "\n".join(lines) + "\n")
     config = {k: v for k, v in vars(args).items() if k not in ("run_mode", "cluster")}
     report = {"config": config, "runs": records, "summary": rows}
@@ -913,6 +977,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tables, final evaluation) before it is killed as too slow (default 300; --quick: 90)",
     )
     parser.add_argument("--start-timeout", type=float, default=120.0, help="servers' start (s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the whole plan N times, interleaved; each configuration's row is its "
+        "median run, and the protected/open lines list every repeat's ratio (default 1)",
+    )
     parser.add_argument("--results", help="results folder (default bench/results/embeddings-*)")
     parser.add_argument(
         "--quick",
@@ -945,7 +1016,15 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) is None:
             setattr(args, name, fast if quick else default)
-    for name in ("ps", "workers", "steps", "steps_per_execution", "batch_size", "max_shards"):
+    for name in (
+        "ps",
+        "workers",
+        "steps",
+        "steps_per_execution",
+        "batch_size",
+        "max_shards",
+        "repeats",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.max_seconds > 0 or not args.setup_timeout > 0:

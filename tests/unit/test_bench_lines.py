@@ -84,6 +84,24 @@ def test_the_last_lines_name_the_network_and_come_raw_then_tf_keras():
     ]
 
 
+def test_repeats_show_the_median_run_and_every_repeats_ratio():
+    tunnel = "1 ms" + embeddings.TUNNEL
+    rates = [(60.0, 50.0), (62.0, 56.0), (58.0, 51.0)]  # open, tunnel; interleaved
+    networks = ("1 ms", tunnel)
+    runs = [
+        _run("psctl", n, rate) for pair in rates for n, rate in zip(networks, pair, strict=True)
+    ]
+    runs[-1]["status"] = "failed"  # the third tunnel run: its ratio is n/a, the median of two
+    rows = embeddings.summarize(runs, _args(["1 ms", tunnel]))
+    assert [r["psctl"]["steps_per_sec"] for r in rows] == [60.0, 50.0]
+    lines = embeddings.repeat_ratio_lines(runs, "tls")
+    what = "hosts behind their tls tunnels/open (1 ms) at 1M rows (adam)"
+    assert lines == [f"each repeat: psctl steps/s, {what} = 0.83, 0.90, n/a"]
+    assert embeddings.namespace_lines(rows, "tls") == [
+        f"psctl steps/s, {what} = 0.83 (50.0 / 60.0)"
+    ]
+
+
 def test_on_loopback_the_line_is_the_one_it_always_was():
     runs = [_run("psctl", "loopback", 60.0), _run("raw", "loopback", 30.0)]
     lines = embeddings.ratio_lines(embeddings.summarize(runs, _args(["loopback"])))
