@@ -524,8 +524,15 @@ class FrozenServerWatchdog:
         self._checker.close()
 
     def _run(self) -> None:
+        said = ""
         while not self._stop.wait(self.interval):
-            self.check()
+            try:
+                self.check()
+            except Exception as err:  # one failed look must not end the watch
+                # (seen: "can't start new thread" on a machine out of threads)
+                if str(err) != said:
+                    said = str(err)
+                    log.warning("frozen-server watchdog: a check failed (%s); trying again", err)
 
     def check(self) -> None:
         """One look at every server, all at once (one health check's deadline bounds it)."""

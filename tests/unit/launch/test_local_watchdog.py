@@ -60,3 +60,33 @@ def test_a_frozen_server_is_killed_and_no_other(tmp_path: Path) -> None:
             server.proc.wait()
             assert server.proc.stdout is not None
             server.proc.stdout.close()
+
+
+def test_a_failed_look_does_not_end_the_watch(tmp_path: Path, caplog) -> None:
+    ports = free_ports(1)
+    server = start(ports[0], tmp_path)
+    failures = [RuntimeError("can't start new thread")] * 3  # a machine out of threads
+
+    def servers() -> list[ServerProcess]:
+        if failures:
+            raise failures.pop()
+        return [server]
+
+    watchdog = FrozenServerWatchdog(servers, timeout=2.0, interval=0.2)
+    try:
+        watchdog.start()
+        deadline = time.monotonic() + 10
+        while failures and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # armed: it answered a look after the failures
+        server.proc.send_signal(signal.SIGSTOP)
+        server.proc.wait(timeout=20)
+        assert server.proc.returncode == -signal.SIGKILL
+        said = [r.getMessage() for r in caplog.records if "a check failed" in r.getMessage()]
+        assert said == [
+            "frozen-server watchdog: a check failed (can't start new thread); trying again"
+        ]
+    finally:
+        watchdog.stop()
+        server.proc.kill()
+        server.proc.wait()
