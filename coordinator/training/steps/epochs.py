@@ -194,17 +194,21 @@ class EpochProgram:
         return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
     def wants_more(self, scheduled: int) -> bool:
-        if len(self.finished_workers) < self.rt.num_workers:
-            if self.finished_workers and self.drain.expired:
-                self._restart_undrained()
+        if self._unfinished():
             return True
         return self._start_makeup_passes()
 
-    def _restart_undrained(self) -> None:
+    def _unfinished(self) -> bool:
+        """Whether a worker has not reached the end of the data yet; RestartFromCheckpoint
+        when such a worker trained nothing for --stall-timeout after another one did."""
+        if len(self.finished_workers) >= self.rt.num_workers:
+            return False
+        if not self.finished_workers or not self.drain.expired:
+            return True
         done = sorted(self.finished_workers)
         left = sorted(set(range(self.rt.num_workers)) - self.finished_workers)
         raise RestartFromCheckpoint(
-            f"--epochs: worker(s) {', '.join(map(str, left))} trained no example for "
+            f"worker(s) {', '.join(map(str, left))} trained no example for "
             f"{self.drain.waited:.0f}s (--stall-timeout) while worker(s) "
             f"{', '.join(map(str, done))} are at the end of the data: their reads of the "
             "tf.data service do not end (a worker restarted or frozen mid-pass); a fresh "

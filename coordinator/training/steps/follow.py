@@ -118,7 +118,7 @@ class FollowProgram(EpochProgram):
         if self.ended:
             return False
         if self.current is not None:
-            if len(self.finished_workers) < self.rt.num_workers:
+            if self._unfinished():
                 return True
             if self._start_makeup_passes():
                 return True
@@ -151,6 +151,7 @@ class FollowProgram(EpochProgram):
             self.context, train_data=file_list(list(partition.files))
         )
         self.finished_workers = set()
+        self.drain.reset()
         self.failures_seen = self.worker_failures()
         if self.iterator is not None:
             self._old_iterators.append(self.iterator)
