@@ -234,11 +234,17 @@ class EpochProgram:
         # Calls still in flight read the old iterator: let them end first, so that their
         # end-of-data reports don't count for the new one.
         self._settle()
-        self._old_iterators.append(self.iterator)
+        self._new_passes(passes)
+        return True
+
+    def _new_passes(self, passes: int) -> None:
+        """A new iterator of ``passes`` passes (the old one kept, never collected): no
+        worker has reached its end yet."""
+        if self.iterator is not None:
+            self._old_iterators.append(self.iterator)
         self.iterator = self._make_iterator(passes)
         self.finished_workers = set()
         self.drain.reset()
-        return True
 
     def result(self, steps: int, value: Any) -> tuple[int, float]:
         ran, examples, worker, micros = (int(v) for v in value)

@@ -118,9 +118,7 @@ class FollowProgram(EpochProgram):
         if self.ended:
             return False
         if self.current is not None:
-            if self._unfinished():
-                return True
-            if self._start_makeup_passes():
+            if super().wants_more(scheduled):  # the round's workers, or its make-up passes
                 return True
             self._settle()
             self.on_round(self.current)
@@ -150,12 +148,8 @@ class FollowProgram(EpochProgram):
         self.context = dataclasses.replace(
             self.context, train_data=file_list(list(partition.files))
         )
-        self.finished_workers = set()
-        self.drain.reset()
         self.failures_seen = self.worker_failures()
-        if self.iterator is not None:
-            self._old_iterators.append(self.iterator)
-        self.iterator = self._make_iterator(1)
+        self._new_passes(1)
 
     def stopped_early(self, final_step: int) -> bool:
         return self.current is not None  # stopped in the middle of a round
