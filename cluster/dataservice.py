@@ -80,18 +80,19 @@ def start_data_worker(*, dispatcher: str, worker: Address) -> threading.Thread:
     Once registered, the worker heartbeats from its own threads and registers again with a
     new dispatcher on the same address (a restarted coordinator).
     """
-    import tensorflow as tf
+    from psctl.cluster.tf_runtime import data_worker_api
 
+    tf = data_worker_api()
     host, port = split_host_port(dispatcher, field="data_service.dispatcher")
 
     def run() -> None:
-        config = tf.data.experimental.service.WorkerConfig(
+        config = tf.WorkerConfig(
             dispatcher_address=dispatcher, worker_address=str(worker), port=worker.port
         )
         while True:
             try:
                 socket.create_connection((host, port), timeout=1.0).close()
-                server: Any = tf.data.experimental.service.WorkerServer(config)
+                server: Any = tf.WorkerServer(config)
                 break
             except Exception as err:  # not up yet, or up but not serving yet (UNIMPLEMENTED)
                 log.debug("data worker waits for dispatcher %s: %s", dispatcher, err)

@@ -9,7 +9,6 @@ and exits 0 (SIGINT: at once): a TF server cannot be stopped in-process.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import logging
 import os
@@ -18,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from psctl.cluster import ports
@@ -35,6 +34,7 @@ from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.cluster.processes.signals import SignalRelay
 from psctl.cluster.spec import ClusterConfig, TaskConfig
 from psctl.cluster.tf_config import resolve_task
+from psctl.cluster.tf_runtime import server_api
 
 # The names only: psctl.cluster.metrics imports prometheus_client, deferred to serve().
 TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_METRICS_TLS_CERT", "PSCTL_METRICS_TLS_KEY"
@@ -335,33 +335,17 @@ class _Stop:
         self.event.set()
 
 
-@contextlib.contextmanager
-def without_plotting() -> Iterator[None]:
-    """Around a server's ``import tensorflow``: it loads Keras, which imports
-    matplotlib.pyplot wherever matplotlib is installed (0.4-0.5 s of the 3.1 s of CPU the
-    import costs, measured) for plots a server never draws. Keras does without it."""
-    if "matplotlib" in sys.modules:
-        yield
-        return
-    sys.modules["matplotlib"] = None  # type: ignore[assignment]  # import -> ImportError
-    try:
-        yield
-    finally:
-        if "matplotlib" in sys.modules and sys.modules["matplotlib"] is None:
-            del sys.modules["matplotlib"]
-
-
 def _start_tf_server(opts: ServerOptions) -> object:
-    with tensorflow_import_quietly(), without_plotting():
-        import tensorflow as tf  # deferred: seconds of import, after the ports are known free
-
-    config = tf.compat.v1.ConfigProto(
+    with tensorflow_import_quietly():
+        tf = server_api()  # deferred: TensorFlow's import, after the ports are known free
+    log.debug("TensorFlow's server imported %s", "whole" if tf.whole else "without its API")
+    config = tf.ConfigProto(
         inter_op_parallelism_threads=opts.inter_op_threads,
         intra_op_parallelism_threads=opts.intra_op_threads,
     )
     config.experimental.disable_thread_spinning = not opts.thread_spinning
-    return tf.distribute.Server(
-        tf.train.ClusterSpec(opts.task.cluster.as_dict()),
+    return tf.Server(
+        tf.ClusterSpec(opts.task.cluster.as_dict()),
         job_name=opts.task.task_type,
         task_index=opts.task.task_index,
         protocol="grpc",
