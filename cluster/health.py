@@ -29,6 +29,10 @@ _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 TLS_CERT_ENV, TLS_KEY_ENV = "PSCTL_HEALTH_TLS_CERT", "PSCTL_HEALTH_TLS_KEY"
 TLS_CA_ENV = "PSCTL_HEALTH_TLS_CA"
 TASK_TYPES = ("ps", "worker")
+# Trailing metadata of every answer: which server process answered (its pid and start
+# time). A server restarted between two checks of the coordinator answers SERVING both
+# times; the new value tells a restart from a server that never stopped.
+INSTANCE_KEY = "psctl-instance"
 
 
 def task_service(task_type: str) -> str:
@@ -58,7 +62,7 @@ class HealthService:
         there too, for the training process's health checks. Call it after every other
         side port is open: TensorFlow comes after."""
         self._services = ["", task_service(task_type)] if task_type else [""]
-        self._servicer = health.HealthServicer()
+        self._servicer = _TaggedHealthServicer(f"{os.getpid()}-{time.time_ns()}")
         for service in self._services:
             self._servicer.set(service, UNKNOWN)
         self._server = grpc.server(
@@ -91,11 +95,24 @@ class HealthService:
         self._server.stop(grace).wait(grace + 1.0)
 
 
+class _TaggedHealthServicer(health.HealthServicer):
+    """grpc's health servicer, its Check answers tagged with this process (INSTANCE_KEY)."""
+
+    def __init__(self, instance: str) -> None:
+        super().__init__()
+        self._tag = ((INSTANCE_KEY, instance),)
+
+    def Check(self, request: object, context: grpc.ServicerContext) -> object:
+        context.set_trailing_metadata(self._tag)
+        return super().Check(request, context)
+
+
 @dataclass(frozen=True)
 class HealthResult:
     address: str
     status: str  # SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN or UNREACHABLE
     detail: str = ""
+    instance: str = ""  # the answering server process (INSTANCE_KEY); "" if none said
 
     @property
     def serving(self) -> bool:
@@ -193,7 +210,7 @@ class HealthChecker:
                 results[address] = HealthResult(address, "UNREACHABLE", status)
                 continue
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            results[address] = HealthResult(address, name)
+            results[address] = HealthResult(address, name, instance=_instance(call))
         return results
 
     def close(self) -> None:
@@ -201,6 +218,13 @@ class HealthChecker:
             for channel, _ in self._stubs.values():
                 channel.close()
             self._stubs.clear()
+
+
+def _instance(call: grpc.Call) -> str:
+    for key, value in call.trailing_metadata() or ():
+        if key == INSTANCE_KEY:
+            return str(value)
+    return ""
 
 
 def wait_serving(address: str, *, timeout: float, poll: float = 0.2) -> HealthResult:

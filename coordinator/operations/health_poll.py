@@ -23,14 +23,16 @@ def poll_health_forever(job: JobControl, stop: threading.Event) -> None:
             addresses = [t.health_address for t in tasks if t.type != "chief" and t.health_address]
             results = checker.check_all(addresses, timeout=1.0)
             for task in tasks:
+                instance = ""
                 if task.type == "chief":
                     result = SERVING
                 elif task.health_address:
-                    status = results[task.health_address].status
-                    result = status if status in HEALTH else UNKNOWN
+                    answer = results[task.health_address]
+                    result = answer.status if answer.status in HEALTH else UNKNOWN
+                    instance = answer.instance
                 else:
                     continue
-                job.set_health(task, result)
+                job.set_health(task, result, instance)
             stop.wait(HEALTH_POLL_SECONDS)
     finally:
         checker.close()

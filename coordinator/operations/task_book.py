@@ -49,6 +49,7 @@ class TaskBook:
         self._lock = lock
         self._on_fresh_start = fresh_start
         self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
+        self._instance: dict[tuple[str, int], str] = {}  # the server process that answered
         self._failures: dict[tuple[str, int], int] = {}
         # Earlier training processes' counts by address (carry_failures), shown, not summed.
         self._failures_before: dict[str, int] = {}
@@ -107,15 +108,27 @@ class TaskBook:
             if task.left and not known:
                 self._leave(task)
 
-    def set_health(self, task: TaskInfo, health: str) -> None:
-        """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py). A task
-        going from SERVING to anything else counts as a failure of that task; its return to
-        SERVING after a failure counts as a recovery (SERVING for the first time, a task
-        starting, does not). A worker going NOT_SERVING is stopping, and one down for longer
-        than ``drop_after`` is lost: either leaves (``on_task_leaving``), and from then on
-        its checks count nothing: the job goes on without it. So does a task the launcher
-        marked ``left`` (psctl local saw its server exit 0)."""
+    def set_health(self, task: TaskInfo, health: str, instance: str = "") -> None:
+        """The latest health check of ``task`` (a ``HEALTH`` name; health_poll.py) and the
+        server process that answered it (``instance``, "" if unknown). A task going from
+        SERVING to anything else counts as a failure of that task; its return to SERVING
+        after a failure counts as a recovery (SERVING for the first time, a task starting,
+        does not). So does a task SERVING in both checks but from a new process: it was
+        restarted between them (a server starts in half a second). A worker going
+        NOT_SERVING is stopping, and one down for longer than ``drop_after`` is lost: either
+        leaves (``on_task_leaving``), and from then on its checks count nothing: the job goes
+        on without it. So does a task the launcher marked ``left`` (psctl local saw its
+        server exit 0)."""
         key = (task.type, task.index)
+        with self._lock:
+            was = self._instance.get(key, "")
+            if instance:
+                self._instance[key] = instance
+            restarted = bool(was and instance and was != instance)
+            restarted = restarted and self._health.get(key) == SERVING == health
+        if restarted:
+            log.warning("%s:%d was restarted between two health checks", task.type, task.index)
+            self.set_health(task, UNKNOWN)  # the old process's end, unseen: a failure
         now = self.clock()
         with self._lock:
             before = self._health.get(key)

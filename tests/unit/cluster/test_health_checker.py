@@ -1,9 +1,10 @@
 """cluster/health.py's HealthChecker, against real gRPC health services on loopback: every
 address checked at once (a round bounded by one deadline), kept channels that see a server
-come back at the same address."""
+come back at the same address, and each answer naming the server process that gave it."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -56,6 +57,10 @@ def test_a_server_back_at_the_same_address_is_seen_soon() -> None:
     checker = HealthChecker()
     try:
         assert checker.check_all([address], timeout=1.0)[address].serving
+        # Each answer names the server process (INSTANCE_KEY): the same one twice here.
+        first_instance = checker.check_all([address], timeout=1.0)[address].instance
+        assert first_instance and first_instance.startswith(f"{os.getpid()}-")
+        assert checker.check_all([address], timeout=1.0)[address].instance == first_instance
         first.stop(grace=0)
         time.sleep(3.0)  # the kept channel fails a few reconnects meanwhile
         assert checker.check_all([address], timeout=1.0)[address].status == "UNREACHABLE"
@@ -63,9 +68,10 @@ def test_a_server_back_at_the_same_address_is_seen_soon() -> None:
         second.set_serving(True)
         try:
             deadline = time.monotonic() + 3.0  # reconnect backoff is capped at 1 s
-            while not checker.check_all([address], timeout=1.0)[address].serving:
+            while not (result := checker.check_all([address], timeout=1.0)[address]).serving:
                 assert time.monotonic() < deadline, "the restarted server was not seen"
                 time.sleep(0.2)
+            assert result.instance and result.instance != first_instance  # a new one
         finally:
             second.stop(grace=0)
     finally:

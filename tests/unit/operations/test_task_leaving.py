@@ -81,6 +81,24 @@ def test_a_worker_restarted_between_two_polls_is_a_failure_not_a_departure():
     assert control.recoveries == 1
 
 
+def test_a_task_restarted_unseen_between_two_polls_is_a_failure_and_a_recovery():
+    # Servers start in half a second: SIGKILL and psctl local's restart can both fall
+    # between two polls, each SERVING; only the answering process (its instance) differs.
+    control, leaving = control_with([0.0])
+    for recovered, task in enumerate((WORKER, PS)):
+        control.set_health(task, SERVING, "100-1")
+        control.set_health(task, SERVING, "100-1")  # the same process: nothing
+        control.set_health(task, SERVING)  # no instance said: nothing either
+        assert control.failure_counts()[task.type] == 0 and control.recoveries == recovered
+        control.set_health(task, SERVING, "200-2")
+        assert control.failure_counts()[task.type] == 1
+        assert control.recoveries == recovered + 1 and state(control, task) == SERVING
+    assert leaving == []
+    control.set_health(PS, UNREACHABLE)  # seen down, then back as a new process: counted once
+    control.set_health(PS, SERVING, "300-3")
+    assert control.failure_counts()["ps"] == 2 and control.recoveries == 3
+
+
 def test_a_worker_down_past_drop_after_is_taken_out_once():
     clock = [0.0]
     control, leaving = control_with(clock, drop_after=900.0)
