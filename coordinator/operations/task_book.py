@@ -50,6 +50,9 @@ class TaskBook:
         self._on_fresh_start = fresh_start
         self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
         self._instance: dict[tuple[str, int], str] = {}  # the server process that answered
+        # Restarts the checks counted from a new instance, whose TensorFlow error (if one
+        # comes: failed_by_error) is then the same failure, not another.
+        self._restarts_seen: set[tuple[str, int]] = set()
         self._failures: dict[tuple[str, int], int] = {}
         # Earlier training processes' counts by address (carry_failures), shown, not summed.
         self._failures_before: dict[str, int] = {}
@@ -74,11 +77,15 @@ class TaskBook:
         and came back between two checks (a restarted ps server: seen in bench/soak.py
         --netns), or no check ran since. A failure of it, counted once: its health reads
         UNKNOWN until the next check, which then counts no new failure, and a recovery once
-        it sees it SERVING."""
+        it sees it SERVING. Not counted when the checks have just counted its restart (a
+        new server process answering, ``set_health``): the error is that failure's."""
         key = (task_type, index)
         with self._lock:
             if self._health.get(key) != SERVING:
                 return  # down already: the checks counted it (or it never served)
+            if key in self._restarts_seen:
+                self._restarts_seen.discard(key)
+                return  # its restart, counted by the checks (a new instance)
             self._health[key] = UNKNOWN
             self._failures[key] = self._failures.get(key, 0) + 1
         if self.on_task_failure is not None:
@@ -126,9 +133,13 @@ class TaskBook:
                 self._instance[key] = instance
             restarted = bool(was and instance and was != instance)
             restarted = restarted and self._health.get(key) == SERVING == health
+            if health != SERVING:
+                self._restarts_seen.discard(key)
         if restarted:
             log.warning("%s:%d was restarted between two health checks", task.type, task.index)
             self.set_health(task, UNKNOWN)  # the old process's end, unseen: a failure
+            with self._lock:
+                self._restarts_seen.add(key)
         now = self.clock()
         with self._lock:
             before = self._health.get(key)

@@ -94,9 +94,15 @@ def test_a_task_restarted_unseen_between_two_polls_is_a_failure_and_a_recovery()
         assert control.failure_counts()[task.type] == 1
         assert control.recoveries == recovered + 1 and state(control, task) == SERVING
     assert leaving == []
-    control.set_health(PS, UNREACHABLE)  # seen down, then back as a new process: counted once
-    control.set_health(PS, SERVING, "300-3")
+    control.failed_by_error("ps", 0)  # TensorFlow's error of that same restart, later
+    assert control.failure_counts()["ps"] == 1
+    control.failed_by_error("ps", 0)  # another error: another failure the checks missed
+    assert control.failure_counts()["ps"] == 2
+    control.set_health(PS, SERVING, "300-3")  # back: its recovery
     assert control.failure_counts()["ps"] == 2 and control.recoveries == 3
+    control.set_health(PS, UNREACHABLE)  # seen down, then back as a new process: counted once
+    control.set_health(PS, SERVING, "400-4")
+    assert control.failure_counts()["ps"] == 3 and control.recoveries == 4
 
 
 def test_a_worker_down_past_drop_after_is_taken_out_once():
