@@ -77,8 +77,10 @@ def server_api() -> ServerAPI:
     if _bare_package():
         try:
             from tensorflow.core.protobuf import config_pb2
+            from tensorflow.python import tf2
             from tensorflow.python.training import server_lib
 
+            tf2.enable()  # what TensorFlow's __init__ tells its C++ side (enable_v2_behavior)
             names = (server_lib.Server, server_lib.ClusterSpec, config_pb2.ConfigProto)
             return ServerAPI(*names, whole=False)
         except (ImportError, AttributeError) as err:  # a release that moved them

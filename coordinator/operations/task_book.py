@@ -49,7 +49,8 @@ class TaskBook:
         self._lock = lock
         self._on_fresh_start = fresh_start
         self._health: dict[tuple[str, int], str] = {}  # (type, index) -> a HEALTH name
-        self._instance: dict[tuple[str, int], str] = {}  # the server process that answered
+        # The server process that last answered for a task: its address and instance.
+        self._instance: dict[tuple[str, int], tuple[str, str]] = {}
         # Restarts the checks counted from a new instance, whose TensorFlow error (if one
         # comes: failed_by_error) is then the same failure, not another.
         self._restarts_seen: set[tuple[str, int]] = set()
@@ -120,19 +121,28 @@ class TaskBook:
         server process that answered it (``instance``, "" if unknown). A task going from
         SERVING to anything else counts as a failure of that task; its return to SERVING
         after a failure counts as a recovery (SERVING for the first time, a task starting,
-        does not). So does a task SERVING in both checks but from a new process: it was
-        restarted between them (a server starts in half a second). A worker going
+        does not). So does a task SERVING in both checks but from a new process at the same
+        address: it was restarted between them (a server starts in half a second). A worker going
         NOT_SERVING is stopping, and one down for longer than ``drop_after`` is lost: either
         leaves (``on_task_leaving``), and from then on its checks count nothing: the job goes
         on without it. So does a task the launcher marked ``left`` (psctl local saw its
         server exit 0)."""
         key = (task.type, task.index)
+        where = task.health_address or task.address
         with self._lock:
-            was = self._instance.get(key, "")
+            last = self._instance.get(key)
             if instance:
-                self._instance[key] = instance
-            restarted = bool(was and instance and was != instance)
-            restarted = restarted and self._health.get(key) == SERVING == health
+                self._instance[key] = (where, instance)
+            # At the same address only: a resize may give another server this task's index.
+            same_place = last is not None and last[0] == where
+            restarted = (
+                same_place
+                and bool(instance)
+                and last != (where, instance)
+                and self._health.get(key) == SERVING == health
+                and not task.left
+                and key not in self._leaving
+            )
             if health != SERVING:
                 self._restarts_seen.discard(key)
         if restarted:

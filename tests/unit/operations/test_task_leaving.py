@@ -105,6 +105,19 @@ def test_a_task_restarted_unseen_between_two_polls_is_a_failure_and_a_recovery()
     assert control.failure_counts()["ps"] == 3 and control.recoveries == 4
 
 
+def test_another_server_given_a_tasks_index_is_no_restart():
+    # A resize renumbers the workers: index 1 is now another server, at another address.
+    control, leaving = control_with([0.0])
+    control.set_health(WORKER, SERVING, "100-1")
+    renumbered = TaskInfo("worker", 1, "127.0.0.1:9")
+    control.set_tasks([PS, renumbered])
+    control.set_health(renumbered, SERVING, "900-9")
+    assert control.failure_counts()["worker"] == 0 and control.recoveries == 0
+    control.set_health(renumbered, SERVING, "901-9")  # that one restarted: counted
+    assert control.failure_counts()["worker"] == 1 and control.recoveries == 1
+    assert leaving == []
+
+
 def test_a_worker_down_past_drop_after_is_taken_out_once():
     clock = [0.0]
     control, leaving = control_with(clock, drop_after=900.0)
