@@ -82,17 +82,17 @@ def start_data_worker(*, dispatcher: str, worker: Address) -> threading.Thread:
     """
     from psctl.cluster.tf_runtime import data_worker_api
 
-    tf = data_worker_api()
+    api = data_worker_api()
     host, port = split_host_port(dispatcher, field="data_service.dispatcher")
 
     def run() -> None:
-        config = tf.WorkerConfig(
+        config = api.WorkerConfig(
             dispatcher_address=dispatcher, worker_address=str(worker), port=worker.port
         )
         while True:
             try:
                 socket.create_connection((host, port), timeout=1.0).close()
-                server: Any = tf.WorkerServer(config)
+                server: Any = api.WorkerServer(config)
                 break
             except Exception as err:  # not up yet, or up but not serving yet (UNIMPLEMENTED)
                 log.debug("data worker waits for dispatcher %s: %s", dispatcher, err)

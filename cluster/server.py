@@ -337,15 +337,15 @@ class _Stop:
 
 def _start_tf_server(opts: ServerOptions) -> object:
     with tensorflow_import_quietly():
-        tf = server_api()  # deferred: TensorFlow's import, after the ports are known free
-    log.debug("TensorFlow's server imported %s", "whole" if tf.whole else "without its API")
-    config = tf.ConfigProto(
+        api = server_api()  # deferred: TensorFlow's import, after the ports are known free
+    log.debug("TensorFlow's server imported %s", "whole" if api.whole else "without its API")
+    config = api.ConfigProto(
         inter_op_parallelism_threads=opts.inter_op_threads,
         intra_op_parallelism_threads=opts.intra_op_threads,
     )
     config.experimental.disable_thread_spinning = not opts.thread_spinning
-    return tf.Server(
-        tf.ClusterSpec(opts.task.cluster.as_dict()),
+    return api.Server(
+        api.ClusterSpec(opts.task.cluster.as_dict()),
         job_name=opts.task.task_type,
         task_index=opts.task.task_index,
         protocol="grpc",
