@@ -122,11 +122,11 @@ class TaskBook:
         SERVING to anything else counts as a failure of that task; its return to SERVING
         after a failure counts as a recovery (SERVING for the first time, a task starting,
         does not). So does a task SERVING in both checks but from a new process at the same
-        address: it was restarted between them (a server starts in half a second). A worker going
-        NOT_SERVING is stopping, and one down for longer than ``drop_after`` is lost: either
-        leaves (``on_task_leaving``), and from then on its checks count nothing: the job goes
-        on without it. So does a task the launcher marked ``left`` (psctl local saw its
-        server exit 0)."""
+        address: it was restarted between them (a server starts in half a second). A worker
+        going NOT_SERVING is stopping, and one down for longer than ``drop_after`` is lost:
+        either leaves (``on_task_leaving``), and from then on its checks count nothing: the
+        job goes on without it. So does a task the launcher marked ``left`` (psctl local saw
+        its server exit 0)."""
         key = (task.type, task.index)
         where = task.health_address or task.address
         with self._lock:
@@ -134,11 +134,11 @@ class TaskBook:
             if instance:
                 self._instance[key] = (where, instance)
             # At the same address only: a resize may give another server this task's index.
-            same_place = last is not None and last[0] == where
             restarted = (
-                same_place
-                and bool(instance)
-                and last != (where, instance)
+                bool(instance)
+                and last is not None
+                and last[0] == where
+                and last[1] != instance
                 and self._health.get(key) == SERVING == health
                 and not task.left
                 and key not in self._leaving
