@@ -276,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The supervisor runs the training process as `train ... --once`, telling it what it saw.
     train.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
-    # psctl local runs `train --check-job` beside its starting servers: the job checked alone.
-    train.add_argument("--check-job", action="store_true", help=argparse.SUPPRESS)
     train.add_argument("--supervisor-counters", help=argparse.SUPPRESS)
     add_control_address(train)
     train.add_argument(

@@ -25,7 +25,7 @@ from typing import Any
 
 from psctl.cluster import ports
 from psctl.cluster.address import Address
-from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
+from psctl.cluster.errors import EXIT_FAILURE, ConfigError
 from psctl.cluster.health import HealthChecker
 from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
@@ -39,7 +39,6 @@ from psctl.coordinator.launch.supervisor import (
     RestartPolicy,
     describe_exit,
 )
-from psctl.coordinator.launch.train import WARNING as CHECK_WARNING
 from psctl.coordinator.operations.front import Refused
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings, env_name, load_toml
@@ -365,18 +364,11 @@ class LocalCluster:
         write_json_atomic(self.targets_file, targets)
         self._tasks_written = True
 
-    def wait_serving(self, *, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
-        """Bounded wait for every server's health; a failed server shows its last log lines.
-        ``tick()`` each round (it may raise: the wait ends there)."""
-        self._wait(self.servers, timeout=timeout, tick=tick)
+    def wait_serving(self, *, timeout: float) -> None:
+        """Bounded wait for every server's health; a failed server shows its last log lines."""
+        self._wait(self.servers, timeout=timeout)
 
-    def _wait(
-        self,
-        servers: Sequence[ServerProcess],
-        *,
-        timeout: float,
-        tick: Callable[[], None] = lambda: None,
-    ) -> None:
+    def _wait(self, servers: Sequence[ServerProcess], *, timeout: float) -> None:
         """Every server checked at once each round (a round costs at most its deadline,
         however many servers); progress as one "N of M servers SERVING" line."""
         deadline = time.monotonic() + timeout
@@ -392,7 +384,6 @@ class LocalCluster:
                             f"{server.name} exited with status {code} during start-up; "
                             f"last lines of {server.log_path}:\n{server.last_log_lines()}"
                         )
-                tick()
                 results = checker.check_all([s.health_address for s in pending], timeout=1.0)
                 pending = [s for s in pending if not results[s.health_address].serving]
                 progress.show(len(servers) - len(pending))
@@ -567,58 +558,6 @@ class ServerFailed(Exception):
     exit_status = EXIT_FAILURE
 
 
-class JobRejected(ServerFailed):
-    """The job's own mistake, found by ``JobCheck``: its one line, exit 78."""
-
-    exit_status = EXIT_CONFIG
-
-
-class JobCheck:
-    """`psctl train --check-job` beside the starting servers (``check_job``): a job's own
-    mistake (a dataset key the model has no input for, a wrong dtype, a bad optimizer)
-    ends psctl local within seconds of TensorFlow's import, not after every server has
-    started. Only its exit 78 stops the job; anything else is left to the training
-    process, which checks the same again. Its output goes to ``log_path``."""
-
-    def __init__(self, argv: Sequence[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self.started = time.monotonic()
-        self.proc = spawn([*argv, "--check-job"], log_path=log_path)
-
-    def raise_if_rejected(self) -> None:
-        """JobRejected with the check's error line once it has exited 78."""
-        if self.proc.poll() != EXIT_CONFIG:
-            return
-        said = self._said("psctl: error: ")
-        raise JobRejected(said[-1] if said else f"the job's check failed: see {self.log_path}")
-
-    def _said(self, prefix: str) -> list[str]:
-        """The check's lines that start with ``prefix``, without it."""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [line[len(prefix) :] for line in lines if line.startswith(prefix)]
-
-    def finish(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) for the check to end; JobRejected if it
-        found a mistake. One still running then is stopped: the training process checks
-        the same."""
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.debug("job check still running after %.0fs: left to the training process", timeout)
-        self.stop()
-        self.raise_if_rejected()
-        for warning in self._said(CHECK_WARNING):
-            log.warning("%s", warning)
-        if self.proc.returncode not in (0, EXIT_CONFIG, None):
-            log.debug("job check ended with status %s (%s)", self.proc.returncode, self.log_path)
-        else:
-            log.debug("job checked in %.1fs", time.monotonic() - self.started)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            stop_processes([self.proc], timeout=2.0)
-
-
 def default_start_timeout(servers: int, cpus: int | None = None) -> float:
     """``--start-timeout``'s default: 120 s, or 3 times the servers' TensorFlow imports."""
     cpus = cpus or os.cpu_count() or 1
@@ -708,18 +647,13 @@ def local_ps_main(
     try:
         with assembly:
             local.start()
-            check = JobCheck(train_argv(local, flags, args), workdir / "logs" / "check-job.log")
             source = str(local.cluster_file)
             if len(local.servers) <= TABLE_MAX_SERVERS:
                 print(format_table(local.cluster, source=source), flush=True)
             else:
                 print(summary(local.cluster, source=source), flush=True)
             started = time.monotonic()
-            try:
-                local.wait_serving(timeout=args.start_timeout, tick=check.raise_if_rejected)
-                check.finish(timeout=args.start_timeout)
-            finally:
-                check.stop()
+            local.wait_serving(timeout=args.start_timeout)
             log.info(
                 "%d servers SERVING in %.1fs (logs in %s)",
                 len(local.servers),

@@ -18,7 +18,7 @@ from psctl.cluster import netns
 from psctl.coordinator.job import check_job_found
 from psctl.coordinator.launch.local import local_ps_main, prepare_local
 from psctl.coordinator.launch.sync import local_sync_main, sync_train_main
-from psctl.coordinator.launch.train import check_job_main, ps_train_main
+from psctl.coordinator.launch.train import ps_train_main
 from psctl.coordinator.settings import TrainSettings, env_switch, resolve_settings
 from psctl.coordinator.training.saving.checkpoint_files import check_output_dirs
 
@@ -43,8 +43,6 @@ def train_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     """`psctl train`: the coordinator (async) or this worker's training process (sync)."""
     settings = resolve_settings(flags=flags, config_file=args.config)
     check_job_found(settings.job)  # now, not after waiting --connect-timeout for servers
-    if args.check_job:
-        return check_job_main(args, settings)
     return LAUNCHERS[settings.strategy].train(args, settings)
 
 

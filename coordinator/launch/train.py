@@ -17,7 +17,7 @@ from psctl.cluster.errors import ConfigError
 from psctl.cluster.health import TASK_TYPES, served_task_types
 from psctl.cluster.processes.logs import tensorflow_import_quietly
 from psctl.cluster.processes.signals import EarlyStops
-from psctl.cluster.spec import SYNC_REQUIRED, ClusterConfig, load_cluster_file, require_chief
+from psctl.cluster.spec import ClusterConfig, require_chief
 from psctl.cluster.tf_config import resolve_training_task
 from psctl.coordinator.failures import (
     FailurePolicy,
@@ -121,23 +121,6 @@ def check_server_types(tasks: Sequence[TaskInfo], *, source: str) -> None:
         )
 
 
-WARNING = "psctl: warning: "  # a --check-job line psctl local passes on
-
-
-def check_job_main(args: argparse.Namespace, settings: TrainSettings) -> int:
-    """`psctl train --check-job --cluster FILE` (what psctl local starts beside its
-    servers): the job loaded and checked for the cluster's workers but without them
-    (``check_job``), exit 0; a mistake is one line, exit 78, raised as ConfigError."""
-    from psctl.coordinator.job import load_job
-
-    workers = load_cluster_file(args.cluster, required=SYNC_REQUIRED).num_workers
-    with tensorflow_import_quietly():
-        from psctl.coordinator.training.job_model.job_check import check_job
-    for warning in check_job(load_job(settings.job), settings, num_workers=workers):
-        print(f"{WARNING}{warning}", file=sys.stderr, flush=True)
-    return 0
-
-
 def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train` in the parameter-server mode: the coordinator, supervised."""
     cluster, source = resolve_chief_cluster(args.cluster)
@@ -189,11 +172,29 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     with tensorflow_import_quietly():
         import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
     job = load_job(settings.job)
+    if counters.job_start_step < 0:  # no training process of this job has trained yet
+        warn_if_same_data(job, settings, num_workers=cluster.num_workers)
 
     def train(control: JobControl, failures: FailurePolicy) -> Summary:
         return _train(job, cluster, source, settings, control, metrics, dispatcher, failures, early)
 
     return run_training_process(args, settings, tasks, counters, metrics, train, serve_control=True)
+
+
+def warn_if_same_data(job: Job, settings: TrainSettings, *, num_workers: int) -> None:
+    """One warning line where every worker would read the same examples
+    (``same_data_warning``). A dataset this process cannot read ahead of training (data only
+    the workers' hosts have, a bad record, a job's mistake) is left to the training that
+    follows: its errors are reported there, with their own lines and exit statuses."""
+    from psctl.coordinator.training.job_model.same_data import same_data_warning
+
+    try:
+        warning = same_data_warning(job, settings, num_workers=num_workers)
+    except Exception as err:  # a look ahead, never the run's failure
+        log.debug("workers' first batches not compared: %s", err)
+        return
+    if warning:
+        log.warning("%s", warning)
 
 
 def _train(

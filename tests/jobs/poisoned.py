@@ -4,15 +4,12 @@ The NaN guard must refuse to checkpoint the ruined model and restart from the la
 checkpoint; the fresh process reads clean data and finishes. The process that poisons its
 data writes its pid into $PSCTL_TEST_POISON_MARKER (the job builds its dataset twice per
 process: once for the element spec, once for the workers). A marker that says ``every``
-poisons every training process instead: the job restarts in a loop. psctl local's job check
-(`psctl train --check-job`, beside the starting servers) builds the dataset too: it is no
-training process, and neither poisons nor writes the marker.
+poisons every training process instead: the job restarts in a loop.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import tensorflow as tf
@@ -35,8 +32,6 @@ EVERY = "every"  # the marker's text that poisons every training process
 
 
 def _poisons() -> bool:
-    if "--check-job" in sys.argv:
-        return False
     marker = Path(os.environ["PSCTL_TEST_POISON_MARKER"])
     if marker.exists() and marker.read_text() == EVERY:
         return True

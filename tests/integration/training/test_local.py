@@ -214,6 +214,18 @@ def test_user_job_file_trains(workdir, run_cli, tmp_path):
     summary = read_json(out)
     assert summary["global_step"] == 600
     assert summary["eval_accuracy"] >= 0.85, summary
+    assert "read the same first batch" not in proc.stderr  # it shards by worker
+
+
+@pytest.mark.timeout(200)
+def test_a_job_whose_workers_read_the_same_data_is_warned_once(workdir, run_cli, tmp_path):
+    job = tmp_path / "unsharded_job.py"
+    job.write_text(USER_JOB.replace(".shard(ctx.num_workers, ctx.worker_index)", ""))
+    proc = run_cli(local_argv(workdir, "--job", str(job), "--steps", "50"), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "read the same first batch" in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "WARNING psctl.train: --job " in warnings[0] and "dataset.shard(" in warnings[0]
 
 
 @pytest.mark.timeout(240)
