@@ -19,13 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from psctl.cluster import ports
 from psctl.cluster.address import Address
-from psctl.cluster.errors import EXIT_FAILURE, ConfigError
+from psctl.cluster.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
 from psctl.cluster.health import HealthChecker
 from psctl.cluster.processes.files import write_json_atomic
 from psctl.cluster.processes.procs import spawn, spawn_training, stop_processes
@@ -364,11 +365,18 @@ class LocalCluster:
         write_json_atomic(self.targets_file, targets)
         self._tasks_written = True
 
-    def wait_serving(self, *, timeout: float) -> None:
-        """Bounded wait for every server's health; a failed server shows its last log lines."""
-        self._wait(self.servers, timeout=timeout)
+    def wait_serving(self, *, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
+        """Bounded wait for every server's health; a failed server shows its last log lines.
+        ``tick()`` each round (it may raise: the wait ends there)."""
+        self._wait(self.servers, timeout=timeout, tick=tick)
 
-    def _wait(self, servers: Sequence[ServerProcess], *, timeout: float) -> None:
+    def _wait(
+        self,
+        servers: Sequence[ServerProcess],
+        *,
+        timeout: float,
+        tick: Callable[[], None] = lambda: None,
+    ) -> None:
         """Every server checked at once each round (a round costs at most its deadline,
         however many servers); progress as one "N of M servers SERVING" line."""
         deadline = time.monotonic() + timeout
@@ -384,6 +392,7 @@ class LocalCluster:
                             f"{server.name} exited with status {code} during start-up; "
                             f"last lines of {server.log_path}:\n{server.last_log_lines()}"
                         )
+                tick()
                 results = checker.check_all([s.health_address for s in pending], timeout=1.0)
                 pending = [s for s in pending if not results[s.health_address].serving]
                 progress.show(len(servers) - len(pending))
@@ -558,6 +567,16 @@ class ServerFailed(Exception):
     exit_status = EXIT_FAILURE
 
 
+class JobRejected(Exception):
+    """The first training process ended with exit 78 (the job's own mistake, its one line
+    printed) while the servers started: no reason to wait for them."""
+
+
+def _rejected(training: subprocess.Popen[bytes]) -> None:
+    if training.poll() == EXIT_CONFIG:
+        raise JobRejected
+
+
 def default_start_timeout(servers: int, cpus: int | None = None) -> float:
     """``--start-timeout``'s default: 120 s, or 3 times the servers' TensorFlow imports."""
     cpus = cpus or os.cpu_count() or 1
@@ -644,36 +663,51 @@ def local_ps_main(
     assembly = TrainingAssembly(
         job=settings.job, control_address=args.control_address, security=security
     )
+    # The first training process starts with the servers: its TensorFlow import and its
+    # check of the job overlap their start-up (it waits for their ports itself).
+    first: subprocess.Popen[bytes] | None = None
+    early: list[subprocess.Popen[bytes]] = []  # first, until the supervisor takes it
     try:
         with assembly:
             local.start()
-            source = str(local.cluster_file)
-            if len(local.servers) <= TABLE_MAX_SERVERS:
-                print(format_table(local.cluster, source=source), flush=True)
-            else:
-                print(summary(local.cluster, source=source), flush=True)
-            started = time.monotonic()
-            local.wait_serving(timeout=args.start_timeout)
-            log.info(
-                "%d servers SERVING in %.1fs (logs in %s)",
-                len(local.servers),
-                time.monotonic() - started,
-                workdir / "logs",
-            )
             local.write_tasks()
-            watchdog.start()
-            log.info("psctl status --address %s: the job's status", args.control_address)
             argv = train_argv(local, flags, args, assembly.security, assembly.address)
 
-            def start(counters: Counters) -> subprocess.Popen[bytes]:
+            def start(counters: Counters, *extra: str) -> subprocess.Popen[bytes]:
+                if early:
+                    return early.pop()
                 # Without the launcher the servers go too, and a coordinator waiting for them
                 # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
                 local.drop_left()  # workers that left while the last process ran
                 local.retire()  # a resize's leaving servers: the last process is gone
                 counters_json = json.dumps(dataclasses.asdict(counters))
                 return spawn_training(
-                    [*argv, "--supervisor-counters", counters_json], verbose=args.verbose
+                    [*argv, *extra, "--supervisor-counters", counters_json], verbose=args.verbose
                 )
+
+            # It waits for the servers' ports as long as this process waits for them to
+            # serve (--start-timeout): the servers' start is judged here.
+            wait = max(args.start_timeout, settings.supervision.connect_timeout)
+            first = start(local.counters, "--connect-timeout", f"{wait:g}")
+            early.append(first)
+            source = str(local.cluster_file)
+            if len(local.servers) <= TABLE_MAX_SERVERS:
+                print(format_table(local.cluster, source=source), flush=True)
+            else:
+                print(summary(local.cluster, source=source), flush=True)
+            started = time.monotonic()
+            try:
+                local.wait_serving(timeout=args.start_timeout, tick=partial(_rejected, first))
+                log.info(
+                    "%d servers SERVING in %.1fs (logs in %s)",
+                    len(local.servers),
+                    time.monotonic() - started,
+                    workdir / "logs",
+                )
+            except JobRejected:  # its one line is out; the supervisor ends the job with 78
+                pass
+            watchdog.start()
+            log.info("psctl status --address %s: the job's status", args.control_address)
 
             def left(server: ServerProcess) -> None:
                 log.warning("%s (pid %d) left: stopped by a signal", server.name, server.proc.pid)
@@ -707,6 +741,8 @@ def local_ps_main(
         return err.exit_status
     finally:
         watchdog.stop()
+        if first is not None and first.poll() is None:  # the servers failed to start
+            stop_processes([first], timeout=60.0)
         local.stop()
         log.info("all servers stopped")
 

@@ -154,6 +154,15 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 
     metrics = start_metrics(metrics_port, settings, cluster, counters)
     netns.enter()  # the side ports are open: from here on, TensorFlow's side
+    from psctl.coordinator.job import load_job
+
+    # Before the wait: the import and the job's own mistakes do not need the servers (psctl
+    # local starts this process with them).
+    with tensorflow_import_quietly():
+        import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
+    job = load_job(settings.job)
+    if counters.job_start_step < 0:  # no training process of this job has trained yet
+        warn_if_same_data(job, settings, num_workers=cluster.num_workers)
     try:
         wait_for_tf_ports(cluster, timeout=settings.supervision.connect_timeout, tick=early.die)
     except Unreachable as err:
@@ -166,14 +175,6 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     health = ports.HealthAddresses.of_file(args.cluster)
     tasks = load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port, health=health)
     check_server_types(tasks, source=source)
-
-    from psctl.coordinator.job import load_job
-
-    with tensorflow_import_quietly():
-        import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
-    job = load_job(settings.job)
-    if counters.job_start_step < 0:  # no training process of this job has trained yet
-        warn_if_same_data(job, settings, num_workers=cluster.num_workers)
 
     def train(control: JobControl, failures: FailurePolicy) -> Summary:
         return _train(job, cluster, source, settings, control, metrics, dispatcher, failures, early)
