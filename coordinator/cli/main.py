@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-timeout",
         type=decimal,
         default=None,
-        help="seconds to wait for every server to be SERVING (default 120, longer for many "
-        "servers: each imports TensorFlow, several CPU-seconds)",
+        help="seconds to wait for every server to be SERVING (default 120, longer for more "
+        "than about 80 servers per 2 CPUs: each takes about a CPU-second to start)",
     )
     local.add_argument(
         "--open-tf-ports",

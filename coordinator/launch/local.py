@@ -61,11 +61,12 @@ SERVER_NICE = 10
 # (seen: every step waited 7 min, until the test gave up), so leaving it frozen can stall
 # the whole job.
 WATCHDOG_SECONDS = 30.0
-# Every server process imports TensorFlow first: 8.5 CPU-seconds each here (7.6 user + 0.8
-# sys; creating the TF server is nothing beside it), all at once, so N servers need about
-# 8.5 N / CPUs seconds: 17 on 2 cores were SERVING after 84-99 s, and a busy machine (other
-# tests running) did not make it in 120 s. The default wait leaves 3 times that.
-SERVER_START_CPU_SECONDS = 8.5
+# A server imports TensorFlow's server modules only (cluster/tf_runtime.py), then starts its
+# TF server: 17 servers were SERVING 7.3 s after they started on 2 cores, beside the
+# training process's import (2026-12-07), about 0.9 CPU-seconds each (8.5 with the whole
+# TensorFlow import, before). All start at once, so N servers need about 1.0 N / CPUs
+# seconds; the default wait leaves 3 times that, and never less than START_TIMEOUT.
+SERVER_START_CPU_SECONDS = 1.0
 START_TIMEOUT = 120.0
 # Start-up progress off a terminal: a "N of M servers SERVING" line at most this often.
 PROGRESS_SECONDS = 10.0
@@ -578,7 +579,7 @@ def _rejected(training: subprocess.Popen[bytes]) -> None:
 
 
 def default_start_timeout(servers: int, cpus: int | None = None) -> float:
-    """``--start-timeout``'s default: 120 s, or 3 times the servers' TensorFlow imports."""
+    """``--start-timeout``'s default: 120 s, or 3 times what the servers' start needs."""
     cpus = cpus or os.cpu_count() or 1
     return max(START_TIMEOUT, 3 * SERVER_START_CPU_SECONDS * servers / cpus)
 

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_default_start_timeout_grows_with_the_servers() -> None:
     assert default_start_timeout(3, cpus=2) == 120.0
-    assert default_start_timeout(17, cpus=2) == pytest.approx(3 * 8.5 * 17 / 2)
-    assert default_start_timeout(130, cpus=16) > default_start_timeout(17, cpus=16)
+    assert default_start_timeout(17, cpus=2) == 120.0
+    assert default_start_timeout(170, cpus=2) == pytest.approx(3 * 1.0 * 170 / 2)
+    assert default_start_timeout(1300, cpus=16) > default_start_timeout(170, cpus=16)
 
 
 @pytest.fixture
