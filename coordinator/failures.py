@@ -25,6 +25,7 @@ from psctl.cluster.errors import (
     EXIT_USAGE,
     ConfigError,
 )
+from psctl.cluster.processes import scratch
 from psctl.coordinator.data import bad_records
 
 __all__ = [
@@ -398,4 +399,5 @@ def restart_if_starting(starting: bool, why: str) -> None:
         why,
     )
     sys.stderr.flush()
+    scratch.remove_private_tempdir()
     os._exit(EXIT_RESTART)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
+from psctl.cluster.processes import scratch
 from psctl.cluster.processes.logs import configure_logging, quiet_tensorflow
 from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.cli.check_data import add_check_data_command
@@ -364,13 +365,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False)
     configure_logging(verbose=verbose)
     quiet_tensorflow(verbose=verbose)
+    training = args.command == "train" and args.once
+    if training:  # it never runs atexit: autograph's files go where it can remove them
+        scratch.use_private_tempdir()
     status = run_command(args)
-    if args.command == "train" and args.once:
+    if training:
         # TensorFlow's cluster threads can hold up interpreter shutdown for minutes (seen
         # after a graceful stop): the run is over and its files are written, so leave now.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
+        scratch.remove_private_tempdir()
         os._exit(status)
     return status
 

@@ -28,9 +28,12 @@ def local_argv(workdir: Path, *args: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_local_trains_mlp_to_accuracy_and_leaves_nothing(workdir, run_cli):
+def test_local_trains_mlp_to_accuracy_and_leaves_nothing(workdir, run_cli, tmp_path):
     out = workdir / "out.json"
-    proc = run_cli(local_argv(workdir, "--steps", "1500", "--summary-json", str(out)), timeout=220)
+    scratch = tmp_path / "tmp"  # TMPDIR: autograph's files of the training process went here
+    scratch.mkdir()
+    argv = local_argv(workdir, "--steps", "1500", "--summary-json", str(out))
+    proc = run_cli(argv, timeout=220, env=child_env(TMPDIR=str(scratch)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(out)
     assert summary["global_step"] == 1500
@@ -43,6 +46,7 @@ def test_local_trains_mlp_to_accuracy_and_leaves_nothing(workdir, run_cli):
     assert "train | step:" in proc.stderr
     assert (workdir / "checkpoints" / "checkpoint").is_file()
     assert processes_mentioning(str(workdir)) == []
+    assert list(scratch.iterdir()) == []
     tags = tensorboard_tags(workdir / "tensorboard")
     assert {"train/loss", "train/accuracy", "train/steps_per_sec", "eval/accuracy"} <= tags
 
