@@ -76,6 +76,9 @@ class Sampler:
         self._feed = feed
         self.samples: list[tuple[float, int]] = []
         self.serving_since: dict[str, float] = {}  # "worker:1" -> start of its SERVING run
+        # A server restarted between two of the coordinator's health checks (in half a
+        # second) is SERVING in every status: its new pid or failure count starts a new run.
+        self._process: dict[str, tuple[object, object]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
         self._thread.start()
@@ -92,10 +95,12 @@ class Sampler:
                 self.samples.append((now, int(status.get("global_step", 0))))
             for task in status.get("tasks", []):
                 name = f"{task['type']}:{task['index']}"
-                if task.get("health") == "TASK_HEALTH_SERVING":
-                    self.serving_since.setdefault(name, now)
-                else:
+                process = (task.get("pid", 0), task.get("failures", 0))
+                if task.get("health") != "TASK_HEALTH_SERVING":
                     self.serving_since.pop(name, None)
+                elif name not in self.serving_since or self._process.get(name) != process:
+                    self.serving_since[name] = now
+                self._process[name] = process
 
     def stop(self) -> None:
         self._stop.set()
