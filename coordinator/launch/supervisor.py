@@ -42,6 +42,11 @@ from psctl.coordinator.operations.counters import Counters, new_report_file
 log = logging.getLogger(__name__)
 
 RESIZE_RESEND = 2.0  # seconds between resize signals to a training process not yet acting
+# A task left while the training process was still starting: it exits for a fresh start by
+# itself (restart_if_starting) once it reads that. One that has not within this many seconds
+# is blocked in TensorFlow's connection to the cluster it started on (which held a process
+# for 140 s, until a test killed it): it is ended (nothing trained, nothing to save).
+DEPART_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,8 @@ class TrainingSupervisor:
         # (old shape, new shape); None: nothing leaves (sync mode).
         self.on_left: Callable[[list[tuple[str, int, str]]], tuple[str, str]] | None = None
         self._departed: set[str] = set()  # addresses taken out while this child runs
+        self._departed_at: float | None = None  # the first such, while it had not trained
+        self._ended_starting = False  # this child was ended for it (DEPART_GRACE)
         self._resize: dict[str, object] | None = None  # asked for, not done yet
         self._resize_started = self._resize_sent = 0.0
         self._forwarded = 0  # the stop signal request_stop sent the training process
@@ -172,6 +179,8 @@ class TrainingSupervisor:
         if not new or self.on_left is None:
             return
         self._departed.update(address for _, _, address in new)
+        if self._departed_at is None and not self.counters.peek_started():
+            self._departed_at = self.clock()
         old, shape = self.on_left(new)
         names = ", ".join(f"{t}:{i}" for t, i, _ in new)
         record = {"time": time.time(), "from": old, "to": shape, "seconds": 0.0}
@@ -196,8 +205,12 @@ class TrainingSupervisor:
         while True:
             self.child = self.start(self.counters)
             self._departed = set()  # the new process's cluster has none of them
+            self._departed_at, self._ended_starting = None, False
             code = self._wait(self.child)
             self.counters.take_report()
+            if self._ended_starting and not self.stopping:
+                log.info("starting the training process on the cluster without the tasks that left")
+                continue  # not a failure: no restart counted, no backoff
             resize, self._resize = self._resize, None
             left, self.counters.left = self.counters.left, []
             self.depart([(str(t), int(str(i)), str(a)) for t, i, a in left])
@@ -294,6 +307,29 @@ class TrainingSupervisor:
                 self.depart(self.counters.peek_left())
                 if self._resize is not None and self.clock() - self._resize_sent >= RESIZE_RESEND:
                     self._signal_resize(child)
+                self._end_if_stuck_starting(child)
+
+    def _end_if_stuck_starting(self, child: subprocess.Popen[bytes]) -> None:
+        """A task left DEPART_GRACE seconds ago while ``child`` was starting, and it still
+        has not trained a step: SIGKILL (it has nothing to save), and a fresh start."""
+        if (
+            self._departed_at is None
+            or self._ended_starting
+            or self.stopping
+            or self.clock() - self._departed_at < DEPART_GRACE
+        ):
+            return
+        if self.counters.peek_started():
+            self._departed_at = None  # it trains on without the task: nothing to do
+            return
+        log.warning(
+            "the training process is still starting %.0fs after a task left its cluster "
+            "(held in TensorFlow's connection to it): ending it for a fresh start without it",
+            self.clock() - self._departed_at,
+        )
+        self._ended_starting = True
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep while ticking; True if a stop was requested meanwhile."""

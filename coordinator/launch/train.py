@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -154,23 +155,26 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
 
     metrics = start_metrics(metrics_port, settings, cluster, counters)
     netns.enter()  # the side ports are open: from here on, TensorFlow's side
-    from psctl.coordinator.job import load_job
+    # TensorFlow and the job load beside the wait (psctl local starts this process with its
+    # servers). The wait stays first to see the cluster: a task that left meanwhile is
+    # found by the health checks that follow it, and this process starts again without it.
+    loading = JobLoad(settings.job)
 
-    # Before the wait: the import and the job's own mistakes do not need the servers (psctl
-    # local starts this process with them).
-    with tensorflow_import_quietly():
-        import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
-    job = load_job(settings.job)
-    if counters.job_start_step < 0:  # no training process of this job has trained yet
-        warn_if_same_data(job, settings, num_workers=cluster.num_workers)
+    def tick() -> None:
+        early.die()
+        loading.raise_if_failed()  # a job that does not load: its one line, now
+
     try:
-        wait_for_tf_ports(cluster, timeout=settings.supervision.connect_timeout, tick=early.die)
+        wait_for_tf_ports(cluster, timeout=settings.supervision.connect_timeout, tick=tick)
     except Unreachable as err:
         # Permanent (exit 69): the wait was the retry, and neither the supervisor nor
         # systemd nor Kubernetes starts the job again (docs/operations.md).
         status = exit_status(FailurePolicy().decide(classify(err), scope=Scope.PROCESS))
         print(f"psctl: error: {err}; giving up (exit {status})", file=sys.stderr)
         return status
+    job = loading.result()
+    if counters.job_start_step < 0:  # no training process of this job has trained yet
+        warn_if_same_data(job, settings, num_workers=cluster.num_workers)
 
     health = ports.HealthAddresses.of_file(args.cluster)
     tasks = load_tasks(args.tasks_file, cluster, chief_metrics_port=metrics_port, health=health)
@@ -180,6 +184,39 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         return _train(job, cluster, source, settings, control, metrics, dispatcher, failures, early)
 
     return run_training_process(args, settings, tasks, counters, metrics, train, serve_control=True)
+
+
+class JobLoad:
+    """``import tensorflow`` and the job's module, on a thread of their own (2-3 s of CPU)
+    while the process waits for its servers; ``result()`` joins it, raising what it raised."""
+
+    def __init__(self, spec: str) -> None:
+        self.job: Job | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._load, args=(spec,), name="psctl-job-load", daemon=True
+        )
+        self._thread.start()
+
+    def _load(self, spec: str) -> None:
+        try:
+            with tensorflow_import_quietly():
+                import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
+            from psctl.coordinator.job import load_job
+
+            self.job = load_job(spec)
+        except BaseException as err:  # raised in the main thread (result, raise_if_failed)
+            self.error = err
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def result(self) -> Job:
+        self._thread.join()
+        self.raise_if_failed()
+        assert self.job is not None
+        return self.job
 
 
 def warn_if_same_data(job: Job, settings: TrainSettings, *, num_workers: int) -> None:

@@ -107,6 +107,17 @@ class Counters:
             log.debug("the training process's report is not readable yet: %s", err)
             return []
 
+    def peek_started(self) -> bool:
+        """In the supervisor, while the training process runs: whether its loop started
+        (it reported its first step's time)."""
+        if not self.report_file:
+            return False
+        try:
+            report = json.loads(Path(self.report_file).read_text())
+            return float(report.get("started", 0.0)) > 0
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+
     def take_report(self) -> None:
         """In the supervisor, after a training process exited: take in what it left."""
         if not self.report_file:

@@ -229,3 +229,54 @@ def test_a_process_killed_by_the_stop_signal_it_was_sent_gets_one_more(died, wan
     )
     supervisor.run()
     assert handed == want
+
+
+class StuckChild(Child):
+    """A training process held in TensorFlow's connection: no signal moves it; SIGKILL
+    ends it (-9). ``trains`` writes its report's first-step time when it starts."""
+
+    def __init__(self, clock: Clock, counters: Counters, *, trains: bool = False) -> None:
+        super().__init__(clock, ignored=10**6)
+        if trains:
+            counters.process_started = 1.0
+            counters.leave_report()
+
+    def kill(self) -> None:
+        self.returncode = -signal.SIGKILL
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["starting", "training"])
+def test_a_process_still_starting_after_a_task_left_is_ended_for_a_fresh_start(trained: bool):
+    clock = Clock()
+    children: list[Child] = []
+    supervisor: TrainingSupervisor
+
+    def start(counters: Counters) -> Child:
+        child: Child = StuckChild(clock, counters, trains=trained) if not children else Child(
+            clock, code=0
+        )
+        children.append(child)
+        return child
+
+    def tick() -> None:  # psctl local saw worker:2's server exit 0 (a preemption)
+        if len(children) == 1 and clock.now >= 1.0:
+            supervisor.depart([("worker", 2, "127.0.0.1:3")])
+        if trained and clock.now >= 30.0:  # a process that trains on is left alone
+            children[0].returncode = 0
+
+    supervisor = TrainingSupervisor(
+        start,  # type: ignore[arg-type]
+        policy=RestartPolicy(max_restarts=1),
+        tick=tick,
+        clock=clock,
+        sleep=lambda _: None,
+    )
+    supervisor.on_left = lambda tasks: ("1 ps + 3 workers", "1 ps + 2 workers")
+    assert supervisor.run() == 0
+    if trained:
+        assert len(children) == 1 and children[0].returncode == 0
+        return
+    # Ended DEPART_GRACE after the departure, then one fresh start, no restart counted.
+    assert len(children) == 2 and children[0].returncode == -signal.SIGKILL
+    assert 5.0 <= clock.now < 8.0
+    assert supervisor.counters.restarts == 0
