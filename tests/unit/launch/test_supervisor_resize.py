@@ -252,8 +252,8 @@ def test_a_process_still_starting_after_a_task_left_is_ended_for_a_fresh_start(t
     supervisor: TrainingSupervisor
 
     def start(counters: Counters) -> Child:
-        child: Child = StuckChild(clock, counters, trains=trained) if not children else Child(
-            clock, code=0
+        child: Child = (
+            StuckChild(clock, counters, trains=trained) if not children else Child(clock, code=0)
         )
         children.append(child)
         return child
