@@ -182,6 +182,26 @@ def test_a_job_that_is_not_there_is_refused_before_waiting_for_servers(tmp_path:
 
 
 @pytest.mark.timeout(60)
+def test_a_job_that_does_not_load_ends_the_wait_for_servers_at_once(tmp_path: Path):
+    """The job loads on a thread beside the wait for the servers: its SyntaxError is the
+    one line and exit 78 within seconds, not after --connect-timeout's 50 s and exit 69."""
+    job = tmp_path / "bad_job.py"
+    job.write_text("def create_model(:\n    pass\n")
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"cluster": {**CLUSTER["cluster"], "chief": ["127.0.0.1:1"]}}))
+    started = time.monotonic()
+    proc = run(
+        "train", "--cluster", str(path), "--job", str(job), "--connect-timeout", "50",
+        "--control-address", "127.0.0.1:0", "--metrics-port", "0",
+    )  # fmt: skip
+    assert proc.returncode == 78, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("psctl: error:")]
+    assert len(errors) == 1 and "SyntaxError in bad_job.py, line 1" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("args", "named"),
     [
