@@ -7,9 +7,9 @@ can hold up interpreter shutdown for minutes), or is killed. So every training p
 left its files in /tmp, for good (thousands on a host after a day of restarts and tests).
 
 ``use_private_tempdir()`` points this process's ``tempfile`` at a directory of its own
-inside the usual one; ``remove_private_tempdir()``, called
-just before ``os._exit``, deletes it. The directories of processes that died without
-removing theirs (SIGKILL, OOM) are removed by the next process that starts one.
+inside the usual one; ``remove_private_tempdir()``, called just before ``os._exit``, deletes
+it. The directories of processes that died without removing theirs (SIGKILL, OOM) are
+removed by the next process that starts one.
 """
 
 from __future__ import annotations

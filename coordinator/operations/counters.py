@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from psctl.cluster.processes.files import write_json_atomic
 
@@ -96,27 +97,34 @@ class Counters:
     def peek_left(self) -> list[tuple[str, int, str]]:
         """In the supervisor, while the training process runs: the tasks it saw leave so
         far, (type, index, address); the report stays for ``take_report``."""
-        if not self.report_file:
-            return []
         try:
-            report = json.loads(Path(self.report_file).read_text())
-            return [(str(t), int(i), str(a)) for t, i, a in report.get("left", [])]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, TypeError) as err:
+            return [(str(t), int(i), str(a)) for t, i, a in self._peek().get("left", [])]
+        except (ValueError, TypeError) as err:
             log.debug("the training process's report is not readable yet: %s", err)
             return []
 
     def peek_started(self) -> bool:
         """In the supervisor, while the training process runs: whether its loop started
         (it reported its first step's time)."""
-        if not self.report_file:
+        try:
+            return float(self._peek().get("started", 0.0)) > 0
+        except (ValueError, TypeError) as err:
+            log.debug("the training process's report is not readable yet: %s", err)
             return False
+
+    def _peek(self) -> dict[str, Any]:
+        """The training process's report as it is now ({} while there is none, or it cannot
+        be read); the file stays for ``take_report``."""
+        if not self.report_file:
+            return {}
         try:
             report = json.loads(Path(self.report_file).read_text())
-            return float(report.get("started", 0.0)) > 0
-        except (OSError, ValueError, TypeError, AttributeError):
-            return False
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            log.debug("the training process's report is not readable yet: %s", err)
+            return {}
+        return report if isinstance(report, dict) else {}
 
     def take_report(self) -> None:
         """In the supervisor, after a training process exited: take in what it left."""
