@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from psctl.cluster.errors import ConfigError
-from psctl.coordinator.embeddings.sharded import Table, lookup_rows
+from psctl.coordinator.embeddings.sharded import Table, lookup_distinct, lookup_rows
 from psctl.coordinator.embeddings.sparse import SparseUpdater, slot_kinds
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,3 +112,44 @@ def test_eager_lookup_over_uneven_shards_matches_the_whole_table():
     assert got.shape == (2, 3, 3)
     np.testing.assert_array_equal(got, whole[ids.numpy()])
     np.testing.assert_array_equal(lookup_rows(shards[:1], tf.constant([2, 1])), whole[[2, 1]])
+
+
+def test_a_lookup_reads_each_distinct_id_once_and_sums_repeated_ids_gradients():
+    """tables.lookup_distinct: the rows a batch reads from its ps are its distinct ids; the
+    outputs and the table's gradient are those of a plain gather."""
+    table = tf.Variable(initial())
+    ids = tf.constant([[1, 4, 1], [4, 4, 0]], tf.int64)
+    read: list[int] = []
+
+    def lookup(distinct: tf.Tensor) -> tf.Tensor:
+        read.extend(distinct.numpy().tolist())
+        return tf.gather(table, distinct)
+
+    with tf.GradientTape(persistent=True) as tape:
+        got = lookup_distinct(lookup, ids)
+        plain = tf.gather(table, ids)
+        weights = tf.reshape(tf.range(18, dtype=tf.float32), (2, 3, 3))
+        loss, plain_loss = tf.reduce_sum(got * weights), tf.reduce_sum(plain * weights)
+    assert sorted(read) == [0, 1, 4]
+    assert got.shape == (2, 3, DIM)
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(tape.gradient(loss, table)),
+        tf.convert_to_tensor(tape.gradient(plain_loss, table)),
+    )
+
+
+def test_a_traced_lookup_keeps_the_static_shape_keras_needs():
+    table = tf.Variable(initial())
+
+    def read(distinct: tf.Tensor) -> tf.Tensor:
+        return tf.gather(table, distinct)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 26], tf.int64)], autograph=False)
+    def traced(ids: tf.Tensor) -> tf.Tensor:
+        return lookup_distinct(read, ids)
+
+    graph = traced.get_concrete_function()
+    assert graph.structured_outputs.shape.as_list() == [None, 26, DIM]
+    out = traced(tf.zeros([2, 26], tf.int64))
+    np.testing.assert_array_equal(out[1, 5], initial()[0])
