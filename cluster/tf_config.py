@@ -220,17 +220,18 @@ def resolve_training_task(
 
 
 def resolve_cluster(
-    *, cluster_file: str | None, environ: Mapping[str, str]
+    *, cluster_file: str | None, environ: Mapping[str, str], file_arg: str = "--cluster FILE"
 ) -> tuple[ClusterConfig, str]:
-    """The cluster alone, from ``--cluster FILE`` or TF_CONFIG; returns (cluster, source)."""
+    """The cluster alone, from ``--cluster FILE`` or TF_CONFIG; returns (cluster, source).
+    ``file_arg``: how the command takes the file, for the error when it has neither."""
     if cluster_file is not None:
         return load_cluster_file(cluster_file), os.fspath(cluster_file)
     text = _tf_config_text(environ)
     if text is None:
         raise config_error(
             "TF_CONFIG",
-            "is not set and no --cluster FILE was given",
-            "set TF_CONFIG or pass --cluster FILE",
+            f"is not set and no {file_arg} was given",
+            f"set TF_CONFIG or pass {file_arg}",
         )
     top = top_object(decode_json(text, "TF_CONFIG"), "TF_CONFIG")
     return wrapped_cluster(top, "TF_CONFIG"), "TF_CONFIG"
@@ -247,7 +248,7 @@ def check_config(
         decoded = decode_json(read_cluster_file(source), source)
         cluster = parse_cluster(decoded, source=source)
     else:
-        cluster, source = resolve_cluster(cluster_file=None, environ=environ)
+        cluster, source = resolve_cluster(cluster_file=None, environ=environ, file_arg="FILE")
         decoded = decode_json(environ["TF_CONFIG"], source)
     top = top_object(decoded, source)
     # A bare mapping of task types has no "task": parse_cluster refused it as a task type.

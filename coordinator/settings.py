@@ -758,6 +758,12 @@ def resolve_settings(
             "with --follow",
             "drop it: follow mode trains each new file once until --idle-timeout or a stop",
         )
+    if merged.get("epochs") and "steps" in merged:
+        raise ConfigError(
+            source["steps"],
+            f"with {source['epochs']}",
+            "drop one: --epochs N trains N passes over the data instead of a number of steps",
+        )
     # Checked here, to name where each value came from; TrainSettings checks them again.
     check_values({**_DEFAULT_VALUES, **merged}, lambda name: source.get(name, flag_for(name)))
     return TrainSettings.of(**merged)

@@ -43,6 +43,7 @@ from psctl.coordinator.launch.supervisor import (
 from psctl.coordinator.operations.front import Refused
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings, env_name, load_toml
+from psctl.coordinator.training.saving.checkpoint_files import require_writable_dir
 
 log = logging.getLogger("psctl.local")
 
@@ -619,6 +620,8 @@ def prepare_local(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[Path
     settings' defaults there (checkpoints, TensorBoard), and the control address checked
     (port 0: a free one; ``args.control_address`` is set to it)."""
     workdir = Path(args.workdir) if args.workdir else default_workdir()
+    # Its places below are flags' defaults: a work dir that cannot be written is named so.
+    require_writable_dir(str(workdir), field="--workdir")
     flags = dict(flags)
     # The work dir's places are defaults: below a flag, PSCTL_<NAME> and --config's [train]
     # (they were put in as flags, above the config file's, which was then ignored).

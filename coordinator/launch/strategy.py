@@ -56,6 +56,7 @@ def local_main(args: argparse.Namespace, flags: dict[str, Any]) -> int:
         settings.checkpoints.checkpoint_dir,
         settings.reporting.summary_json,
         settings.publishing.export_dir,
+        settings.reporting.logdir,
     )
     with job_network(args, os.environ):
         return LAUNCHERS[settings.strategy].local(args, flags, workdir, settings)

@@ -81,7 +81,11 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`psctl train --strategy sync`: this worker's training process, supervised."""
     full, index, source = resolve_sync_cluster(args.cluster, getattr(args, "task_index", None))
     if index == 0:  # the only one that writes them
-        check_output_dirs(settings.checkpoints.checkpoint_dir, settings.reporting.summary_json)
+        check_output_dirs(
+            settings.checkpoints.checkpoint_dir,
+            settings.reporting.summary_json,
+            logdir=settings.reporting.logdir,
+        )
     if not args.once:
         return supervise_train(args, settings, serve_control=index == 0)
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")

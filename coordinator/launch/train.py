@@ -129,6 +129,7 @@ def ps_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
         settings.checkpoints.checkpoint_dir,
         settings.reporting.summary_json,
         settings.publishing.export_dir,
+        settings.reporting.logdir,
     )  # not after training
     dispatcher = None
     if settings.data_service:

@@ -356,8 +356,9 @@ def test_every_error_names_where_the_value_came_from(tmp_path: Path):
     assert field({}, {"PSCTL_STEPS": "0", "PSCTL_EPOCHS": "1"}) == "PSCTL_STEPS"
     assert field({"steps": 0}, {}) == "--steps"
     # Across two settings: the field is one, the problem names the other's source.
+    cfg.write_text('[train]\nupdate_mode = "local"\n')
     with pytest.raises(ConfigError) as err:
-        resolve_settings(flags={"steps": 5}, config_file=str(cfg), environ={"PSCTL_EPOCHS": "2"})
+        resolve_settings(flags={}, config_file=str(cfg), environ={"PSCTL_EPOCHS": "2"})
     assert err.value.field == f"{cfg}: train.update_mode"
     assert "PSCTL_EPOCHS" in err.value.problem
 
@@ -537,6 +538,29 @@ def test_psctl_local_takes_the_config_files_places_over_its_work_dirs(tmp_path: 
         resolve_settings(flags=flags, config_file=str(cfg), environ={}).checkpoints.checkpoint_dir
         == "x"
     )
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        (["--workdir", "{file}"], "psctl: error: --workdir: cannot write to {file} (not a "),
+        (["--workdir", "{ok}", "--logdir", "{file}"], "psctl: error: --logdir: cannot write to"),
+    ],
+)
+def test_a_work_dir_or_logdir_that_is_a_file_is_named_before_any_server_starts(
+    capsys, tmp_path: Path, where: list[str], line: str
+):
+    """A --workdir that is a file was blamed on --checkpoint-dir (never given); a --logdir
+    that is a file failed after the servers started, exit 1 with TensorFlow's error."""
+    from psctl.coordinator.cli.main import run_command
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    names = {"file": str(blocker), "ok": str(tmp_path / "w")}
+    argv = ["local", "--control-address", "127.0.0.1:0", *(w.format(**names) for w in where)]
+    assert run_command(build_parser().parse_args(argv)) == 78
+    err = capsys.readouterr().err
+    assert err.startswith(line.format(**names)) and err.count("\n") == 1, err
 
 
 def test_settings_are_grouped_by_concern_and_built_from_flat_names():

@@ -377,14 +377,19 @@ def require_writable_dir(path: str, *, field: str) -> None:
         raise ConfigError(field, f"cannot write to {path} ({reason})", _DIR_FIX) from None
 
 
-def check_output_dirs(checkpoint_dir: str, summary_json: str, export_dir: str = "") -> None:
+def check_output_dirs(
+    checkpoint_dir: str, summary_json: str, export_dir: str = "", logdir: str = ""
+) -> None:
     """Before any training: the directories a run writes to at its end (and
-    --export-every's) are writable, so a mistake there costs seconds, not the whole run
-    (exit 78, one line)."""
-    if checkpoint_dir:
-        require_writable_dir(checkpoint_dir, field="--checkpoint-dir")
-    if export_dir:
-        require_writable_dir(export_dir, field="--export-dir")
+    --export-every's, and TensorBoard's as it trains) are writable, so a mistake there costs
+    seconds, not the whole run (exit 78, one line)."""
+    for directory, field in (
+        (checkpoint_dir, "--checkpoint-dir"),
+        (export_dir, "--export-dir"),
+        (logdir, "--logdir"),
+    ):
+        if directory:
+            require_writable_dir(directory, field=field)
     if summary_json:
         if os.path.isdir(summary_json):
             raise ConfigError(

@@ -51,6 +51,19 @@ def test_negative_epochs_is_a_config_error():
         resolve_settings(flags={"epochs": -1}, config_file=None, environ={})
 
 
+def test_steps_with_epochs_is_refused_where_it_was_given(tmp_path: Path):
+    """--epochs trains passes instead of steps: a --steps beside it was once dropped in
+    silence (the run trained its passes, whatever --steps said)."""
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={"epochs": 1, "steps": 100}, config_file=None, environ={})
+    assert str(err.value).startswith("--steps: with --epochs"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        resolve_settings(flags={"epochs": 1}, config_file=None, environ={"PSCTL_STEPS": "100"})
+    assert str(err.value).startswith("PSCTL_STEPS: with --epochs"), str(err.value)
+    settings = resolve_settings(flags={"epochs": 2}, config_file=None, environ={})
+    assert settings.data.epochs == 2
+
+
 @pytest.mark.timeout(60)
 def test_train_epochs_without_dispatcher_is_one_line_78(tmp_path: Path):
     proc = run("train", "--cluster", cluster_file(tmp_path), "--epochs", "2", env=child_env())

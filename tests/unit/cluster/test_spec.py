@@ -840,6 +840,15 @@ def test_check_config_returns_the_task(tmp_path: Path) -> None:
     assert cluster.num_workers == 2 and source == str(path) and task is None
 
 
+def test_check_config_without_a_cluster_names_its_own_argument() -> None:
+    """check-config takes the file as its argument, not as --cluster FILE (it has no such
+    flag); the commands that have the flag name it."""
+    err = config_error(check_config, cluster_file=None, environ={})
+    assert err.field == "TF_CONFIG" and "pass FILE" in err.fix and "--cluster" not in str(err)
+    err = config_error(resolve_cluster, cluster_file=None, environ={})
+    assert "pass --cluster FILE" in err.fix
+
+
 @pytest.mark.timeout(60)
 def test_check_config_cli_bad_task_is_one_line_78(tmp_path: Path) -> None:
     path = write(tmp_path, {"cluster": CLUSTER, "task": {"type": "ps", "index": 4}})

@@ -263,6 +263,10 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
         check_output_dirs(str(tmp_path / "ok"), str(blocker / "out.json"))
     with pytest.raises(ConfigError, match=r"^--summary-json: .* is a directory; give a file"):
         check_output_dirs(str(tmp_path / "ok"), str(tmp_path))
+    # TensorBoard's directory too: a file there failed the run after the servers started,
+    # with TensorFlow's own error and exit 1.
+    with pytest.raises(ConfigError, match=r"^--logdir: cannot write to .*not a directory"):
+        check_output_dirs(str(tmp_path / "ok"), "", logdir=str(blocker))
 
 
 @pytest.mark.timeout(60)
