@@ -18,6 +18,7 @@ TensorFlow's multi-worker tutorial; what the job defines itself wins.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import pkgutil
@@ -109,7 +110,8 @@ def _no_job_named(spec: str) -> ConfigError:
     return ConfigError(
         "--job",
         f"no job named {spec!r}",
-        f"use a built-in job ({builtins}), a module path (my_pkg.my_job) or a file (job.py)",
+        f"use a built-in job ({builtins}), a module on PYTHONPATH (my_pkg.my_job) "
+        "or a file (job.py)",
     )
 
 
@@ -183,7 +185,7 @@ def load_job(spec: str) -> Job:
     if missing:
         raise ConfigError(
             f"--job {spec}",
-            f"does not define {', '.join(missing)}",
+            f"does not define {', '.join(missing)}{misspelt(module, missing)}",
             f"add def {missing[0]}(...) to the job (see the job API in README)",
         )
     eval_fn = getattr(module, "eval_dataset_fn", None)
@@ -217,7 +219,7 @@ def load_job(spec: str) -> Job:
     create_optimizer: Any = given["create_optimizer"]  # callable unless ``needed``
     loss_fn: Any = given["loss_fn"]
     if needed or metrics is None:  # what the job leaves to its compiled model
-        compiled = FromCompile(spec, create_model, needed=needed)
+        compiled = FromCompile(spec, create_model, needed=needed, hint=misspelt(module, needed))
         create_model = compiled.create_model
         if "create_optimizer" in needed:
             create_optimizer = compiled.create_optimizer
@@ -238,6 +240,17 @@ def load_job(spec: str) -> Job:
             **extra,
         )
     )
+
+
+def misspelt(module: ModuleType, names: Sequence[str]) -> str:
+    """`` (create_optimiser is there: a misspelling?)`` when the job defines a function
+    whose name is close to one of ``names`` (which it lacks); else ""."""
+    defined = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+    for name in names:
+        close = difflib.get_close_matches(name, defined, n=1, cutoff=0.8)
+        if close:
+            return f" ({close[0]} is there: a misspelling of {name}?)"
+    return ""
 
 
 def _returned(value: object) -> str:
@@ -327,10 +340,13 @@ class FromCompile:
     config in the caller's scope, the loss per example, metric objects cloned per use.
     """
 
-    def __init__(self, spec: str, create_model: Callable[[], Any], *, needed: list[str]) -> None:
+    def __init__(
+        self, spec: str, create_model: Callable[[], Any], *, needed: list[str], hint: str = ""
+    ) -> None:
         self._spec = spec
         self._create_model = create_model
         self._needed = needed
+        self._hint = hint  # misspelt(): a near miss of a needed function's name
         self._optimizer: Any = None
         self._loss: Callable[[Any, Any], Any] | None = None
         self._metrics: list[Any] | None = None
@@ -367,15 +383,16 @@ class FromCompile:
                 self._metrics = []
                 return
             raise self._fail(
-                f"does not define {', '.join(self._needed)}, and create_model() returns a "
-                "model that is not compiled",
+                f"does not define {', '.join(self._needed)}{self._hint}, and create_model() "
+                "returns a model that is not compiled",
                 f"add def {self._needed[0]}(...) to the job, or return the model after "
                 "model.compile(optimizer=..., loss=...)",
             )
         args = compile_arguments(model)
         if "create_optimizer" in self._needed and args.get("optimizer") is None:
             raise self._fail(
-                "does not define create_optimizer and create_model()'s compile() has no optimizer",
+                f"does not define create_optimizer{self._hint} and create_model()'s compile() "
+                "has no optimizer",
                 "pass compile(optimizer=...) or add def create_optimizer()",
             )
         if "loss_fn" in self._needed:
@@ -397,7 +414,7 @@ class FromCompile:
 
         if loss is None:
             raise self._fail(
-                "does not define loss_fn and create_model()'s compile() has no loss",
+                f"does not define loss_fn{self._hint} and create_model()'s compile() has no loss",
                 "pass compile(loss=...) or add def loss_fn(labels, predictions)",
             )
         if isinstance(loss, (dict, list, tuple)):

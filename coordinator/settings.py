@@ -129,7 +129,7 @@ _BOOL_TEXT = {"true": True, "1": True, "yes": True, "false": False, "0": False, 
 _ZERO_MEANS = {
     "eval_every": "off",
     "epochs": "off, train to --steps",
-    "steps_per_execution": "auto",
+    "steps_per_execution": "auto; or give auto",
     "max_in_flight": f"{IN_FLIGHT_PER_WORKER} per worker",
     "full_check_mb": "check only the first lines",
 }

@@ -156,6 +156,13 @@ def tensorflow_import_quietly() -> Iterator[None]:
         os.close(saved)
 
 
+def import_tensorflow_quietly() -> None:
+    """``import tensorflow`` (seconds), its start-up lines filtered as
+    ``tensorflow_import_quietly`` does: a command's one error line comes alone."""
+    with tensorflow_import_quietly():
+        import tensorflow  # noqa: F401
+
+
 # TensorFlow's C++ reports (absl ERROR lines, then gRPC details) of a task that went away, a
 # failure psctl handles and reports itself: a few per scheduled function while it is down.
 _TF_CPP_REPORT = re.compile(r"\] Failed to (register|remove) function remotely due to ")

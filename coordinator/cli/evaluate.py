@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from psctl.cluster.processes.logs import import_tensorflow_quietly
 from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.cli.numbers import decimal, whole_number
 from psctl.coordinator.settings import default_help, flag_values
@@ -87,6 +88,7 @@ def add_evaluate_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], i
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     require_tensorflow()
+    import_tensorflow_quietly()
     from psctl.coordinator.launch.sidecar import evaluate_main
 
     return evaluate_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

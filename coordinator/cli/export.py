@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from psctl.cluster.processes.logs import import_tensorflow_quietly
 from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.settings import default_help, flag_values
 
@@ -49,6 +50,7 @@ def add_export_command(sub: Any) -> dict[str, Callable[[argparse.Namespace], int
 
 def cmd_export(args: argparse.Namespace) -> int:
     require_tensorflow()
+    import_tensorflow_quietly()
     from psctl.coordinator.launch.serving import export_main
 
     return export_main(args, flag_values(args, (flag for flag, _ in SHARED_FLAGS)))

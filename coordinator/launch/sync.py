@@ -31,7 +31,7 @@ from psctl.cluster.health import TLS_KEY_ENV as HEALTH_TLS_KEY_ENV
 from psctl.cluster.health import HealthService
 from psctl.cluster.metrics import ProcessMetrics
 from psctl.cluster.processes.files import write_json_atomic
-from psctl.cluster.processes.logs import tensorflow_import_quietly
+from psctl.cluster.processes.logs import import_tensorflow_quietly
 from psctl.cluster.processes.procs import spawn, stop_processes
 from psctl.cluster.server import bind_host
 from psctl.cluster.spec import ClusterConfig, format_table
@@ -143,8 +143,9 @@ def sync_train_main(args: argparse.Namespace, settings: TrainSettings) -> int:
     ports.check_port_free(
         cluster.task_address("worker", index).port, field=f"cluster.worker[{index}] port"
     )
-    with tensorflow_import_quietly():
-        import tensorflow as tf
+    import_tensorflow_quietly()
+    import tensorflow as tf
+
     # Each worker waits on its peers in collectives: too few inter-op threads can hang the
     # group (ARCHITECTURE.md).
     if (os.cpu_count() or 1) < cluster.num_workers + 2:

@@ -16,7 +16,7 @@ from psctl.cluster import netns, ports
 from psctl.cluster.dataservice import dispatcher_address, require_dispatcher
 from psctl.cluster.errors import ConfigError
 from psctl.cluster.health import TASK_TYPES, served_task_types
-from psctl.cluster.processes.logs import tensorflow_import_quietly
+from psctl.cluster.processes.logs import import_tensorflow_quietly
 from psctl.cluster.processes.signals import EarlyStops
 from psctl.cluster.spec import ClusterConfig, require_chief
 from psctl.cluster.tf_config import resolve_training_task
@@ -201,8 +201,7 @@ class JobLoad:
 
     def _load(self, spec: str) -> None:
         try:
-            with tensorflow_import_quietly():
-                import tensorflow  # noqa: F401  (the job imports it: its start-up lines, filtered)
+            import_tensorflow_quietly()  # the job imports it: its start-up lines, filtered
             from psctl.coordinator.job import load_job
 
             self.job = load_job(spec)

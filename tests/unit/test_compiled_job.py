@@ -134,6 +134,24 @@ def test_uncompiled_model_without_optimizer_is_one_line_naming_what_to_add(tmp_p
     assert "model.compile(optimizer=..., loss=...)" in message
 
 
+def test_a_misspelt_job_function_is_named_in_the_line(tmp_path):
+    """A job's create_optimiser was told "does not define create_optimizer" and no more."""
+    text = NOT_COMPILED + "def create_optimiser():\n    return keras.optimizers.Adam()\n"
+    text += "def loss_fn(labels, logits):\n    return labels\n"
+    job = load_job(job_file(tmp_path, text, "misspelt_job"))
+    with pytest.raises(ConfigError) as err:
+        job.create_model()
+    assert "does not define create_optimizer (create_optimiser is there: a misspelling of " in (
+        str(err.value)
+    ), str(err.value)
+    text = HEAD.replace("def dataset_fn(", "def datset_fn(") + "    return model\n"
+    with pytest.raises(ConfigError, match=r"does not define dataset_fn \(datset_fn is there"):
+        load_job(job_file(tmp_path, text, "misspelt_data_job"))
+    with pytest.raises(ConfigError) as err:  # nothing near: no hint
+        load_job(job_file(tmp_path, "def create_model():\n    pass\n", "bare_job2"))
+    assert str(err.value).startswith("--job ") and "misspelling" not in str(err.value)
+
+
 def test_compiled_without_loss_names_the_loss(tmp_path):
     text = HEAD + "    model.compile(optimizer='adam')\n    return model\n"
     job = load_job(job_file(tmp_path, text, "lossless_job"))
