@@ -46,7 +46,11 @@ from psctl.coordinator.failures import RestartFromCheckpoint
 from psctl.coordinator.training.inflight import DrainWatch
 from psctl.coordinator.training.loop import OPEN_TARGET
 from psctl.coordinator.training.steps.graph_ops import seconds_since
-from psctl.coordinator.training.steps.programs import Runtime, make_replica_step
+from psctl.coordinator.training.steps.programs import (
+    Runtime,
+    make_replica_step,
+    options_read_while_tracing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,8 @@ class EpochProgram:
             return rt.strategy.distribute_datasets_from_function(make)
 
         log.info("%d pass(es) through the tf.data service (%s, job %s)", epochs, service, job_name)
-        return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        with options_read_while_tracing():  # by the service's distribute()
+            return iter(rt.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
     def wants_more(self, scheduled: int) -> bool:
         if self._unfinished():

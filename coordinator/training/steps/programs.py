@@ -5,8 +5,9 @@ and ``--epochs`` pick one (default here, local-step here, epochs in epochs.py).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,16 +170,23 @@ def make_replica_step(
     return replica_step
 
 
+@contextlib.contextmanager
+def options_read_while_tracing() -> Iterator[None]:
+    """Around a dataset's ``options()`` read while a per-worker function is traced (psctl's
+    own, or the tf.data service's ``distribute``): TensorFlow warns that options() is read
+    the legacy way there, which is right for a dataset made in the same function
+    (tests/unit/training/test_sync_mode.py). Without the warning on the run's stderr."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data")
+        yield
+
+
 def shard_for(dataset: Any, index: int, num_workers: int) -> Any:
     """``AutoShardPolicy.DATA`` on the job's dataset: this worker's share of its elements
     (every num_workers-th batch, from ``index``: an int, or a tensor in the parameter-server
     mode's per-worker function), as tf.distribute's DATA policy reads.
     ``distribute_datasets_from_function`` never shards by itself, in either mode."""
-    with warnings.catch_warnings():
-        # In the parameter-server mode this runs while the per-worker function is traced:
-        # TensorFlow warns that options() is read the legacy way there, which is right for
-        # a dataset made in the same function (tests/unit/training/test_sync_mode.py).
-        warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data")
+    with options_read_while_tracing():
         policy = dataset.options().experimental_distribute.auto_shard_policy
     if num_workers > 1 and policy == tf.data.experimental.AutoShardPolicy.DATA:
         return dataset.shard(num_workers, index)

@@ -63,6 +63,7 @@ def test_every_id_exactly_once_per_epoch_and_per_eval(workdir, run_cli, workers,
     for index in range(workers):
         assert f"worker {index}: end of the data" in proc.stderr
     assert f"{epochs * 1001} examples" in proc.stderr
+    assert "UserWarning" not in proc.stderr  # TensorFlow's, from the service's distribute()
     # Inline evaluations: S shards on the workers, every eval id once each time (the mean
     # of id / 1001 over all ids is 0.4995; a repeated or missing id changes the count).
     evals = [line for line in proc.stderr.splitlines() if "shards on the workers" in line]
