@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -17,7 +16,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -182,12 +181,11 @@ def supervise_train(
             )
 
         def start(counters: Counters) -> subprocess.Popen[bytes]:
-            counters_json = json.dumps(asdict(counters))
             current = with_cluster(argv, cluster_file.path) if cluster_file else argv
             # If the launcher dies (SIGKILL, OOM), the training process stops as at a stop,
             # with its final checkpoint, instead of training on unsupervised.
             return TrainingProcess(
-                [*current, "--supervisor-counters", counters_json],
+                [*current, "--supervisor-counters", counters.handed()],
                 verbose=args.verbose,
                 preexec_fn=die_with_parent(LAUNCHER_GONE),
             )

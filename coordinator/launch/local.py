@@ -8,8 +8,6 @@ gets a parent-death signal, so none outlives the launcher, even if it is SIGKILL
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -43,7 +41,7 @@ from psctl.coordinator.launch.supervisor import (
 from psctl.coordinator.operations.front import Refused
 from psctl.coordinator.operations.security import ControlSecurity
 from psctl.coordinator.settings import TrainSettings, env_name, load_toml
-from psctl.coordinator.training.saving.checkpoint_files import require_writable_dir
+from psctl.coordinator.training.saving.checkpoint_files import require_creatable_dir
 
 log = logging.getLogger("psctl.local")
 
@@ -621,7 +619,7 @@ def prepare_local(args: argparse.Namespace, flags: dict[str, Any]) -> tuple[Path
     (port 0: a free one; ``args.control_address`` is set to it)."""
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     # Its places below are flags' defaults: a work dir that cannot be written is named so.
-    require_writable_dir(str(workdir), field="--workdir")
+    require_creatable_dir(str(workdir), field="--workdir")
     flags = dict(flags)
     # The work dir's places are defaults: below a flag, PSCTL_<NAME> and --config's [train]
     # (they were put in as flags, above the config file's, which was then ignored).
@@ -684,9 +682,9 @@ def local_ps_main(
                 # would wait forever: it gets SIGKILL (its periodic checkpoints remain).
                 local.drop_left()  # workers that left while the last process ran
                 local.retire()  # a resize's leaving servers: the last process is gone
-                counters_json = json.dumps(dataclasses.asdict(counters))
                 return spawn_training(
-                    [*argv, *extra, "--supervisor-counters", counters_json], verbose=args.verbose
+                    [*argv, *extra, "--supervisor-counters", counters.handed()],
+                    verbose=args.verbose,
                 )
 
             # It waits for the servers' ports as long as this process waits for them to

@@ -37,7 +37,7 @@ from psctl.coordinator.failures import (
     classify_exit,
     exit_status,
 )
-from psctl.coordinator.operations.counters import Counters, new_report_file
+from psctl.coordinator.operations.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,6 @@ class TrainingSupervisor:
         self.counters = counters or Counters()
         if not self.counters.launched:
             self.counters.launched = time.time()
-        if not self.counters.report_file:
-            self.counters.report_file = new_report_file()
         self.failures = failures or FailurePolicy()
         self.clock = clock
         self.sleep = sleep

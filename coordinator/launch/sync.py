@@ -9,7 +9,6 @@ checkpoints, TensorBoard and the summary. There are no ps or worker servers in t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -17,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -459,10 +458,9 @@ class LocalSyncJob:
 
 def _starter(argv: list[str], log_path: Path | None, *, on_start: Callable[[int], None]) -> Any:
     def start(counters: Counters) -> subprocess.Popen[bytes]:
-        counters_json = json.dumps(asdict(counters))
         # Without the launcher no worker may go on: SIGKILL when it dies.
         proc = spawn(
-            [*argv, "--supervisor-counters", counters_json],
+            [*argv, "--supervisor-counters", counters.handed()],
             log_path=log_path,
             death_signal=signal.SIGKILL,
         )

@@ -12,7 +12,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,15 @@ class Counters:
     # its health checks saw) as it sees it: it may be killed next; the supervisor reads and
     # removes it once the process exited, and hands the counts to the next one.
     report_file: str = field(default="", compare=False)
+
+    def handed(self) -> str:
+        """What a new training process is handed (``--supervisor-counters``), as JSON, with
+        the report file it leaves its counts in: made here the first time, since psctl local
+        starts its first training process before the supervisor exists (that process was
+        handed none: its departures, failures and start never reached the supervisor)."""
+        if not self.report_file:
+            self.report_file = new_report_file()
+        return json.dumps(asdict(self))
 
     def leave_report(self) -> None:
         """In the training process: leave its counts for the supervisor."""

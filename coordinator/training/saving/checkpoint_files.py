@@ -377,6 +377,21 @@ def require_writable_dir(path: str, *, field: str) -> None:
         raise ConfigError(field, f"cannot write to {path} ({reason})", _DIR_FIX) from None
 
 
+def require_creatable_dir(path: str, *, field: str) -> None:
+    """``path`` is a directory this process can write in, or one it could create: checked
+    without creating anything, so a run refused later leaves nothing behind. URLs are left
+    to TensorFlow, as in ``require_writable_dir``."""
+    if "://" in path:
+        return
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(field, f"cannot write to {path} (not a directory)", _DIR_FIX)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"cannot write to {path} (permission denied)", _DIR_FIX)
+
+
 def check_output_dirs(
     checkpoint_dir: str, summary_json: str, export_dir: str = "", logdir: str = ""
 ) -> None:

@@ -170,6 +170,9 @@ def test_a_worker_stopped_by_sigterm_leaves_the_cluster_with_no_failure_counted(
     assert summary["resizes"][0]["seconds"] == 0.0
     assert summary["worker_failures"] == 0 and summary["restarts"] == 0, summary
     assert summary["eval_accuracy"] >= 0.98, summary
+    # The first training process (started with the servers) reports to its supervisor: it
+    # was handed no report file, and was ended 5 s after the worker left, as if starting.
+    assert "is still starting" not in (workdir.parent / "job.log").read_text()
     assert processes_mentioning(str(workdir)) == []
 
 

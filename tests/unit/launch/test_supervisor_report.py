@@ -67,7 +67,7 @@ def test_the_next_training_process_gets_the_non_finite_count():
 
     def start(counters: Counters) -> Child:
         # What train.py and local.py pass on the command line (--supervisor-counters).
-        handed.append(json.loads(json.dumps(dataclasses.asdict(counters))))
+        handed.append(json.loads(counters.handed()))
         code, nonfinite = script[len(handed) - 1]
         return Child(Counters(**handed[-1]), code, nonfinite)  # type: ignore[arg-type]
 
@@ -82,6 +82,27 @@ def test_the_next_training_process_gets_the_non_finite_count():
     report_file = str(handed[0]["report_file"])
     assert report_file and all(h["report_file"] == report_file for h in handed)
     assert not Path(report_file).exists()  # taken after each exit
+
+
+def test_a_process_started_before_its_supervisor_reports_to_it():
+    """psctl local starts its first training process with the servers, before the
+    supervisor exists. It was handed no report file, so the supervisor never saw its start,
+    the tasks it saw leave or its failures, and ended it 5 s after a worker left, as if it
+    were still starting (test_scale's SIGTERM test, in a fresh-clone run)."""
+    counters = Counters()
+    child = Counters(**json.loads(counters.handed()))  # before any supervisor
+    assert child.report_file and child.report_file == counters.report_file
+    child.process_started = 12.0
+    child.left.append(["worker", 1, "127.0.0.1:2222"])
+    child.leave_report()
+    supervisor = TrainingSupervisor(
+        lambda _: None,  # type: ignore[arg-type,return-value]
+        policy=RestartPolicy(max_restarts=1),
+        counters=counters,
+    )
+    assert supervisor.counters.report_file == child.report_file
+    assert supervisor.counters.peek_started()
+    assert supervisor.counters.peek_left() == [("worker", 1, "127.0.0.1:2222")]
 
 
 def test_a_non_finite_loss_is_counted_and_left_for_the_supervisor(tmp_path: Path):

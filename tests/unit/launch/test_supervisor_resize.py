@@ -4,6 +4,7 @@ a resize between two processes is recorded for the next one."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -237,9 +238,10 @@ class StuckChild(Child):
 
     def __init__(self, clock: Clock, counters: Counters, *, trains: bool = False) -> None:
         super().__init__(clock, ignored=10**6)
-        if trains:
-            counters.process_started = 1.0
-            counters.leave_report()
+        if trains:  # as the real process does, with what it is handed
+            handed = Counters(**json.loads(counters.handed()))
+            handed.process_started = 1.0
+            handed.leave_report()
 
     def kill(self) -> None:
         self.returncode = -signal.SIGKILL

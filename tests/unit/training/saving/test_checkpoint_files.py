@@ -25,6 +25,7 @@ from psctl.coordinator.training.saving.checkpoint_files import (
     check_output_dirs,
     checkpoints_in,
     load_checked,
+    require_creatable_dir,
     require_writable_dir,
     restore_newest,
     set_aside_unreadable_state,
@@ -267,6 +268,11 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
     # with TensorFlow's own error and exit 1.
     with pytest.raises(ConfigError, match=r"^--logdir: cannot write to .*not a directory"):
         check_output_dirs(str(tmp_path / "ok"), "", logdir=str(blocker))
+    # --workdir: checked without creating it (a run refused next leaves no directory).
+    with pytest.raises(ConfigError, match=r"^--workdir: cannot write to .*\(not a directory\)"):
+        require_creatable_dir(str(blocker / "w" / "x"), field="--workdir")
+    require_creatable_dir(str(tmp_path / "new" / "deeper"), field="--workdir")
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.timeout(60)
