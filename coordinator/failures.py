@@ -26,6 +26,7 @@ from psctl.cluster.errors import (
     ConfigError,
 )
 from psctl.cluster.processes import scratch
+from psctl.cluster.processes.logs import end_quiet_import
 from psctl.coordinator.data import bad_records
 
 __all__ = [
@@ -399,5 +400,6 @@ def restart_if_starting(starting: bool, why: str) -> None:
         why,
     )
     sys.stderr.flush()
+    end_quiet_import()
     scratch.remove_private_tempdir()
     os._exit(EXIT_RESTART)

@@ -115,6 +115,12 @@ _ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called
 _ABSL_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 
 
+# The import's redirection of stderr while one is in progress: (the real stderr, the thread
+# forwarding the pipe to it). Process-wide, as fd 2 is.
+_redirect: list[tuple[int, threading.Thread]] = []
+_redirect_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def tensorflow_import_quietly() -> Iterator[None]:
     """Around ``import tensorflow``: TensorFlow 2.21 writes C++ log lines to stderr before
@@ -147,13 +153,27 @@ def tensorflow_import_quietly() -> Iterator[None]:
 
     thread = threading.Thread(target=forward, name="tf-import-stderr", daemon=True)
     thread.start()
+    with _redirect_lock:
+        _redirect.append((saved, thread))
     try:
         yield
     finally:
+        end_quiet_import()
+
+
+def end_quiet_import() -> None:
+    """Put the real stderr back and let out what the import's pipe holds, at once (the
+    import's end does it too). Before ``os._exit``: a training process that ends while
+    its job loads on another thread (--connect-timeout shorter than the import) wrote its
+    one error line into the pipe, and it was lost with the process."""
+    with _redirect_lock:
+        if not _redirect:
+            return
+        saved, thread = _redirect.pop()
         sys.stderr.flush()
         os.dup2(saved, 2)  # the pipe's last write end closes: forward() ends
-        thread.join(timeout=5.0)
-        os.close(saved)
+    thread.join(timeout=5.0)
+    os.close(saved)
 
 
 def import_tensorflow_quietly() -> None:

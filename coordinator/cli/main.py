@@ -14,7 +14,7 @@ from typing import Any
 
 from psctl.cluster.errors import EXIT_FAILURE, ConfigError, OneLineParser
 from psctl.cluster.processes import scratch
-from psctl.cluster.processes.logs import configure_logging, quiet_tensorflow
+from psctl.cluster.processes.logs import configure_logging, end_quiet_import, quiet_tensorflow
 from psctl.cluster.processes.requirements import require_tensorflow
 from psctl.coordinator.cli.check_data import add_check_data_command
 from psctl.coordinator.cli.client import add_client_commands, add_control_security
@@ -375,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
+        end_quiet_import()  # a job still loading: its pipe holds this process's last lines
         scratch.remove_private_tempdir()
         os._exit(status)
     return status

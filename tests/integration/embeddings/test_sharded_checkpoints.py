@@ -5,6 +5,7 @@ the coordinator's memory the same with a small and a large table."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -185,7 +186,8 @@ def test_a_checkpoint_is_written_while_a_worker_is_frozen(workdir: Path, run_cli
         assert pids_of(workdir, b"worker_server", b"--index\x001") == [frozen]
     finally:
         if frozen is not None:
-            os.kill(frozen, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # the watchdog may have ended it
+                os.kill(frozen, signal.SIGCONT)
         job.send_signal(signal.SIGTERM)
         try:
             job.wait(timeout=90)
